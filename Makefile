@@ -1,0 +1,16 @@
+# `make demo` and `make test` create the environment if it is missing (cached under ~/.cache/rlmini).
+PY = "$$(bash scripts/setup_env.sh)/bin/python"
+
+.PHONY: demo test bench env
+
+demo:  ## GRPO on the built-in tiny model and the addition task (CPU, offline, vLLM rollouts)
+	$(PY) train_grpo.py --run_name demo --wandb false $(ARGS)
+
+test:  ## the whole test suite (CPU, offline)
+	$(PY) -m pytest -q tests $(ARGS)
+
+bench:  ## throughput table for each engine
+	$(PY) benchmarks/bench_engines.py $(ARGS)
+
+env:  ## print the environment's path (building it if needed)
+	@bash scripts/setup_env.sh

@@ -1,0 +1,781 @@
+"""Shared pieces of every train_*.py: arguments, model and tokenizer loading, rollouts (vLLM
+in-process or plain transformers), weight push into vLLM, token log-probs, logging, checkpoints.
+
+Everything algorithmic (advantages, losses) lives in the train_*.py scripts, not here.
+"""
+import contextlib
+import dataclasses
+import hashlib
+import inspect
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import rewards
+
+CACHE_DIR = os.environ.get("RLMINI_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rlmini"))
+
+
+# ----------------------------------------------------------------------------------------------
+# arguments
+
+
+@dataclass
+class Args:
+    """Options shared by every algorithm. Each script subclasses this with its own."""
+    model: str = field(default="tiny", metadata={"help": "'tiny' (built-in random-init Qwen3), a hub id or a local path"})
+    task: str = field(default="addition", metadata={"help": "addition | calibration | ordinal | gsm8k | math | jsonl:PATH (gsm8k:PATH reads local files)"})
+    steps: int = field(default=200, metadata={"help": "training steps (one rollout batch each)"})
+    prompts_per_step: int = field(default=32, metadata={"help": "prompts per rollout batch"})
+    group_size: int = field(default=8, metadata={"help": "completions sampled per prompt (G)"})
+    lr: float = field(default=3e-4, metadata={"help": "learning rate (tiny model: 3e-4; a pretrained 0.5B-7B model: ~1e-6)"})
+    warmup: int = field(default=0, metadata={"help": "linear lr warm-up steps (optimizer steps)"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    max_new_tokens: int = field(default=0, metadata={"help": "generation budget; 0 = the task's default"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (log-probs are taken at the same temperature)"})
+    seed: int = field(default=0, metadata={"help": "seed for data order, sampling and initialisation"})
+    engine: str = field(default="vllm", metadata={"help": "rollout engine: vllm (in-process) | hf (transformers generate)"})
+    dtype: str = field(default="auto", metadata={"help": "compute dtype: auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | float16 | float32"})
+    micro_batch_size: int = field(default=64, metadata={"help": "sequences per forward/backward (gradient accumulation)"})
+    updates_per_rollout: int = field(default=1, metadata={"help": "passes (epochs) over each rollout batch"})
+    minibatches: int = field(default=1, metadata={"help": "optimizer steps per pass: the rollout batch is split into this many"})
+    grad_clip: float = field(default=1.0, metadata={"help": "max global grad norm (0 = off)"})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "trade compute for activation memory"})
+    out_dir: str = field(default="runs", metadata={"help": "runs are written to out_dir/run_name"})
+    run_name: str = field(default="", metadata={"help": "default: <algo>-<task>-<model>-s<seed>"})
+    wandb: bool = field(default=True, metadata={"help": "log to wandb (offline when WANDB_API_KEY is unset)"})
+    wandb_project: str = field(default="rlmini", metadata={"help": "wandb project"})
+    eval_every: int = field(default=0, metadata={"help": "evaluate on the held-out split every N steps and at the end (0 = off)"})
+    eval_n: int = field(default=4, metadata={"help": "samples per held-out prompt in evaluation"})
+    eval_limit: int = field(default=0, metadata={"help": "held-out prompts used in evaluation (0 = all)"})
+    save_every: int = field(default=50, metadata={"help": "checkpoint every N steps (and at the end)"})
+    resume: bool = field(default=False, metadata={"help": "continue from out_dir/run_name/checkpoint.pt"})
+    format_weight: float = field(default=0.0, metadata={"help": "add this times the format score to the reward"})
+    brier: bool = field(default=False, metadata={"help": "calibration task: Brier reward instead of log-likelihood"})
+    jsonl_reward: str = field(default="math", metadata={"help": "reward for jsonl:PATH tasks: math | exact"})
+    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "share of GPU memory vLLM may take (colocated with the trainer)"})
+    vllm_sleep: bool = field(default=True, metadata={"help": "CUDA only: free vLLM memory (sleep mode) while training"})
+    push_check_every: int = field(default=1, metadata={"help": "verify vLLM against the trainer on a probe every N pushes (0 = off)"})
+    push_check_tol: float = field(default=0.0, metadata={"help": "mean |logprob diff| allowed on the probe; 0 = by dtype (fp32 2e-3, bf16 5e-2)"})
+    config: str = field(default="", metadata={"help": "YAML or JSON file of options; command-line flags override it"})
+
+
+def parse_args(cls, argv=None):
+    """Parse `cls` (a subclass of Args) from the command line, with an optional --config file."""
+    from transformers import HfArgumentParser
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = HfArgumentParser(cls)
+    if "--config" in argv:
+        path = argv[argv.index("--config") + 1]
+        if not os.path.exists(path):
+            raise SystemExit(f"--config {path}: file not found")
+        with open(path) as f:
+            if path.endswith((".yaml", ".yml")):
+                import yaml
+                cfg = yaml.safe_load(f) or {}
+            else:
+                cfg = json.load(f)
+        names = {fl.name for fl in dataclasses.fields(cls)}
+        unknown = sorted(set(cfg) - names)
+        if unknown:
+            raise SystemExit(f"--config {path}: unknown option(s) {unknown}")
+        parser.set_defaults(**cfg)
+    (args,) = parser.parse_args_into_dataclasses(args=argv)
+    for name in ("steps", "prompts_per_step", "group_size", "micro_batch_size", "updates_per_rollout", "minibatches"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name} must be >= 1 (got {getattr(args, name)})")
+    if args.engine not in ("vllm", "hf"):
+        raise SystemExit(f"--engine {args.engine!r}: choose vllm or hf")
+    if (args.prompts_per_step * args.group_size) % args.minibatches:
+        raise SystemExit(f"--minibatches {args.minibatches} must divide prompts_per_step*group_size "
+                         f"= {args.prompts_per_step * args.group_size}")
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+# seeds, devices, distributed
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def dist_info() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from torchrun's environment."""
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)),
+            int(os.environ.get("WORLD_SIZE", 1)))
+
+
+def setup_device(args) -> tuple[torch.device, torch.dtype]:
+    rank, local_rank, world = dist_info()
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    if name not in ("bfloat16", "float16", "float32"):
+        raise SystemExit(f"--dtype {args.dtype!r}: choose auto, bfloat16, float16 or float32")
+    return device, getattr(torch, name)
+
+
+def all_mean(values: dict) -> dict:
+    """Average a dict of floats across ranks (identity on one process)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return values
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    if torch.distributed.get_backend() == "nccl":
+        t = t.cuda()
+    torch.distributed.all_reduce(t)
+    t /= torch.distributed.get_world_size()
+    return dict(zip(keys, t.tolist()))
+
+
+def all_sum(x: float) -> float:
+    return all_mean({"x": x})["x"] * dist_info()[2]
+
+
+# ----------------------------------------------------------------------------------------------
+# model and tokenizer
+
+TINY_CONFIG = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
+                   num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                   tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=10000.0, initializer_range=0.02)
+SPECIAL = ["<pad>", "</s>", "<unk>"]  # ids 0, 1, 2
+
+
+def build_tiny_model(alphabet: list, seed: int = 0, cache_dir: str = CACHE_DIR) -> str:
+    """A random-initialised Qwen3 (head_dim 64, which vLLM's CPU kernels accept) with a
+    character-level tokenizer over `alphabet` (multi-character entries stay single tokens),
+    saved once to a cache folder so vLLM and transformers both load it from disk."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    vocab = SPECIAL + [t for t in dict.fromkeys(alphabet) if t not in SPECIAL]
+    key = hashlib.sha256(json.dumps(["qwen3", vocab, TINY_CONFIG, seed]).encode()).hexdigest()[:12]
+    path = os.path.join(cache_dir, "tiny", key)
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    multi = sorted((t for t in vocab[len(SPECIAL):] if len(t) > 1), key=len, reverse=True)
+    pattern = "|".join([re_escape(t) for t in multi] + [r"[\s\S]"])
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
+                                     unk_token="<unk>", model_max_length=TINY_CONFIG["max_position_embeddings"])
+    config = Qwen3Config(vocab_size=len(vocab), bos_token_id=None, eos_token_id=1, pad_token_id=0, **TINY_CONFIG)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(path), prefix=f".{key}-")
+    model.save_pretrained(tmp)
+    hf_tok.save_pretrained(tmp)
+    try:
+        os.rename(tmp, path)  # atomic: a concurrent builder either wins or finds it done
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def re_escape(s: str) -> str:
+    import re
+    return re.escape(s)
+
+
+def load_model(args, task, device, dtype):
+    """(policy, tokenizer, path on disk). The policy keeps fp32 master weights; compute runs in
+    `dtype` through autocast."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = build_tiny_model(task.alphabet) if args.model == "tiny" else args.model
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    return model, tokenizer, path
+
+
+def autocast(device, dtype):
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def encode_prompts(tokenizer, prompts: list, chat: bool) -> list:
+    """Token ids of each prompt; a pretrained model with a chat template gets it applied."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        return [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=False) for p in prompts]
+    return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+
+
+# ----------------------------------------------------------------------------------------------
+# rollouts: one interface, two engines
+
+
+@dataclass
+class Rollouts:
+    prompt_ids: list        # per completion (prompts repeated group_size times, grouped)
+    completion_ids: list    # sampled tokens, EOS included when sampled
+    sampler_logprobs: list  # the sampler's log-prob of each sampled token (temperature applied)
+    finished: list          # True where the completion ended with EOS ("stop"), False at "length"
+
+
+@dataclass
+class Engine:
+    kind: str
+    llm: object = None      # vllm.LLM for kind == "vllm"
+    eos_id: int = 1
+    pad_id: int = 0
+    sleeping: bool = False
+    sleep_mode: bool = False
+    tied: list = field(default_factory=list)  # vLLM parameter names sharing one tensor
+
+
+def make_engine(args, model_path: str, tokenizer, device, dtype, max_len: int) -> Engine:
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    if args.engine == "hf":
+        return Engine("hf", None, eos, pad)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: weights reachable
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, CPU backend only
+    from vllm import LLM
+    cuda = device.type == "cuda"
+    saved = rng_state()  # the in-process worker reseeds Python/NumPy/torch RNGs when it starts
+    kwargs = dict(model=model_path, dtype={torch.float32: "float32", torch.bfloat16: "bfloat16",
+                                           torch.float16: "float16"}[dtype],
+                  max_model_len=max_len, seed=args.seed, enforce_eager=not cuda,
+                  logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes them
+                  enable_prefix_caching=True)
+    if cuda:
+        kwargs.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=args.vllm_sleep)
+    llm = LLM(**kwargs)
+    set_rng_state(saved)
+    tied = llm.apply_model(_tied_groups)[0]
+    return Engine("vllm", llm, eos, pad, sleep_mode=cuda and args.vllm_sleep, tied=tied)
+
+
+def generate(engine: Engine, model, prompt_ids: list, n: int, max_new_tokens: int, temperature: float,
+             seed: int, device, dtype) -> Rollouts:
+    """Sample n completions per prompt. `seed` fixes every sample (per-request seeds in vLLM)."""
+    if engine.kind == "vllm":
+        return _generate_vllm(engine, prompt_ids, n, max_new_tokens, temperature, seed)
+    return _generate_hf(engine, model, prompt_ids, n, max_new_tokens, temperature, seed, device, dtype)
+
+
+def _generate_vllm(engine, prompt_ids, n, max_new_tokens, temperature, seed) -> Rollouts:
+    from vllm import SamplingParams
+    wake(engine, tags=None)
+    # per-request seeds; with n > 1 vLLM gives child i the seed + i, so space them by n
+    params = [SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_new_tokens,
+                             logprobs=0, seed=(seed * 1_000_003 + i * n) % 2**31)
+              for i in range(len(prompt_ids))]
+    outs = engine.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+    r = Rollouts([], [], [], [])
+    for ids, out in zip(prompt_ids, outs):
+        for c in out.outputs:
+            toks = list(c.token_ids)
+            r.prompt_ids.append(list(ids))
+            r.completion_ids.append(toks)
+            r.sampler_logprobs.append([lp[t].logprob for t, lp in zip(toks, c.logprobs)])
+            r.finished.append(c.finish_reason == "stop" and len(toks) > 0 and toks[-1] == engine.eos_id)
+    return r
+
+
+@torch.no_grad()
+def _generate_hf(engine, model, prompt_ids, n, max_new_tokens, temperature, seed, device, dtype) -> Rollouts:
+    from transformers import GenerationConfig
+    was_training = model.training
+    model.eval()
+    gen = GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                           eos_token_id=engine.eos_id, pad_token_id=engine.pad_id, output_scores=True,
+                           return_dict_in_generate=True, use_cache=True)
+    width = max(len(p) for p in prompt_ids)
+    rows = [p for p in prompt_ids for _ in range(n)]
+    input_ids = torch.full((len(rows), width), engine.pad_id, dtype=torch.long)
+    attn = torch.zeros_like(input_ids)
+    for i, p in enumerate(rows):  # left padding, as generation needs
+        input_ids[i, width - len(p):] = torch.tensor(p)
+        attn[i, width - len(p):] = 1
+    devices = [device.index] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)  # batched HF sampling: one seed for the whole batch
+        with autocast(device, dtype):
+            out = model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device), generation_config=gen)
+    model.train(was_training)
+    seqs = out.sequences[:, width:].cpu()
+    logps = torch.stack([s.float().log_softmax(-1) for s in out.scores], 1).cpu()  # scores: after temperature
+    r = Rollouts([], [], [], [])
+    for i, p in enumerate(rows):
+        toks = seqs[i].tolist()
+        stop = toks.index(engine.eos_id) + 1 if engine.eos_id in toks else len(toks)
+        toks = toks[:stop]
+        r.prompt_ids.append(list(p))
+        r.completion_ids.append(toks)
+        r.sampler_logprobs.append(logps[i, torch.arange(len(toks)), torch.tensor(toks, dtype=torch.long)].tolist())
+        r.finished.append(bool(toks) and toks[-1] == engine.eos_id)
+    return r
+
+
+def sleep(engine: Engine) -> None:
+    """CUDA: release vLLM's weights and KV cache while the trainer runs (level 2: weights are
+    pushed back afterwards anyway). A no-op on CPU, where sleep mode does not exist."""
+    if engine.sleep_mode and not engine.sleeping:
+        engine.llm.sleep(level=2)
+        engine.sleeping = True
+
+
+def wake(engine: Engine, tags) -> None:
+    if engine.sleep_mode and engine.sleeping:
+        torch.cuda.empty_cache()
+        engine.llm.wake_up(tags=tags)
+        if tags is None or "kv_cache" in tags:
+            engine.sleeping = False
+
+
+# ----------------------------------------------------------------------------------------------
+# weight push into vLLM (no disk round trip) and its self-check
+
+
+class PushError(RuntimeError):
+    pass
+
+
+class _CaptureWarnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def named_weights(model):
+    """HF parameter names and tensors, unfused (vLLM fuses q/k/v, gate/up itself); tied
+    embeddings come once, as named_parameters yields them."""
+    model = getattr(model, "module", model)  # DDP
+    return list(model.named_parameters())
+
+
+def push_weights(engine: Engine, model, dtype) -> dict:
+    """Load the trainer's current weights into the vLLM engine. Returns {names_sent}."""
+    if engine.kind != "vllm":
+        return {}
+    llm = engine.llm
+    wake(engine, tags=["weights"])
+    weights = [(n, p.detach().to(dtype)) for n, p in named_weights(model)]
+    capture = _CaptureWarnings()
+    vlog = logging.getLogger("vllm")
+    vlog.addHandler(capture)
+    try:
+        if _has_weights_iterator(llm):  # vLLM >= 0.16: reload in place from an iterator
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        else:  # older vLLM: the model's own loader
+            llm.apply_model(lambda m: m.load_weights(iter(weights)))
+    finally:
+        vlog.removeHandler(capture)
+    if engine.tied:  # re-tie shared tensors (e.g. lm_head = embed_tokens) that the reload split apart
+        llm.apply_model(lambda m: _retie(m, engine.tied))
+    # vLLM reports layers it could not fill; rotary caches hold no weights and tied heads were re-tied
+    expected = ("Rotary",) + (("LMHead",) if engine.tied else ())
+    missed = [m for m in capture.messages if ("not loaded" in m or "Failed to load" in m)
+              and not m.split(":")[0].endswith(expected) and "Rotary" not in m.split(":")[0]]
+    if missed:
+        raise PushError(f"weight push left vLLM parameters unloaded: {missed}")
+    llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+    wake(engine, tags=["kv_cache"])
+    return {"names_sent": len(weights)}
+
+
+def _tied_groups(model) -> list:
+    """Names of vLLM parameters that share one tensor (tied embeddings), grouped."""
+    groups = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.numel() and p.data_ptr():  # CPU kernels repack linear weights, leaving empty placeholders
+            groups.setdefault(p.data_ptr(), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _retie(model, tied: list) -> None:
+    """Point each tied parameter at the loaded one again and redo its layer's post-load step
+    (the CPU backend packs a private copy of the LM head for its GEMM)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for first, *rest in tied:
+        for name in rest:
+            module_name, _, attr = name.rpartition(".")
+            layer = model.get_submodule(module_name)
+            setattr(layer, attr, params[first])
+            method = getattr(layer, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(layer)
+
+
+def _has_weights_iterator(llm) -> bool:
+    from vllm.v1.worker import gpu_worker
+    fn = getattr(gpu_worker.Worker, "reload_weights", None)
+    if fn is None:
+        return False
+    params = inspect.signature(fn).parameters
+    return "weights_iterator" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+
+
+def check_push(engine: Engine, model, probe: tuple, temperature: float, tol: float, device, dtype) -> float:
+    """Fail loudly if vLLM does not reproduce the trainer's log-probs on a fixed probe
+    (prompt, completion): a push that silently did nothing shows up here."""
+    from vllm import SamplingParams
+    prompt, completion = probe
+    seq = list(prompt) + list(completion)
+    params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+    engine.llm.reset_prefix_cache()  # prompt log-probs are not recomputed for cached prefix blocks
+    out = engine.llm.generate([{"prompt_token_ids": seq}], params, use_tqdm=False)[0]
+    vllm_lp = torch.tensor([out.prompt_logprobs[len(prompt) + j][t].logprob for j, t in enumerate(completion)])
+    batch = make_batch([prompt], [completion], engine.pad_id, device)
+    with torch.no_grad(), autocast(device, dtype):
+        ours = token_logprobs(model, batch, 1.0)[0][0][batch["mask"][0] > 0].cpu()
+    diff = (vllm_lp - ours).abs().mean().item()
+    if not diff <= tol:
+        raise PushError(f"vLLM and trainer disagree after the weight push: mean |logprob diff| {diff:.4g} "
+                        f"> tolerance {tol:.3g} on the probe; the push did not take effect")
+    return diff
+
+
+def default_push_tol(dtype) -> float:
+    return 2e-3 if dtype == torch.float32 else 5e-2
+
+
+# ----------------------------------------------------------------------------------------------
+# token log-probs under the trainer model
+
+
+def make_batch(prompt_ids: list, completion_ids: list, pad_id: int, device) -> dict:
+    """Right-padded prompt+completion; `mask` marks completion tokens in the shifted targets."""
+    seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
+    width = max(len(s) for s in seqs)
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(input_ids)
+    mask = torch.zeros((len(seqs), width - 1), dtype=torch.float32)
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+        input_ids[i, :len(p) + len(c)] = torch.tensor(seqs[i])
+        attn[i, :len(p) + len(c)] = 1
+        mask[i, len(p) - 1:len(p) - 1 + len(c)] = 1  # position t predicts token t+1
+    return {"input_ids": input_ids.to(device), "attention_mask": attn.to(device), "mask": mask.to(device)}
+
+
+def _chunk_logprobs(hidden, weight, targets, temperature):
+    logits = F.linear(hidden, weight).float() / temperature
+    lse = torch.logsumexp(logits, -1)
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse, lse, logits
+
+
+def token_logprobs(model, batch: dict, temperature: float, chunk_tokens: int = 4096,
+                   with_entropy: bool = False) -> tuple:
+    """log pi(token) for every target position, [B, T-1] in fp32 (zero where mask is 0), and the
+    policy entropy per position (detached) if asked.
+
+    The vocabulary projection runs over chunks of `chunk_tokens` completion positions, each
+    recomputed in the backward pass (checkpointed), so a full-vocabulary fp32 log-softmax never
+    exists for the whole batch at once.
+    """
+    inner = getattr(model, "module", model)
+    # through the (possibly DDP-wrapped) model's forward; logits only for one position there,
+    # the last hidden state (after the final norm) feeds the chunked projection below
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True,
+                logits_to_keep=1, use_cache=False)
+    hidden = out.hidden_states[-1][:, :-1]  # position t predicts token t+1
+    targets = batch["input_ids"][:, 1:]
+    mask = batch["mask"]
+    idx = mask.nonzero(as_tuple=True)
+    h, tg = hidden[idx], targets[idx]
+    weight = inner.get_output_embeddings().weight
+    lp_parts, ent_parts = [], []
+    for s in range(0, h.shape[0], chunk_tokens):
+        hs, ts = h[s:s + chunk_tokens], tg[s:s + chunk_tokens]
+        if torch.is_grad_enabled() and hs.requires_grad:
+            lp = torch.utils.checkpoint.checkpoint(lambda a, b: _chunk_logprobs(a, weight, b, temperature)[0],
+                                                   hs, ts, use_reentrant=False)
+        else:
+            lp = _chunk_logprobs(hs, weight, ts, temperature)[0]
+        lp_parts.append(lp)
+        if with_entropy:
+            with torch.no_grad():
+                _, lse, logits = _chunk_logprobs(hs.detach(), weight.detach(), ts, temperature)
+                ent_parts.append(lse - (logits.softmax(-1) * logits).sum(-1))
+    logp = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    logp = logp.index_put(idx, torch.cat(lp_parts) if lp_parts else logp.new_zeros(0))
+    entropy = None
+    if with_entropy:
+        entropy = torch.zeros_like(logp).index_put(idx, torch.cat(ent_parts) if ent_parts else logp.new_zeros(0))
+    return logp, entropy
+
+
+# ----------------------------------------------------------------------------------------------
+# data
+
+
+def prompt_batch(examples: list, pos: int, n: int, seed: int) -> tuple[list, int]:
+    """n examples from position `pos` of an endless, epoch-wise shuffled stream; returns the new
+    position. The order depends only on (seed, epoch), so a resumed run sees the same prompts."""
+    out, orders, size = [], {}, len(examples)
+    while len(out) < n:
+        epoch, i = divmod(pos, size)
+        if epoch not in orders:
+            orders[epoch] = list(range(size))
+            random.Random(seed * 7919 + epoch).shuffle(orders[epoch])
+        out.append(examples[orders[epoch][i]])
+        pos += 1
+    return out, pos
+
+
+def shard(items: list) -> list:
+    """This rank's share of a list (torchrun)."""
+    rank, _, world = dist_info()
+    return items[rank::world]
+
+
+def score_rollouts(task, tokenizer, examples: list, rollouts: Rollouts, group_size: int, format_weight: float):
+    """Rewards and their parts, one per completion (examples are repeated group_size times)."""
+    scores = []
+    for k, toks in enumerate(rollouts.completion_ids):
+        text = tokenizer.decode(toks, skip_special_tokens=True)
+        scores.append(task.score(text, examples[k // group_size], rollouts.finished[k]))
+    reward = torch.tensor([s.reward + format_weight * s.format_ok for s in scores], dtype=torch.float32)
+    correct = torch.tensor([s.correct for s in scores], dtype=torch.float32)
+    fmt = torch.tensor([s.format_ok for s in scores], dtype=torch.float32)
+    return reward, correct, fmt, scores
+
+
+# ----------------------------------------------------------------------------------------------
+# logging
+
+
+class RunLog:
+    """metrics.jsonl (always), wandb (optional), and a progress bar."""
+
+    def __init__(self, args, run_dir: str, start_step: int, total: int):
+        self.rank0 = dist_info()[0] == 0
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.wandb = None
+        self.bar = None
+        if not self.rank0:
+            return
+        _truncate_metrics(self.path, start_step)  # a resumed run rewrites the steps after its checkpoint
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(args), f, indent=2)
+        if args.wandb:
+            import wandb
+            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+            self.wandb = wandb.init(project=args.wandb_project, name=args.run_name, id=args.run_name.replace("/", "-"),
+                                    config=dataclasses.asdict(args), dir=run_dir, mode=mode, resume="allow")
+        from tqdm import tqdm
+        self.bar = tqdm(total=total, initial=start_step, dynamic_ncols=True, disable=not sys.stderr.isatty()
+                        and not os.environ.get("RLMINI_PROGRESS"))
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.rank0:
+            return
+        row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(row, step=step)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(reward=f"{row.get('reward/mean', float('nan')):.3f}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _truncate_metrics(path: str, start_step: int) -> None:
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        rows = [line for line in f if line.strip() and json.loads(line)["step"] <= start_step]
+    _atomic_write_text(path, "".join(rows))
+
+
+def read_metrics(path: str) -> list:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(path: str, state: dict) -> None:
+    """Write to a temporary file, fsync, then rename over the old one: an interrupted save
+    leaves the previous checkpoint intact."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str) -> dict:
+    if not os.path.exists(path):
+        raise SystemExit(f"--resume: no checkpoint at {path}")
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def save_final(model, tokenizer, path: str) -> None:
+    """The final policy in HF format (loadable by transformers and vLLM), written atomically."""
+    inner = getattr(model, "module", model)
+    tmp = f"{path}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    inner.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    old = f"{path}.old"
+    if os.path.exists(path):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(path, old)
+    os.rename(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# the run: everything a training loop needs, built from the arguments
+
+
+@dataclass
+class Run:
+    args: object
+    run_dir: str
+    device: torch.device
+    dtype: torch.dtype
+    task: object
+    model: object
+    tokenizer: object
+    model_path: str
+    engine: Engine
+    optimizer: object
+    scheduler: object
+    log: RunLog
+    max_new_tokens: int
+    probe: tuple
+    step: int = 0
+    data_pos: int = 0
+    algo_state: dict = field(default_factory=dict)
+    pushes: int = 0
+
+
+def lr_lambda(warmup: int):
+    return lambda k: min(1.0, (k + 1) / warmup) if warmup > 0 else 1.0
+
+
+def setup(args, algo: str, extra_params=()) -> Run:
+    """Seeds, device, task, model, engine, optimizer, logging; restores a checkpoint on --resume."""
+    device, dtype = setup_device(args)
+    seed_everything(args.seed)
+    if not args.run_name:
+        model_tag = os.path.basename(args.model.rstrip("/"))
+        args.run_name = f"{algo}-{args.task.split(':')[0]}-{model_tag}-s{args.seed}"
+    run_dir = os.path.join(args.out_dir, args.run_name)
+    os.makedirs(run_dir, exist_ok=True)
+    style = "tiny" if args.model == "tiny" else "chat"
+    task = rewards.load_task(args.task, style=style, seed=args.seed, brier=args.brier, jsonl_reward=args.jsonl_reward)
+    model, tokenizer, path = load_model(args, task, device, dtype)
+    if not args.push_check_tol:
+        args.push_check_tol = default_push_tol(dtype)
+    max_new = args.max_new_tokens or task.max_new_tokens
+    max_prompt = max(len(p) for p in encode_prompts(tokenizer, [e["prompt"] for e in task.train[:256]], style == "chat"))
+    max_len = min(getattr(model.config, "max_position_embeddings", 4096), max_prompt * 2 + max_new + 8)
+    if dist_info()[2] > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    params = list(model.parameters()) + list(extra_params)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup))
+    # fixed probe for the push self-check: the first train prompt and a deterministic completion
+    probe_prompt = encode_prompts(tokenizer, [task.train[0]["prompt"]], style == "chat")[0]
+    probe = (probe_prompt, [3 + (7 * i) % max(1, len(tokenizer) - 3) for i in range(min(8, max_new))])
+    engine = make_engine(args, path, tokenizer, device, dtype, max_len)
+    run = Run(args, run_dir, device, dtype, task, model, tokenizer, path, engine, optimizer, scheduler, None,
+              max_new, probe)
+    ckpt_path = os.path.join(run_dir, "checkpoint.pt")
+    if args.resume:
+        state = load_checkpoint(ckpt_path)
+        getattr(model, "module", model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        run.step, run.data_pos, run.algo_state = state["step"], state["data_pos"], state["algo_state"]
+        set_rng_state(state["rng"])
+        push_weights(engine, model, dtype)
+    run.log = RunLog(args, run_dir, run.step, args.steps)
+    return run
+
+
+def checkpoint(run: Run, extra: dict | None = None) -> None:
+    """Everything needed to continue: model, optimizer, scheduler, RNGs, step, data position and
+    the algorithm's state (`run.algo_state`, plus `extra` module state dicts)."""
+    if dist_info()[0] != 0:
+        return
+    state = {"model": getattr(run.model, "module", run.model).state_dict(), "optimizer": run.optimizer.state_dict(),
+             "scheduler": run.scheduler.state_dict(), "rng": rng_state(), "step": run.step,
+             "data_pos": run.data_pos, "algo_state": {**run.algo_state, **(extra or {})},
+             "args": dataclasses.asdict(run.args)}
+    save_checkpoint(os.path.join(run.run_dir, "checkpoint.pt"), state)
+
+
+def after_update(run: Run) -> float:
+    """Push the new weights into vLLM (and check them); returns the push time."""
+    t0 = time.perf_counter()
+    if run.engine.kind == "vllm":
+        push_weights(run.engine, run.model, run.dtype)
+        run.pushes += 1
+        if run.args.push_check_every and run.pushes % run.args.push_check_every == 0:
+            check_push(run.engine, run.model, run.probe, run.args.temperature, run.args.push_check_tol,
+                       run.device, run.dtype)
+    return time.perf_counter() - t0
+
+
+def finish(run: Run) -> None:
+    checkpoint(run)
+    if dist_info()[0] == 0:
+        save_final(run.model, run.tokenizer, os.path.join(run.run_dir, "final"))
+    run.log.close()

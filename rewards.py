@@ -1,0 +1,351 @@
+"""Tasks and verifiers.
+
+A task is a train split and a held-out test split of examples (a dict with at least "prompt" and
+"answer") plus a `score(completion, example, finished)` that returns correctness and format
+separately (seed 002: report them apart). Synthetic tasks are generated in-process from a seed, so
+everything runs offline; gsm8k and math read the real datasets through `datasets`, or local files.
+
+Prompt styles: "tiny" is the terse format the built-in random-initialised model can learn from
+scratch (a character-level tokenizer covering the task's alphabet); "chat" is the natural-language
+instruction a pretrained model gets (wrapped in its chat template by common.py).
+"""
+import json
+import math
+import os
+import random
+import re
+import string
+from dataclasses import dataclass, field
+from typing import Callable
+
+LOG_FLOOR = math.log(0.01)  # seed 000 App. A.7: unparseable prediction = worst in-range log-likelihood
+
+
+@dataclass
+class Score:
+    reward: float        # what the policy gradient sees
+    correct: float       # 1/0 correctness (probability tasks: thresholded prediction == outcome)
+    format_ok: float     # 1/0: answer parseable and the completion ended with EOS
+    prob: float | None = None   # probability tasks: the predicted P(yes)
+
+
+@dataclass
+class Task:
+    name: str
+    kind: str                  # "binary" | "probability" | "ordinal"
+    train: list
+    test: list
+    score: Callable            # (completion_text, example, finished) -> Score
+    pass_threshold: float      # reward >= this counts as passed (seed 004: R_min_correct)
+    alphabet: list = field(default_factory=list)  # tokens the tiny model's tokenizer must cover
+    max_new_tokens: int = 512  # default generation budget for this task and style
+
+
+class DataError(ValueError):
+    """Bad input data: the message names the file and the row."""
+
+
+# ----------------------------------------------------------------------------------------------
+# answer extraction
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} (balanced braces), or None."""
+    start = text.rfind("\\boxed")
+    if start < 0:
+        return None
+    i = text.find("{", start)
+    if i < 0:
+        return None
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1:j]
+    return None
+
+
+def math_equal(pred: str, gold: str) -> bool:
+    """Symbolic equivalence through math-verify (latex and plain numbers)."""
+    from math_verify import parse, verify
+    gold_parsed = parse(gold if "$" in gold else f"\\boxed{{{gold}}}")
+    pred_parsed = parse(f"\\boxed{{{pred}}}")
+    return bool(gold_parsed) and bool(pred_parsed) and verify(gold_parsed, pred_parsed)
+
+
+def score_boxed_math(completion: str, example: dict, finished: bool) -> Score:
+    pred = last_boxed(completion)
+    if pred is None or not finished:
+        return Score(0.0, 0.0, 0.0)
+    ok = float(math_equal(pred, str(example["answer"])))
+    return Score(ok, ok, 1.0)
+
+
+def score_exact(completion: str, example: dict, finished: bool) -> Score:
+    """Exact match of the last boxed answer, or of the whole stripped completion if none."""
+    pred = last_boxed(completion)
+    pred = completion.strip() if pred is None else pred.strip()
+    if not finished or not pred:
+        return Score(0.0, 0.0, 0.0)
+    ok = float(pred == str(example["answer"]).strip())
+    return Score(ok, ok, 1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# synthetic tasks (generated from a seed, offline)
+
+DIGITS = list("0123456789")
+
+
+def _split(examples: list, n_test: int) -> tuple[list, list]:
+    return examples[n_test:], examples[:n_test]
+
+
+def addition_task(style: str, seed: int, max_operand: int = 9, n_test: int = 20) -> Task:
+    """a+b= with a, b in [0, max_operand]; the answer is the decimal sum followed by EOS.
+
+    Binary reward. Built so that a random-initialised model finds a few correct answers by chance
+    (1-2 digit answers over a 15-token vocabulary, ~2% at the start) and RL takes it from there.
+    Of the 100 pairs, n_test are held out: the test split measures generalisation to unseen sums.
+    """
+    pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    random.Random(seed).shuffle(pairs)
+    examples = []
+    for a, b in pairs:
+        if style == "tiny":
+            prompt = f"{a}+{b}="
+        else:
+            prompt = f"What is {a} + {b}? Give only the final answer in \\boxed{{}}."
+        examples.append({"prompt": prompt, "answer": a + b})
+    train, test = _split(examples, n_test)
+
+    def score(completion: str, example: dict, finished: bool) -> Score:
+        text = last_boxed(completion) if style != "tiny" else completion
+        text = (text or "").strip()
+        if not finished or not text.isdigit():
+            return Score(0.0, 0.0, 0.0)
+        ok = float(int(text) == example["answer"])
+        return Score(ok, ok, 1.0)
+
+    return Task("addition", "binary", train, test, score, pass_threshold=1.0,
+                alphabet=DIGITS + ["+", "="], max_new_tokens=4 if style == "tiny" else 256)
+
+
+PERCENT_TOKENS = [f"{k}%" for k in range(1, 100)]
+_ANSWER_RE = re.compile(r"<answer>\s*(\d{1,2})\s*%?\s*</answer>", re.S)
+_TINY_PROB_RE = re.compile(r"^\s*(\d{1,2})%")
+
+
+def calibration_reward(q: float | None, outcome: int, brier: bool) -> float:
+    """Seed 000: log-likelihood of the observed outcome (or Brier, -(a - q)^2); invalid = worst."""
+    if q is None:
+        return -1.0 if brier else LOG_FLOOR
+    if brier:
+        return -(outcome - q) ** 2
+    return math.log(q) if outcome == 1 else math.log(1.0 - q)
+
+
+def calibration_task(style: str, seed: int, n_categories: int = 20, n_questions: int = 10_000,
+                     n_test: int = 2_000, brier: bool = False) -> Task:
+    """Seed 000's probability-prediction task: per-category p ~ U(0,1), one Bernoulli outcome per
+    question drawn once; the prompt names only the category; the answer is a probability 1..99 %.
+
+    Train and test questions share the categories and their p, with independent outcomes.
+    """
+    rng = random.Random(seed)
+    p_cat = [rng.random() for _ in range(n_categories)]
+    examples = []
+    for _ in range(n_questions + n_test):
+        c = rng.randrange(n_categories)
+        outcome = int(rng.random() < p_cat[c])
+        if style == "tiny":
+            prompt = f"{c:02d}:"
+        else:
+            prompt = (f"An experiment belongs to category C{c:02d}. How likely is it that its outcome "
+                      f"is positive? Respond with a probability from 1-99, representing 1% to 99% "
+                      f"chance. Enclose your answer in <answer> </answer> tags.")
+        examples.append({"prompt": prompt, "answer": outcome, "category": c, "p_true": p_cat[c]})
+    train, test = _split(examples, n_test)
+
+    def score(completion: str, example: dict, finished: bool) -> Score:
+        m = (_TINY_PROB_RE if style == "tiny" else _ANSWER_RE).search(completion)
+        k = int(m.group(1)) if m else 0
+        q = k / 100 if 1 <= k <= 99 else None  # out-of-range counts as invalid (seed 000 A.7)
+        a = example["answer"]
+        reward = calibration_reward(q, a, brier)
+        if q is None:
+            return Score(reward, 0.0, 0.0, None)
+        return Score(reward, float((q > 0.5) == (a == 1)), 1.0, q)
+
+    # a prediction at 50% is the uninformed baseline: better than that counts as passed
+    threshold = calibration_reward(0.5, 1, brier)
+    return Task("calibration", "probability", train, test, score, pass_threshold=threshold,
+                alphabet=DIGITS + [":"] + PERCENT_TOKENS, max_new_tokens=1 if style == "tiny" else 64)
+
+
+ORDINAL_LEVELS = {0: 1.0, 1: 0.5, 2: 0.0}  # |answer - target| -> reward; farther: -0.5; invalid: -1
+
+
+def ordinal_reward(pred: int | None, target: int) -> float:
+    if pred is None:
+        return -1.0
+    return ORDINAL_LEVELS.get(abs(pred - target), -0.5)
+
+
+def ordinal_task(style: str, seed: int, n_test: int = 10) -> Task:
+    """Partial-credit single-digit addition: a+b= with a + b <= 9, answered by one digit.
+
+    Ordinal reward: exact 1.0, off by one 0.5, off by two 0.0, farther -0.5, invalid -1.
+    Pass threshold 0.5 (seed 004's R_min_correct): an answer off by two is a failure, yet it
+    beats a group of worse failures, which is where GRPO gives failures a positive advantage.
+    """
+    pairs = [(a, b) for a in range(10) for b in range(10) if a + b <= 9]
+    random.Random(seed).shuffle(pairs)
+    examples = []
+    for a, b in pairs:
+        prompt = f"{a}+{b}=" if style == "tiny" else \
+            f"What is {a} + {b}? Answer with a single digit in \\boxed{{}}."
+        examples.append({"prompt": prompt, "answer": a + b})
+    train, test = _split(examples, n_test)
+    train = train + test  # 55 pairs in all: train on every pair, report the held-out ones too
+
+    def score(completion: str, example: dict, finished: bool) -> Score:
+        text = (last_boxed(completion) if style != "tiny" else completion) or ""
+        text = text.strip()
+        pred = int(text) if finished and len(text) == 1 and text.isdigit() else None
+        reward = ordinal_reward(pred, example["answer"])
+        return Score(reward, float(pred == example["answer"]), float(pred is not None))
+
+    return Task("ordinal", "ordinal", train, test, score, pass_threshold=0.5,
+                alphabet=DIGITS + ["+", "="], max_new_tokens=2 if style == "tiny" else 256)
+
+
+# ----------------------------------------------------------------------------------------------
+# real datasets (through `datasets`; a local .jsonl/.json/.parquet path works offline)
+
+MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+def _require(row: dict, keys: tuple, source: str, i: int) -> None:
+    if not isinstance(row, dict):
+        raise DataError(f"{source}: row {i}: expected an object, got {type(row).__name__}")
+    for k in keys:
+        if k not in row:
+            raise DataError(f"{source}: row {i}: missing field '{k}' (has: {sorted(row)})")
+        if not isinstance(row[k], (str, int, float)) or str(row[k]).strip() == "":
+            raise DataError(f"{source}: row {i}: field '{k}' is empty or not text")
+
+
+def parse_gsm8k_rows(rows, source: str) -> list:
+    """GSM8K rows {question, answer: '... #### 72'} -> examples with the final number."""
+    out = []
+    for i, row in enumerate(rows):
+        _require(row, ("question", "answer"), source, i)
+        if "####" not in row["answer"]:
+            raise DataError(f"{source}: row {i}: answer has no '#### <number>' final line")
+        final = row["answer"].split("####")[-1].strip().replace(",", "")
+        if not final:
+            raise DataError(f"{source}: row {i}: empty final answer after '####'")
+        out.append({"prompt": f"{row['question']}\n{MATH_INSTRUCTION}", "answer": final})
+    return out
+
+
+def parse_math_rows(rows, source: str) -> list:
+    """MATH rows {problem, solution with \\boxed{}} (or an explicit 'answer' field)."""
+    out = []
+    for i, row in enumerate(rows):
+        _require(row, ("problem",), source, i)
+        answer = row.get("answer")
+        if answer is None:
+            _require(row, ("solution",), source, i)
+            answer = last_boxed(row["solution"])
+            if answer is None:
+                raise DataError(f"{source}: row {i}: solution has no \\boxed{{}} answer")
+        out.append({"prompt": f"{row['problem']}\n{MATH_INSTRUCTION}", "answer": str(answer)})
+    return out
+
+
+def parse_jsonl_rows(rows, source: str) -> list:
+    """A user's own file: one {"prompt": ..., "answer": ...} object per line."""
+    out = []
+    for i, row in enumerate(rows):
+        _require(row, ("prompt", "answer"), source, i)
+        out.append({"prompt": str(row["prompt"]), "answer": row["answer"]})
+    return out
+
+
+def read_jsonl(path: str) -> list:
+    if not os.path.exists(path):
+        raise DataError(f"{path}: file not found")
+    rows = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}: row {i}: not valid JSON ({e.msg})") from None
+    if not rows:
+        raise DataError(f"{path}: no rows")
+    return rows
+
+
+def _hub_rows(path: str, name: str | None, split: str) -> list:
+    from datasets import load_dataset
+    return list(load_dataset(path, name, split=split))
+
+
+def _rows(local: str | None, hub: tuple, split: str) -> tuple[list, str]:
+    """Rows from a local file (offline) or from the hub (the real thing users run)."""
+    if local:
+        path = local.replace("{split}", split)
+        return read_jsonl(path), path
+    path, name, hub_split = hub
+    return _hub_rows(path, name, hub_split[split]), f"{path}[{hub_split[split]}]"
+
+
+GSM8K_HUB = ("openai/gsm8k", "main", {"train": "train", "test": "test"})
+MATH_HUB = ("DigitalLearningGmbH/MATH-lighteval", None, {"train": "train", "test": "test"})
+JSONL_REWARDS = {"math": score_boxed_math, "exact": score_exact}
+
+
+def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False,
+              jsonl_reward: str = "math") -> Task:
+    """Task from its name. Real datasets take an optional local path: `gsm8k:data/{split}.jsonl`.
+
+    `jsonl:PATH` reads PATH (train) and PATH with .test before the extension if present (else the
+    last 10% of PATH) as the held-out split, scored by `jsonl_reward` (math | exact).
+    """
+    name, _, local = spec.partition(":")
+    if name == "addition":
+        return addition_task(style, seed)
+    if name == "calibration":
+        return calibration_task(style, seed, brier=brier)
+    if name == "ordinal":
+        return ordinal_task(style, seed)
+    if name in ("gsm8k", "math"):
+        hub, parse = (GSM8K_HUB, parse_gsm8k_rows) if name == "gsm8k" else (MATH_HUB, parse_math_rows)
+        splits = [parse(*_rows(local or None, hub, s)) for s in ("train", "test")]
+        return Task(name, "binary", splits[0], splits[1], score_boxed_math, pass_threshold=1.0,
+                    alphabet=list(string.printable), max_new_tokens=512)
+    if name == "jsonl":
+        if not local:
+            raise DataError("--task jsonl:PATH needs a path, e.g. jsonl:data/train.jsonl")
+        if jsonl_reward not in JSONL_REWARDS:
+            raise DataError(f"--jsonl_reward {jsonl_reward!r}: choose one of {sorted(JSONL_REWARDS)}")
+        rows = parse_jsonl_rows(read_jsonl(local), local)
+        root, ext = os.path.splitext(local)
+        test_path = f"{root}.test{ext}"
+        if os.path.exists(test_path):
+            train, test = rows, parse_jsonl_rows(read_jsonl(test_path), test_path)
+        else:
+            n_test = max(1, len(rows) // 10)
+            train, test = rows[:-n_test] or rows, rows[-n_test:]
+        return Task("jsonl", "binary", train, test, JSONL_REWARDS[jsonl_reward], pass_threshold=1.0,
+                    alphabet=list(string.printable), max_new_tokens=512)
+    raise DataError(f"--task {spec!r}: unknown task; choose addition, calibration, ordinal, gsm8k, "
+                    f"math or jsonl:PATH")

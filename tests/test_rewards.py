@@ -1,0 +1,126 @@
+"""Tasks and verifiers: synthetic tasks, the real-dataset parsers on local fixtures, bad input."""
+import math
+import os
+
+import pytest
+
+import common
+import rewards
+
+FIX = os.path.join(os.path.dirname(__file__), "fixtures")
+
+
+def test_addition_needs_eos_and_exact_sum():
+    task = rewards.load_task("addition")
+    ex = {"prompt": "7+8=", "answer": 15}
+    assert task.score("15", ex, True) == rewards.Score(1.0, 1.0, 1.0)
+    assert task.score("15", ex, False).reward == 0.0          # truncated: no EOS
+    assert task.score("14", ex, True) == rewards.Score(0.0, 0.0, 1.0)
+    assert task.score("1+5", ex, True).format_ok == 0.0
+    assert len(task.train) == 80 and len(task.test) == 20
+    train_pairs = {e["prompt"] for e in task.train}
+    assert not train_pairs & {e["prompt"] for e in task.test}   # held out
+
+
+def test_calibration_task_follows_seed_000():
+    task = rewards.load_task("calibration", seed=3)
+    assert len(task.train) == 10_000
+    cats = {e["category"]: e["p_true"] for e in task.train + task.test}
+    assert len(cats) == 20 and all(0 < p < 1 for p in cats.values())
+    # outcomes are Bernoulli(p_category): the empirical rate tracks p within sampling error
+    for c, p in cats.items():
+        outs = [e["answer"] for e in task.train if e["category"] == c]
+        assert abs(sum(outs) / len(outs) - p) < 4 * math.sqrt(p * (1 - p) / len(outs)) + 1e-9
+    ex1, ex0 = {"answer": 1}, {"answer": 0}
+    assert task.score("70%", ex1, False).reward == pytest.approx(math.log(0.7))
+    assert task.score("70%", ex0, True).reward == pytest.approx(math.log(0.3))
+    assert task.score("70%", ex0, True).correct == 0.0 and task.score("70%", ex1, True).correct == 1.0
+    assert task.score("70%", ex1, True).prob == pytest.approx(0.7)
+    bad = task.score("7", ex1, True)
+    assert bad.reward == pytest.approx(math.log(0.01)) and bad.format_ok == 0.0 and bad.prob is None
+
+
+def test_calibration_chat_format_and_brier():
+    task = rewards.load_task("calibration", style="chat", brier=True)
+    ex = {"answer": 1}
+    assert task.score("I think <answer>80</answer>", ex, True).reward == pytest.approx(-(1 - 0.8) ** 2)
+    assert task.score("<answer>0</answer>", ex, True).format_ok == 0.0  # out of 1..99
+    assert task.score("<answer>100</answer>", ex, True).reward == -1.0
+    assert task.pass_threshold == pytest.approx(-0.25)
+
+
+def test_ordinal_levels_and_threshold():
+    task = rewards.load_task("ordinal")
+    ex = {"answer": 5}
+    assert [task.score(d, ex, True).reward for d in "5467391"] == [1.0, 0.5, 0.5, 0.0, 0.0, -0.5, -0.5]
+    assert task.score("5", ex, False).reward == -1.0 and task.score("55", ex, True).reward == -1.0
+    assert task.pass_threshold == 0.5
+    assert all(e["answer"] <= 9 for e in task.train)
+
+
+def test_gsm8k_parser_on_local_files():
+    task = rewards.load_task(f"gsm8k:{FIX}/gsm8k_{{split}}.jsonl")
+    assert [e["answer"] for e in task.train] == ["72", "10", "1550"]
+    assert task.test[0]["answer"] == "7"
+    assert "\\boxed{}" in task.train[0]["prompt"]
+    assert task.score("so \\boxed{72}", task.train[0], True).correct == 1.0
+    assert task.score("so \\boxed{72.0}", task.train[0], True).correct == 1.0  # math-verify: numeric equality
+    assert task.score("so \\boxed{71}", task.train[0], True) == rewards.Score(0.0, 0.0, 1.0)
+    assert task.score("no box, 72", task.train[0], True) == rewards.Score(0.0, 0.0, 0.0)
+
+
+def test_math_parser_takes_the_last_boxed_answer():
+    task = rewards.load_task(f"math:{FIX}/math_{{split}}.jsonl")
+    assert task.train[0]["answer"] == "\\frac{3}{4}"
+    assert task.train[1]["answer"] == "2\\sqrt{2}"
+    assert task.score("thus \\boxed{0.75}", task.train[0], True).correct == 1.0
+    assert task.score("thus \\boxed{\\sqrt{8}}", task.train[1], True).correct == 1.0
+    assert task.score("thus \\boxed{3}", task.train[1], True).correct == 0.0
+
+
+def test_last_boxed_handles_nested_braces():
+    assert rewards.last_boxed("a \\boxed{1} b \\boxed{\\frac{1}{2}} c") == "\\frac{1}{2}"
+    assert rewards.last_boxed("\\boxed{unclosed") is None
+    assert rewards.last_boxed("nothing") is None
+
+
+def test_own_jsonl_with_held_out_file_and_exact_reward():
+    task = rewards.load_task(f"jsonl:{FIX}/own.jsonl", jsonl_reward="exact")
+    assert len(task.train) == 3 and len(task.test) == 1
+    assert task.score("\\boxed{Paris}", task.train[2], True).correct == 1.0
+    math_task = rewards.load_task(f"jsonl:{FIX}/own.jsonl")
+    assert math_task.score("\\boxed{2.5}", math_task.train[1], True).correct == 1.0
+
+
+@pytest.mark.parametrize("spec,message", [
+    (f"gsm8k:{FIX}/gsm8k_bad.jsonl", r"gsm8k_bad.jsonl: row 1: answer has no '#### <number>'"),
+    (f"gsm8k:{FIX}/gsm8k_missing.jsonl", r"gsm8k_missing.jsonl: row 2: missing field 'question'"),
+    (f"gsm8k:{FIX}/gsm8k_badjson.jsonl", r"gsm8k_badjson.jsonl: row 1: not valid JSON"),
+    (f"math:{FIX}/math_bad.jsonl", r"math_bad.jsonl: row 1: solution has no \\boxed"),
+    (f"jsonl:{FIX}/own_bad.jsonl", r"own_bad.jsonl: row 1: field 'prompt' is empty"),
+    (f"jsonl:{FIX}/nope.jsonl", r"nope.jsonl: file not found"),
+    ("jsonl", r"needs a path"),
+    ("sudoku", r"unknown task"),
+])
+def test_bad_input_names_file_and_row(spec, message):
+    with pytest.raises(rewards.DataError, match=message):
+        rewards.load_task(spec)
+
+
+def test_unknown_jsonl_reward_names_flag():
+    with pytest.raises(rewards.DataError, match="--jsonl_reward"):
+        rewards.load_task(f"jsonl:{FIX}/own.jsonl", jsonl_reward="llm")
+
+
+def test_tiny_tokenizer_round_trips_every_task_alphabet():
+    from transformers import AutoTokenizer
+    for name in ("addition", "calibration", "ordinal"):
+        task = rewards.load_task(name)
+        tok = AutoTokenizer.from_pretrained(common.build_tiny_model(task.alphabet))
+        for ex in task.train[:20]:
+            ids = tok(ex["prompt"], add_special_tokens=False)["input_ids"]
+            assert tok.unk_token_id not in ids
+            assert tok.decode(ids) == ex["prompt"]
+    tok = AutoTokenizer.from_pretrained(common.build_tiny_model(rewards.load_task("calibration").alphabet))
+    ids = tok("37%", add_special_tokens=False)["input_ids"]
+    assert len(ids) == 1 and tok.decode(ids + [tok.eos_token_id], skip_special_tokens=True) == "37%"
