@@ -317,6 +317,7 @@ def _generate_vllm(engine, prompt_ids, n, max_new_tokens, temperature, seed) -> 
 @torch.no_grad()
 def _generate_hf(engine, model, prompt_ids, n, max_new_tokens, temperature, seed, device, dtype) -> Rollouts:
     from transformers import GenerationConfig
+    model = getattr(model, "module", model)  # DDP wraps the policy; generate lives on the module
     was_training = model.training
     model.eval()
     gen = GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
