@@ -710,7 +710,7 @@ def lr_lambda(warmup: int):
     return lambda k: min(1.0, (k + 1) / warmup) if warmup > 0 else 1.0
 
 
-def setup(args, algo: str, extra_params=()) -> Run:
+def setup(args, algo: str) -> Run:
     """Seeds, device, task, model, engine, optimizer, logging; restores a checkpoint on --resume."""
     device, dtype = setup_device(args)
     seed_everything(args.seed)
@@ -729,8 +729,7 @@ def setup(args, algo: str, extra_params=()) -> Run:
     max_len = min(getattr(model.config, "max_position_embeddings", 4096), max_prompt * 2 + max_new + 8)
     if dist_info()[2] > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    params = list(model.parameters()) + list(extra_params)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup))
     # fixed probe for the push self-check: the first train prompt and a deterministic completion
     probe_prompt = encode_prompts(tokenizer, [task.train[0]["prompt"]], style == "chat")[0]
@@ -751,15 +750,16 @@ def setup(args, algo: str, extra_params=()) -> Run:
     return run
 
 
-def checkpoint(run: Run, extra: dict | None = None) -> None:
+def checkpoint(run: Run) -> None:
     """Everything needed to continue: model, optimizer, scheduler, RNGs, step, data position and
-    the algorithm's state (`run.algo_state`, plus `extra` module state dicts)."""
+    the algorithm's state (`run.algo_state`: plain values, or modules/optimizers whose state_dict
+    is saved; after --resume a script finds those state dicts there and loads them)."""
     if dist_info()[0] != 0:
         return
+    algo = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in run.algo_state.items()}
     state = {"model": getattr(run.model, "module", run.model).state_dict(), "optimizer": run.optimizer.state_dict(),
              "scheduler": run.scheduler.state_dict(), "rng": rng_state(), "step": run.step,
-             "data_pos": run.data_pos, "algo_state": {**run.algo_state, **(extra or {})},
-             "args": dataclasses.asdict(run.args)}
+             "data_pos": run.data_pos, "algo_state": algo, "args": dataclasses.asdict(run.args)}
     save_checkpoint(os.path.join(run.run_dir, "checkpoint.pt"), state)
 
 

@@ -102,20 +102,17 @@ def main(argv=None):
         time_rollout = time.perf_counter() - t0
         rewards, correct, fmt, _ = common.score_rollouts(run.task, tok, examples, rollouts, args.group_size, args.format_weight)
 
-        # ---- advantages
-        advantages = compute_advantages(rewards, args.group_size, args.std_norm, args.adv_eps)
-
         # ---- update: updates_per_rollout passes, each split into `minibatches` optimizer steps
         t0 = time.perf_counter()
         B = len(rollouts.completion_ids)
         lengths = torch.tensor([len(c) for c in rollouts.completion_ids], dtype=torch.float32)
         micro = args.micro_batch_size
 
-        def forward(idx, need_entropy=False):
+        def forward(idx, net, need_entropy=False):
             batch = common.make_batch([rollouts.prompt_ids[i] for i in idx], [rollouts.completion_ids[i] for i in idx],
                                       tok.pad_token_id, device)
             with common.autocast(device, dtype):
-                logp, entropy = common.token_logprobs(model, batch, args.temperature, with_entropy=need_entropy)
+                logp, entropy = common.token_logprobs(net, batch, args.temperature, with_entropy=need_entropy)
             return batch, logp, entropy
 
         def per_seq(values, mask):  # [b, T] padded -> list of 1-D tensors over each completion
@@ -128,18 +125,19 @@ def main(argv=None):
             for s in range(0, B, micro):
                 idx = list(range(s, min(s + micro, B)))
                 if not on_policy:  # pi_old, recomputed by the trainer (not the sampler's values)
-                    batch, logp, _ = forward(idx)
-                    old_logp[s:s + len(idx)] = per_seq(logp.float(), batch["mask"])
+                    batch, logp, _ = forward(idx, model)
+                    old_logp[s:s + len(idx)] = per_seq(logp, batch["mask"])
                 if ref_model is not None:
-                    batch = common.make_batch([rollouts.prompt_ids[i] for i in idx],
-                                              [rollouts.completion_ids[i] for i in idx], tok.pad_token_id, device)
-                    with common.autocast(device, dtype):
-                        ref_logp[s:s + len(idx)] = per_seq(common.token_logprobs(ref_model, batch, args.temperature)[0], batch["mask"])
+                    batch, logp, _ = forward(idx, ref_model)
+                    ref_logp[s:s + len(idx)] = per_seq(logp, batch["mask"])
 
         def gather(values, idx, mask):  # list of 1-D tensors -> [b, T] matching mask
             out = torch.zeros_like(mask)
             out[mask > 0] = torch.cat([values[i].to(mask.device) for i in idx])
             return out
+
+        # ---- advantages
+        advantages = compute_advantages(rewards, args.group_size, args.std_norm, args.adv_eps)
 
         sums = {"loss/policy": 0.0, "clip_frac": 0.0, "kl": 0.0, "kl/old": 0.0, "entropy": 0.0,
                 "logprob/sampler_diff": 0.0, "grad_norm": 0.0}
@@ -153,7 +151,7 @@ def main(argv=None):
                 n_tokens = common.all_sum(float(lengths[mb].sum())) / common.dist_info()[2]
                 for s in range(0, len(mb), micro):
                     idx = mb[s:s + micro]
-                    batch, logp, entropy = forward(idx, need_entropy=epoch == 0)
+                    batch, logp, entropy = forward(idx, model, need_entropy=epoch == 0)
                     mask = batch["mask"]
                     old = logp.detach() if on_policy else gather(old_logp, idx, mask)
                     ref = gather(ref_logp, idx, mask) if ref_model is not None else None

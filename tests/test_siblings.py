@@ -1,0 +1,218 @@
+"""RLOO, CoRPO, GPG and PPO: hand-computed advantages, their losses, and short learning runs."""
+import math
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import common
+import train_corpo
+import train_gpg
+import train_grpo
+import train_ppo
+import train_rloo
+from conftest import mean_of, read_metrics
+from test_train_grpo import SHARED_METRICS, _rows_without_timing, _same
+
+
+def train(module, tmp_path, *argv):
+    return module.main(["--out_dir", str(tmp_path), "--wandb", "false", "--engine", "hf", *argv])
+
+
+# ---------------------------------------------------------------------------------------------- RLOO
+
+
+def test_rloo_advantage_is_leave_one_out():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.3, 0.9, 0.1, 0.5])
+    a = train_rloo.compute_advantages(r, 4)
+    brute = torch.tensor([r[g * 4 + i] - (r[g * 4:(g + 1) * 4].sum() - r[g * 4 + i]) / 3 for g in range(2) for i in range(4)])
+    torch.testing.assert_close(a, brute)
+    assert a[:4].tolist() == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3])
+
+
+def test_rloo_needs_two_completions(tmp_path):
+    with pytest.raises(SystemExit, match="--group_size must be >= 2"):
+        train(train_rloo, tmp_path, "--group_size", "1")
+
+
+def test_rloo_kl_in_reward_runs_and_keeps_the_loss_kl_free(tmp_path):
+    run = train(train_rloo, tmp_path, "--task", "calibration", "--steps", "3", "--prompts_per_step", "8",
+                "--beta", "0.1", "--kl_in_reward", "true", "--run_name", "klr")
+    rows = read_metrics(run.run_dir)
+    assert all(r["kl"] >= 0 for r in rows) and rows[-1]["kl"] > 0
+    args = SimpleNamespace(clip_eps=0.2, clip_eps_high=0.0, ratio_level="token", beta=0.1, kl_in_reward=True)
+    logp, ref = torch.tensor([[-1.0]]), torch.tensor([[-2.0]])
+    token_loss, stats = train_rloo.policy_loss(logp, logp, ref, torch.zeros(1), torch.ones(1, 1), args)
+    assert token_loss.item() == 0.0 and stats["kl"].item() > 0  # logged, not in the loss
+
+
+# ---------------------------------------------------------------------------------------------- CoRPO
+
+
+def test_corpo_never_rewards_a_failure_where_grpo_does():
+    r = torch.tensor([-1.0, -0.8, -0.9, -0.7])  # all failures (threshold 0); mean -0.85
+    grpo = train_grpo.compute_advantages(r, 4, std_norm=False)
+    corpo = train_corpo.compute_advantages(r, 4, r_min_correct=0.0)
+    assert (grpo > 0).sum() == 2  # -0.8 and -0.7 beat the mean: GRPO reinforces them
+    assert torch.equal(corpo, r)  # baseline clamped at R_min_correct = 0: every failure negative
+    assert (corpo > 0).sum() == 0
+
+
+def test_corpo_adaptive_becomes_the_group_mean_and_static_stays():
+    r = torch.tensor([1.0, 0.5, 0.8, 0.2])  # mean 0.625 above the threshold 0.5
+    assert train_corpo.compute_advantages(r, 4, 0.5).tolist() == pytest.approx([0.375, -0.125, 0.175, -0.425])
+    assert train_corpo.compute_advantages(r, 4, 0.5, "static").tolist() == pytest.approx([0.5, 0.0, 0.3, -0.3])
+
+
+# ---------------------------------------------------------------------------------------------- GPG
+
+
+def test_gpg_alpha_on_a_batch_with_degenerate_groups():
+    r = torch.tensor([1, 1, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, 1, 0, 1, 0], dtype=torch.float32)
+    adv, alpha = train_gpg.compute_advantages(r, 4)
+    assert alpha == 2.0  # B = 16, M = 8 completions in all-equal groups
+    expected = 2.0 * torch.tensor([0, 0, 0, 0, -0.25, 0.75, -0.25, -0.25, 0, 0, 0, 0, 0.5, -0.5, 0.5, -0.5])
+    torch.testing.assert_close(adv, expected)
+    adv, alpha = train_gpg.compute_advantages(r, 4, std_norm=True, eps=0.0)  # F_norm = std
+    assert adv[5].item() == pytest.approx(2.0 * 0.75 / 0.5)
+    _, alpha = train_gpg.compute_advantages(torch.zeros(8), 4)
+    assert alpha == 1.0  # nothing valid: no gradient, no blow-up
+
+
+def test_gpg_loss_is_the_plain_policy_gradient():
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    adv = torch.tensor([2.0, -1.0])
+    token_loss, stats = train_gpg.policy_loss(logp, logp.detach() - 5.0, None, adv, mask, None)  # no ratio involved
+    loss = train_gpg.aggregate(token_loss, mask, "token-mean", 2, 3, 2)
+    (g,) = torch.autograd.grad(loss, logp)
+    torch.testing.assert_close(g, torch.tensor([[-2.0, -2.0], [1.0, 0.0]]) / 3)
+    assert stats["clipped"].sum() == 0
+
+
+def test_gpg_groups_split_and_join_round_trip():
+    r = common.Rollouts([[1], [1], [2], [2]], [[5, 1], [6], [7, 1], [8]], [[-1.0, -2.0], [-3.0], [-4.0, -5.0], [-6.0]],
+                        [True, False, True, False])
+    rewards, correct, fmt = torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([1.0, 0, 0, 0]), torch.ones(4)
+    groups = train_gpg.split_groups(["a", "b"], r, rewards, correct, fmt, 2)
+    assert [g[0] for g in groups] == ["a", "b"] and groups[1][1].completion_ids == [[7, 1], [8]]
+    ex, back, rw, cr, fm = train_gpg.join_groups(groups[::-1])
+    assert ex == ["b", "a"] and back.completion_ids == [[7, 1], [8], [5, 1], [6]]
+    assert rw.tolist() == [0.0, 0.0, 1.0, 0.0] and back.finished == [True, False, True, False]
+
+
+def test_gpg_beta_th_keeps_sampling_until_enough_groups_are_valid(tmp_path):
+    run = train(train_gpg, tmp_path, "--steps", "4", "--prompts_per_step", "8", "--beta_th", "0.5",
+                "--max_rounds", "4", "--run_name", "bt")
+    rows = read_metrics(run.run_dir)
+    B = 8 * 8
+    for r in rows:
+        assert 1 <= r["gpg/rounds"] <= 4
+        assert r["gpg/extra_rollouts"] == (r["gpg/rounds"] - 1) * B
+        assert r["gpg/valid_frac"] == pytest.approx(1 / r["gpg/alpha"])
+        if r["gpg/rounds"] < 4:  # stopped because the rule was met
+            assert r["gpg/valid_frac"] >= 0.5
+    assert max(r["gpg/rounds"] for r in rows) > 1  # early on most addition groups are all-wrong
+    assert run.data_pos == sum(r["gpg/rounds"] for r in rows) * 8  # extra rounds consume prompts
+
+
+# ---------------------------------------------------------------------------------------------- PPO
+
+
+def test_gae_against_hand_computation_with_masks():
+    gamma, lam = 0.9, 0.8
+    values = torch.tensor([[0.5, 0.2, 0.1], [0.3, 0.4, 9.9]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])  # second completion has 2 tokens
+    adv, ret = train_ppo.compute_advantages(torch.tensor([1.0, -1.0]), values, mask, gamma, lam)
+    # completion 1: rewards (0, 0, 1)
+    d2 = 1.0 - 0.1
+    d1 = 0 + gamma * 0.1 - 0.2
+    d0 = 0 + gamma * 0.2 - 0.5
+    a2 = d2
+    a1 = d1 + gamma * lam * a2
+    a0 = d0 + gamma * lam * a1
+    # completion 2: rewards (0, -1), the padded value 9.9 must not leak in
+    e1 = -1.0 - 0.4
+    e0 = gamma * 0.4 - 0.3
+    b1, b0 = e1, e0 + gamma * lam * e1
+    torch.testing.assert_close(adv, torch.tensor([[a0, a1, a2], [b0, b1, 0.0]]))
+    torch.testing.assert_close(ret, (torch.tensor([[a0, a1, a2], [b0, b1, 0.0]]) + values) * mask)
+    # gamma = lam = 1: A_t = R - V(s_t), the seeds' setting
+    adv, _ = train_ppo.compute_advantages(torch.tensor([1.0, -1.0]), values, mask)
+    torch.testing.assert_close(adv, torch.tensor([[0.5, 0.8, 0.9], [-1.3, -1.4, 0.0]]))
+
+
+def test_clipped_value_loss_values():
+    v, v_old, ret, mask = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.5, 0.0]]), torch.tensor([[2.0, 1.0]]), torch.ones(1, 2)
+    # token 1: unclipped (1-2)^2 = 1, clipped V = 0.7 -> (0.7-2)^2 = 1.69 -> max 1.69; token 2: 1
+    assert train_ppo.value_loss(v, v_old, ret, mask, 0.2, 2).item() == pytest.approx(0.5 * (1.69 + 1.0) / 2)
+    assert train_ppo.value_loss(v, v_old, ret, mask, 0.0, 2).item() == pytest.approx(0.5 * (1.0 + 1.0) / 2)
+
+
+def test_value_loss_falls_on_a_fixed_target(tiny_addition):
+    _, tok, path = tiny_addition
+    torch.manual_seed(0)
+    critic = train_ppo.load_critic(path, torch.device("cpu"), False)
+    opt = torch.optim.AdamW(critic.parameters(), lr=1e-3)
+    batch = common.make_batch([[4, 13, 5, 14], [6, 13, 7, 14]], [[5, 6, 1], [12, 1]], tok.pad_token_id, torch.device("cpu"))
+    target = torch.tensor([[0, 0, 0, 0.3, -0.5, 0.8], [0, 0, 0, 1.0, -1.0, 0]])[:, :batch["mask"].shape[1]] * batch["mask"]
+    losses = []
+    for _ in range(60):
+        values = train_ppo.critic_values(critic, batch)
+        loss = train_ppo.value_loss(values, values.detach(), target, batch["mask"], 0.0, batch["mask"].sum())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[0] > 0.1 and losses[-1] < 0.05 * losses[0]
+
+
+def test_ppo_resume_restores_the_critic(tmp_path):
+    opts = ["--steps", "4", "--save_every", "2", "--prompts_per_step", "8", "--task", "calibration", "--group_size", "2"]
+    train(train_ppo, tmp_path, *opts, "--run_name", "straight")
+    train(train_ppo, tmp_path, *opts[:1], "2", *opts[2:], "--run_name", "split")
+    train(train_ppo, tmp_path, *opts, "--run_name", "split", "--resume", "true")
+    _same(_rows_without_timing(tmp_path / "straight"), _rows_without_timing(tmp_path / "split"))
+    a = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=False)["algo_state"]
+    b = torch.load(tmp_path / "split" / "checkpoint.pt", weights_only=False)["algo_state"]
+    for k in a["critic"]:
+        assert torch.equal(a["critic"][k], b["critic"][k]), k
+
+
+def test_ppo_critic_warmup_keeps_the_policy_still(tmp_path):
+    run = train(train_ppo, tmp_path, "--steps", "2", "--critic_warmup", "2", "--task", "calibration",
+                "--prompts_per_step", "8", "--run_name", "warm")
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(run.model_path)
+    for (n, a), (_, b) in zip(base.named_parameters(), run.model.named_parameters()):
+        assert torch.equal(a, b.detach()), n
+    assert run.algo_state["critic"]["head"].weight.abs().sum() > 0  # the critic trained (its head starts at 0)
+
+
+# ---------------------------------------------------------------------------------------------- learning
+
+
+@pytest.mark.parametrize("module,extra", [
+    (train_rloo, []),
+    (train_gpg, []),
+    (train_ppo, []),
+    (train_ppo, ["--group_size", "1", "--prompts_per_step", "128"]),  # classic PPO: one completion per prompt
+])
+def test_each_algorithm_learns_addition(tmp_path, module, extra):
+    run = train(module, tmp_path, "--steps", "150", "--run_name", "learn", *extra)
+    rows = read_metrics(run.run_dir)
+    assert SHARED_METRICS <= set(rows[0])
+    start, end = mean_of(rows, "reward/mean", 0, 10), mean_of(rows, "reward/mean", 130, 150)
+    assert end > start + 0.15, (start, end)
+
+
+def test_corpo_and_grpo_learn_ordinal_and_only_grpo_rewards_failures(tmp_path):
+    corpo = read_metrics(train(train_corpo, tmp_path, "--task", "ordinal", "--steps", "150", "--run_name", "c").run_dir)
+    grpo = read_metrics(train(train_grpo, tmp_path, "--task", "ordinal", "--steps", "150", "--run_name", "g").run_dir)
+    for rows in (corpo, grpo):
+        start, end = mean_of(rows, "reward/mean", 0, 10), mean_of(rows, "reward/mean", 130, 150)
+        assert end > start + 0.4, (start, end)
+    fpf = lambda rows: [r["adv/failed_pos_frac"] for r in rows if not math.isnan(r["adv/failed_pos_frac"])]
+    assert max(fpf(corpo)) == 0.0  # by construction
+    assert mean_of([{"x": v} for v in fpf(grpo)], "x", 0, 10) > 0.05  # seed 004 Fig. 1: 18% early in GRPO

@@ -1,0 +1,230 @@
+"""GPG (Chu et al., seed 003) in one file: GRPO's loop with the plain policy-gradient loss
+-log pi * A (no ratio, no clipping, no KL, no reference model), the group-mean advantage scaled by
+alpha = B / (B - M), and the beta_th rule: keep sampling new groups until enough are valid.
+
+    python train_gpg.py                                       # built-in tiny model on `addition` (CPU ok)
+    python train_gpg.py --beta_th 0.6 --std_norm true         # paper Table 1 rows
+    python train_gpg.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --lr 1e-6 --max_new_tokens 512
+"""
+import copy
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import common
+from eval import evaluate
+
+
+@dataclass
+class Args(common.Args):
+    std_norm: bool = field(default=False, metadata={"help": "F_norm = group std instead of 1 (paper eq. 6; 1 is the default)"})
+    adv_eps: float = field(default=1e-6, metadata={"help": "epsilon added to the group std (verl 1e-6; seed 000's code 1e-5)"})
+    loss_agg: str = field(default="token-mean", metadata={"help": "token-mean (GPG eq. 5) | seq-mean-token-mean | seq-mean-token-sum-norm"})
+    beta_th: float = field(default=0.5, metadata={"help": "keep sampling until valid groups >= beta_th * prompts_per_step (authors' code 0.5; paper 0.6; 0 = off)"})
+    max_rounds: int = field(default=20, metadata={"help": "most sampling rounds per step for the beta_th rule (authors' code: 20)"})
+
+
+# ---------------------------------------------------------------------------------------------- advantages
+
+
+def compute_advantages(rewards, group_size, std_norm=False, eps=1e-6):
+    """GPG: A_i = alpha * (r_i - mean(r)) / F_norm (paper eqs. 6-8), alpha = B / (B - M) with M the
+    completions in groups whose rewards are all equal (they carry no gradient, eq. 7). verl's `gpg`
+    estimator instead uses alpha = bsz / count_nonzero(scores) (non-zero rewards, no resampling):
+    a different quantity; we follow the paper and the authors' code (B - M valid completions)."""
+    r = rewards.view(-1, group_size)
+    advantages = r - r.mean(dim=1, keepdim=True)
+    if std_norm:
+        advantages = advantages / (r.std(dim=1, keepdim=True) + eps)
+    valid = (r.max(dim=1).values > r.min(dim=1).values).float().sum() * group_size
+    alpha = r.numel() / valid.item() if valid > 0 else 1.0
+    return alpha * advantages.flatten(), alpha
+
+
+# ---------------------------------------------------------------------------------------------- loss
+
+
+def policy_loss(logp, old_logp, ref_logp, advantages, mask, args):
+    """GPG eq. 5: the policy gradient itself, -log pi(o_t) * A; no ratio, clipping or KL."""
+    token_loss = -logp * advantages.unsqueeze(1)
+    ratio = torch.exp((logp - old_logp) * mask).detach()  # only for the kl/old diagnostic
+    return token_loss, {"clipped": torch.zeros_like(logp), "ratio": ratio}
+
+
+def aggregate(token_loss, mask, loss_agg, n_seqs, n_tokens, max_len):
+    """This micro-batch's share of the minibatch loss. Normalisers (n_seqs, n_tokens) count the
+    whole optimisation minibatch, so gradient accumulation does not change the result."""
+    if loss_agg == "token-mean":  # DAPO eq. 12: sum over all tokens / all tokens
+        return (token_loss * mask).sum() / n_tokens
+    if loss_agg == "seq-mean-token-mean":  # GRPO eq. 3: mean over tokens, then over completions
+        return ((token_loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / n_seqs
+    if loss_agg == "seq-mean-token-sum-norm":  # Dr. GRPO: token sum / (G * L_max), L_max a constant
+        return (token_loss * mask).sum() / (n_seqs * max_len)
+    raise ValueError(f"--loss_agg {loss_agg!r}: choose seq-mean-token-mean, token-mean or seq-mean-token-sum-norm")
+
+
+def split_groups(examples, rollouts, rewards, correct, fmt, group_size):
+    """One tuple (example, rollouts, rewards, correct, format) per prompt's group of completions."""
+    out = []
+    for g, ex in enumerate(examples):
+        k = slice(g * group_size, (g + 1) * group_size)
+        part = common.Rollouts(rollouts.prompt_ids[k], rollouts.completion_ids[k], rollouts.sampler_logprobs[k],
+                               rollouts.finished[k])
+        out.append((ex, part, rewards[k], correct[k], fmt[k]))
+    return out
+
+
+def join_groups(groups):
+    rollouts = common.Rollouts(*[sum((getattr(g[1], f) for g in groups), []) for f in
+                                 ("prompt_ids", "completion_ids", "sampler_logprobs", "finished")])
+    return ([g[0] for g in groups], rollouts, *[torch.cat([g[i] for g in groups]) for i in (2, 3, 4)])
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+def main(argv=None):
+    args = common.parse_args(Args, argv)
+    aggregate(torch.zeros(1, 1), torch.ones(1, 1), args.loss_agg, 1, 1, 1)  # fail fast on a bad --loss_agg
+    run = common.setup(args, algo="gpg")
+    model, tok, device, dtype = run.model, run.tokenizer, run.device, run.dtype
+    ref_model = None  # GPG has no reference model
+
+    while run.step < args.steps:
+        step_start = time.perf_counter()
+        # ---- rollout: G completions for each prompt; the beta_th rule (paper Alg. 1, authors' code) keeps
+        # sampling new prompts, accumulating the valid groups, until they fill beta_th of the batch;
+        # the batch is the valid groups first, then the last round's degenerate ones, cut to size
+        t0 = time.perf_counter()
+        valid_groups, rounds, generated, first_round = [], 0, 0, None
+        while True:
+            examples, run.data_pos = common.prompt_batch(run.task.train, run.data_pos, args.prompts_per_step, args.seed)
+            examples = common.shard(examples)
+            prompt_ids = common.encode_prompts(tok, [e["prompt"] for e in examples], args.model != "tiny")
+            rollouts = common.generate(run.engine, model, prompt_ids, args.group_size, run.max_new_tokens, args.temperature,
+                                       seed=(args.seed * 100_003 + run.step * 101 + common.dist_info()[0]) * 64 + rounds,
+                                       device=device, dtype=dtype)
+            scored = common.score_rollouts(run.task, tok, examples, rollouts, args.group_size, args.format_weight)[:3]
+            first_round = first_round if rounds else scored  # reward/* logs the first round: the policy's own rate
+            groups = split_groups(examples, rollouts, *scored, args.group_size)
+            valid_groups += [g for g in groups if g[2].max() > g[2].min()]
+            rounds, generated = rounds + 1, generated + len(rollouts.completion_ids)
+            enough = common.all_sum(len(valid_groups)) >= args.beta_th * common.all_sum(len(examples))
+            if enough or rounds >= args.max_rounds:
+                break
+        degenerate = [g for g in groups if not g[2].max() > g[2].min()]
+        examples, rollouts, rewards, correct, fmt = join_groups((valid_groups + degenerate)[:len(examples)])
+        common.sleep(run.engine)
+        time_rollout = time.perf_counter() - t0
+
+        # ---- update: updates_per_rollout passes, each split into `minibatches` optimizer steps
+        t0 = time.perf_counter()
+        B = len(rollouts.completion_ids)
+        lengths = torch.tensor([len(c) for c in rollouts.completion_ids], dtype=torch.float32)
+        micro = args.micro_batch_size
+
+        def forward(idx, net, need_entropy=False):
+            batch = common.make_batch([rollouts.prompt_ids[i] for i in idx], [rollouts.completion_ids[i] for i in idx],
+                                      tok.pad_token_id, device)
+            with common.autocast(device, dtype):
+                logp, entropy = common.token_logprobs(net, batch, args.temperature, with_entropy=need_entropy)
+            return batch, logp, entropy
+
+        def per_seq(values, mask):  # [b, T] padded -> list of 1-D tensors over each completion
+            return [v[m > 0] for v, m in zip(values, mask)]
+
+        sampler_logp = [torch.tensor(lp, dtype=torch.float32) for lp in rollouts.sampler_logprobs]
+        on_policy = args.updates_per_rollout == 1 and args.minibatches == 1
+        old_logp, ref_logp = [None] * B, [None] * B
+        with torch.no_grad():
+            for s in range(0, B, micro):
+                idx = list(range(s, min(s + micro, B)))
+                if not on_policy:  # pi_old, recomputed by the trainer (not the sampler's values)
+                    batch, logp, _ = forward(idx, model)
+                    old_logp[s:s + len(idx)] = per_seq(logp, batch["mask"])
+                if ref_model is not None:
+                    batch, logp, _ = forward(idx, ref_model)
+                    ref_logp[s:s + len(idx)] = per_seq(logp, batch["mask"])
+
+        def gather(values, idx, mask):  # list of 1-D tensors -> [b, T] matching mask
+            out = torch.zeros_like(mask)
+            out[mask > 0] = torch.cat([values[i].to(mask.device) for i in idx])
+            return out
+
+        # ---- advantages
+        advantages, alpha = compute_advantages(rewards, args.group_size, args.std_norm, args.adv_eps)
+
+        sums = {"loss/policy": 0.0, "clip_frac": 0.0, "kl": 0.0, "kl/old": 0.0, "entropy": 0.0,
+                "logprob/sampler_diff": 0.0, "grad_norm": 0.0}
+        n_opt_steps, tokens_seen = 0, 0.0
+        shuffle = torch.Generator().manual_seed(args.seed * 1_000_003 + run.step)  # a function of the step: resumable
+        for epoch in range(args.updates_per_rollout):
+            perm = torch.randperm(B, generator=shuffle)
+            for mb in perm.chunk(args.minibatches):
+                mb = mb.tolist()
+                n_seqs = common.all_sum(len(mb)) / common.dist_info()[2]  # DDP averages gradients over ranks
+                n_tokens = common.all_sum(float(lengths[mb].sum())) / common.dist_info()[2]
+                for s in range(0, len(mb), micro):
+                    idx = mb[s:s + micro]
+                    batch, logp, entropy = forward(idx, model, need_entropy=epoch == 0)
+                    mask = batch["mask"]
+                    old = logp.detach() if on_policy else gather(old_logp, idx, mask)
+                    ref = gather(ref_logp, idx, mask) if ref_model is not None else None
+                    token_loss, stats = policy_loss(logp, old, ref, advantages[idx].to(device), mask, args)
+                    loss = aggregate(token_loss, mask, args.loss_agg, n_seqs, n_tokens, run.max_new_tokens)
+                    loss.backward()
+                    # diagnostics, token-weighted
+                    ntok = mask.sum().item()
+                    tokens_seen += ntok
+                    sums["loss/policy"] += loss.item()
+                    sums["clip_frac"] += (stats["clipped"] * mask).sum().item()
+                    sums["kl"] += (stats["kl"] * mask).sum().item() if "kl" in stats else 0.0
+                    log_r = torch.log(stats["ratio"].clamp(min=1e-30))
+                    sums["kl/old"] += ((torch.exp(-log_r) + log_r - 1) * mask).sum().item()
+                    if epoch == 0:
+                        sums["entropy"] += (entropy * mask).sum().item()
+                        sampler = gather(sampler_logp, idx, mask)
+                        sums["logprob/sampler_diff"] += ((sampler - logp.detach()).abs() * mask).sum().item()
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
+                run.optimizer.step()
+                run.scheduler.step()
+                run.optimizer.zero_grad(set_to_none=True)
+                sums["grad_norm"] += grad_norm.item()
+                n_opt_steps += 1
+        time_update = time.perf_counter() - t0
+        time_push = common.after_update(run)
+        run.step += 1
+
+        # ---- log (metric names shared by every train_*.py)
+        failed = rewards < run.task.pass_threshold
+        first_pass_tokens = float(lengths.sum())
+        metrics = {
+            "reward/mean": first_round[0].mean().item(), "reward/std": first_round[0].std().item() if B > 1 else 0.0,
+            "reward/correct": first_round[1].mean().item(), "reward/format": first_round[2].mean().item(),
+            "adv/mean": advantages.mean().item(), "adv/abs_mean": advantages.abs().mean().item(),
+            "adv/failed_pos_frac": (advantages[failed] > 0).float().mean().item() if failed.any() else float("nan"),
+            "loss/policy": sums["loss/policy"] / n_opt_steps,
+            "kl": sums["kl"] / tokens_seen if ref_model is not None else float("nan"),
+            "kl/old": sums["kl/old"] / tokens_seen, "clip_frac": sums["clip_frac"] / tokens_seen,
+            "entropy": sums["entropy"] / first_pass_tokens,
+            "logprob/sampler_diff": sums["logprob/sampler_diff"] / first_pass_tokens,
+            "grad_norm": sums["grad_norm"] / n_opt_steps, "lr": run.scheduler.get_last_lr()[0],
+            "len/mean": lengths.mean().item(), "len/truncated": 1.0 - sum(rollouts.finished) / B,
+            "time/rollout": time_rollout, "time/update": time_update, "time/push": time_push,
+            "gpg/alpha": alpha, "gpg/valid_frac": 1 / alpha, "gpg/rounds": rounds, "gpg/extra_rollouts": generated - B,
+            "perf/tokens_per_s": first_pass_tokens / (time.perf_counter() - step_start),
+        }
+        metrics = common.all_mean(metrics)
+        if args.eval_every and (run.step % args.eval_every == 0 or run.step == args.steps):
+            metrics.update(evaluate(run))
+        run.log.log(run.step, metrics)
+        if args.save_every and run.step % args.save_every == 0:
+            common.checkpoint(run)
+
+    common.finish(run)
+    return run
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""PPO (Schulman et al. 2017) for language models in one file: GRPO's loop with a learned value model
+(a transformers backbone and a scalar head) and GAE (Schulman et al. 2018) in place of the group
+baseline; clipped value loss; the critic has its own learning rate and optional warm-up steps.
+
+    python train_ppo.py --group_size 1                        # classic PPO: one completion per prompt
+    python train_ppo.py --task calibration                    # seed 000: PPO stays calibrated
+    python train_ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --lr 1e-6 --max_new_tokens 512
+"""
+import copy
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import common
+from eval import evaluate
+
+
+@dataclass
+class Args(common.Args):
+    gamma: float = field(default=1.0, metadata={"help": "discount (1 in the seed runs: A_t = R - V(s_t) with lam 1)"})
+    lam: float = field(default=1.0, metadata={"help": "GAE lambda (1 = unbiased Monte-Carlo advantage)"})
+    critic_model: str = field(default="", metadata={"help": "value model backbone (default: initialised from the policy)"})
+    critic_lr: float = field(default=0.0, metadata={"help": "critic learning rate (0 = 10 x lr, as 1e-5 vs 1e-6 in seed 000)"})
+    vf_clip: float = field(default=0.2, metadata={"help": "value clip range around the old values (0 = off)"})
+    critic_warmup: int = field(default=0, metadata={"help": "first steps train only the critic"})
+    whiten_advantages: bool = field(default=False, metadata={"help": "batch-normalise advantages (verl's default; biased)"})
+    loss_agg: str = field(default="seq-mean-token-mean", metadata={"help": "seq-mean-token-mean (GRPO) | token-mean (DAPO) | seq-mean-token-sum-norm (Dr. GRPO)"})
+    clip_eps: float = field(default=0.2, metadata={"help": "PPO clip range below 1 (and above, unless clip_eps_high is set)"})
+    clip_eps_high: float = field(default=0.0, metadata={"help": "clip range above 1; DAPO clip-higher uses 0.28 (0 = clip_eps)"})
+    ratio_level: str = field(default="token", metadata={"help": "token | sequence (GSPO: exp of the mean token log-ratio)"})
+    beta: float = field(default=0.0, metadata={"help": "k3 KL penalty to the initial policy (0 = no reference model is loaded)"})
+
+
+# ---------------------------------------------------------------------------------------------- advantages
+
+
+def compute_advantages(rewards, values, mask, gamma=1.0, lam=1.0):
+    """GAE (Schulman et al. 2018, eq. 16) per token of [B, T] completions (left-aligned, mask 1 on
+    tokens): delta_t = r_t + gamma V(s_{t+1}) - V(s_t), A_t = delta_t + gamma lam A_{t+1}; the outcome
+    reward arrives on the last token and V after it is 0. Returns (advantages, returns = A + V)."""
+    B, T = values.shape
+    last = mask.sum(1).long() - 1
+    token_rewards = torch.zeros_like(values)
+    token_rewards[torch.arange(B), last] = rewards
+    advantages = torch.zeros_like(values)
+    next_adv, next_value = torch.zeros(B), torch.zeros(B)
+    for t in reversed(range(T)):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        next_adv = (delta + gamma * lam * next_adv) * mask[:, t]
+        next_value = values[:, t] * mask[:, t]
+        advantages[:, t] = next_adv
+    return advantages, (advantages + values) * mask
+
+
+def load_critic(path, device, gradient_checkpointing):
+    """Value model: a transformers backbone with a scalar head (zero-initialised: V = 0 at start)."""
+    from transformers import AutoModel
+    backbone = AutoModel.from_pretrained(path, dtype=torch.float32)
+    if gradient_checkpointing:
+        backbone.gradient_checkpointing_enable()
+    head = torch.nn.Linear(backbone.config.hidden_size, 1)
+    torch.nn.init.zeros_(head.weight), torch.nn.init.zeros_(head.bias)
+    return torch.nn.ModuleDict({"backbone": backbone, "head": head}).to(device)
+
+
+def critic_values(critic, batch):
+    """V(s_t) for every position, [B, T-1] aligned with batch["mask"] (state before token t+1)."""
+    hidden = critic["backbone"](input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    return critic["head"](hidden[:, :-1]).squeeze(-1).float() * batch["mask"]
+
+
+def value_loss(values, old_values, returns, mask, vf_clip, n_tokens):
+    """Clipped value loss (PPO2, as in verl): 0.5 max((V - R)^2, (clip(V, V_old +- eps) - R)^2), token-mean."""
+    loss = (values - returns) ** 2
+    if vf_clip > 0:
+        clipped = old_values + (values - old_values).clamp(-vf_clip, vf_clip)
+        loss = torch.max(loss, (clipped - returns) ** 2)
+    return 0.5 * (loss * mask).sum() / n_tokens
+
+
+# ---------------------------------------------------------------------------------------------- loss
+
+
+def policy_loss(logp, old_logp, ref_logp, advantages, mask, args):
+    """Per-token clipped surrogate (PPO eq. 7), optionally with GSPO's sequence ratio and a k3 KL."""
+    log_ratio = (logp - old_logp) * mask
+    if args.ratio_level == "sequence":  # GSPO: s_i = exp(mean_t log ratio), one ratio per completion
+        log_ratio = (log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(logp)
+    ratio = torch.exp(log_ratio)
+    adv = advantages  # per token (GAE)
+    eps_high = args.clip_eps_high or args.clip_eps
+    clipped_ratio = torch.clamp(ratio, 1 - args.clip_eps, 1 + eps_high)
+    token_loss = -torch.min(ratio * adv, clipped_ratio * adv)
+    stats = {"clipped": ((ratio * adv) > (clipped_ratio * adv)).float(), "ratio": ratio.detach()}
+    if ref_logp is not None:  # k3 estimator of KL(pi || ref), unbiased and positive (Schulman 2020)
+        kl = torch.expm1(ref_logp - logp) - (ref_logp - logp)  # = e^d - d - 1, exact for small d
+        token_loss = token_loss + args.beta * kl
+        stats["kl"] = kl.detach()
+    return token_loss, stats
+
+
+def aggregate(token_loss, mask, loss_agg, n_seqs, n_tokens, max_len):
+    """This micro-batch's share of the minibatch loss. Normalisers (n_seqs, n_tokens) count the
+    whole optimisation minibatch, so gradient accumulation does not change the result."""
+    if loss_agg == "token-mean":  # DAPO eq. 12: sum over all tokens / all tokens
+        return (token_loss * mask).sum() / n_tokens
+    if loss_agg == "seq-mean-token-mean":  # GRPO eq. 3: mean over tokens, then over completions
+        return ((token_loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / n_seqs
+    if loss_agg == "seq-mean-token-sum-norm":  # Dr. GRPO: token sum / (G * L_max), L_max a constant
+        return (token_loss * mask).sum() / (n_seqs * max_len)
+    raise ValueError(f"--loss_agg {loss_agg!r}: choose seq-mean-token-mean, token-mean or seq-mean-token-sum-norm")
+
+
+def explained_variance(values, returns):
+    v, r = torch.cat(values).cpu(), torch.cat(returns).cpu()
+    return (1 - (r - v).var() / r.var()).item() if r.var() > 0 else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+def main(argv=None):
+    args = common.parse_args(Args, argv)
+    if args.ratio_level not in ("token", "sequence"):
+        raise SystemExit(f"--ratio_level {args.ratio_level!r}: choose token or sequence")
+    aggregate(torch.zeros(1, 1), torch.ones(1, 1), args.loss_agg, 1, 1, 1)  # fail fast on a bad --loss_agg
+    run = common.setup(args, algo="ppo")
+    model, tok, device, dtype = run.model, run.tokenizer, run.device, run.dtype
+    critic = load_critic(args.critic_model or run.model_path, device, args.gradient_checkpointing)
+    critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr or 10 * args.lr, weight_decay=args.weight_decay)
+    if args.resume:  # the value model and its optimizer come back from the checkpoint
+        critic.load_state_dict(run.algo_state["critic"]), critic_opt.load_state_dict(run.algo_state["critic_opt"])
+    run.algo_state = {"critic": critic, "critic_opt": critic_opt}
+    ref_model = None
+    if args.beta > 0:  # frozen copy of the initial policy (after --resume: of the base model)
+        ref_model = common.load_model(args, run.task, device, dtype)[0].eval().requires_grad_(False)
+
+    while run.step < args.steps:
+        step_start = time.perf_counter()
+        # ---- rollout: G completions for each prompt
+        examples, run.data_pos = common.prompt_batch(run.task.train, run.data_pos, args.prompts_per_step, args.seed)
+        examples = common.shard(examples)
+        prompt_ids = common.encode_prompts(tok, [e["prompt"] for e in examples], args.model != "tiny")
+        t0 = time.perf_counter()
+        rollouts = common.generate(run.engine, model, prompt_ids, args.group_size, run.max_new_tokens,
+                                   args.temperature, seed=args.seed * 100_003 + run.step * 101 + common.dist_info()[0],
+                                   device=device, dtype=dtype)
+        common.sleep(run.engine)
+        time_rollout = time.perf_counter() - t0
+        rewards, correct, fmt, _ = common.score_rollouts(run.task, tok, examples, rollouts, args.group_size, args.format_weight)
+
+        # ---- update: updates_per_rollout passes, each split into `minibatches` optimizer steps
+        t0 = time.perf_counter()
+        B = len(rollouts.completion_ids)
+        lengths = torch.tensor([len(c) for c in rollouts.completion_ids], dtype=torch.float32)
+        micro = args.micro_batch_size
+
+        def forward(idx, net, need_entropy=False):
+            batch = common.make_batch([rollouts.prompt_ids[i] for i in idx], [rollouts.completion_ids[i] for i in idx],
+                                      tok.pad_token_id, device)
+            with common.autocast(device, dtype):
+                logp, entropy = common.token_logprobs(net, batch, args.temperature, with_entropy=need_entropy)
+            return batch, logp, entropy
+
+        def per_seq(values, mask):  # [b, T] padded -> list of 1-D tensors over each completion
+            return [v[m > 0] for v, m in zip(values, mask)]
+
+        sampler_logp = [torch.tensor(lp, dtype=torch.float32) for lp in rollouts.sampler_logprobs]
+        on_policy = args.updates_per_rollout == 1 and args.minibatches == 1
+        old_logp, ref_logp, old_values = [None] * B, [None] * B, [None] * B
+        with torch.no_grad():
+            for s in range(0, B, micro):
+                idx = list(range(s, min(s + micro, B)))
+                batch = common.make_batch([rollouts.prompt_ids[i] for i in idx], [rollouts.completion_ids[i] for i in idx],
+                                          tok.pad_token_id, device)
+                with common.autocast(device, dtype):
+                    old_values[s:s + len(idx)] = per_seq(critic_values(critic, batch), batch["mask"])
+                if not on_policy:  # pi_old, recomputed by the trainer (not the sampler's values)
+                    batch, logp, _ = forward(idx, model)
+                    old_logp[s:s + len(idx)] = per_seq(logp, batch["mask"])
+                if ref_model is not None:
+                    batch, logp, _ = forward(idx, ref_model)
+                    ref_logp[s:s + len(idx)] = per_seq(logp, batch["mask"])
+
+        def gather(values, idx, mask):  # list of 1-D tensors -> [b, T] matching mask
+            out = torch.zeros_like(mask)
+            out[mask > 0] = torch.cat([values[i].to(mask.device) for i in idx])
+            return out
+
+        # ---- advantages: GAE on the pre-update values, per token
+        padded_values = torch.nn.utils.rnn.pad_sequence([v.cpu() for v in old_values], batch_first=True)
+        lengths_mask = (torch.arange(padded_values.shape[1]) < lengths[:, None]).float()
+        token_adv, returns = compute_advantages(rewards, padded_values, lengths_mask, args.gamma, args.lam)
+        if args.whiten_advantages:
+            valid = token_adv[lengths_mask > 0]
+            token_adv = (token_adv - valid.mean()) / (valid.std() + 1e-8) * lengths_mask
+        adv_seq = [a[m > 0] for a, m in zip(token_adv, lengths_mask)]
+        ret_seq = [r[m > 0] for r, m in zip(returns, lengths_mask)]
+        advantages = (token_adv.sum(1) / lengths)  # per completion, for the shared adv/* metrics
+
+        sums = {"loss/policy": 0.0, "clip_frac": 0.0, "kl": 0.0, "kl/old": 0.0, "entropy": 0.0,
+                "logprob/sampler_diff": 0.0, "grad_norm": 0.0, "value/loss": 0.0, "value/clip_frac": 0.0}
+        n_opt_steps, tokens_seen = 0, 0.0
+        shuffle = torch.Generator().manual_seed(args.seed * 1_000_003 + run.step)  # a function of the step: resumable
+        for epoch in range(args.updates_per_rollout):
+            perm = torch.randperm(B, generator=shuffle)
+            for mb in perm.chunk(args.minibatches):
+                mb = mb.tolist()
+                n_seqs = common.all_sum(len(mb)) / common.dist_info()[2]  # DDP averages gradients over ranks
+                n_tokens = common.all_sum(float(lengths[mb].sum())) / common.dist_info()[2]
+                for s in range(0, len(mb), micro):
+                    idx = mb[s:s + micro]
+                    batch, logp, entropy = forward(idx, model, need_entropy=epoch == 0)
+                    mask = batch["mask"]
+                    old = logp.detach() if on_policy else gather(old_logp, idx, mask)
+                    ref = gather(ref_logp, idx, mask) if ref_model is not None else None
+                    token_loss, stats = policy_loss(logp, old, ref, gather(adv_seq, idx, mask), mask, args)
+                    loss = aggregate(token_loss, mask, args.loss_agg, n_seqs, n_tokens, run.max_new_tokens)
+                    if run.step >= args.critic_warmup:  # during critic warm-up the policy stays put
+                        loss.backward()
+                    with common.autocast(device, dtype):
+                        values = critic_values(critic, batch)
+                    v_old = gather(old_values, idx, mask)
+                    v_loss = value_loss(values, v_old, gather(ret_seq, idx, mask), mask, args.vf_clip, n_tokens)
+                    v_loss.backward()
+                    sums["value/loss"] += v_loss.item()
+                    sums["value/clip_frac"] += (((values - v_old).abs() > args.vf_clip).float() * mask).sum().item() if args.vf_clip else 0.0
+                    # diagnostics, token-weighted
+                    ntok = mask.sum().item()
+                    tokens_seen += ntok
+                    sums["loss/policy"] += loss.item()
+                    sums["clip_frac"] += (stats["clipped"] * mask).sum().item()
+                    sums["kl"] += (stats["kl"] * mask).sum().item() if "kl" in stats else 0.0
+                    log_r = torch.log(stats["ratio"].clamp(min=1e-30))
+                    sums["kl/old"] += ((torch.exp(-log_r) + log_r - 1) * mask).sum().item()
+                    if epoch == 0:
+                        sums["entropy"] += (entropy * mask).sum().item()
+                        sampler = gather(sampler_logp, idx, mask)
+                        sums["logprob/sampler_diff"] += ((sampler - logp.detach()).abs() * mask).sum().item()
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
+                torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip or float("inf"))
+                run.optimizer.step()
+                run.scheduler.step()
+                critic_opt.step()
+                run.optimizer.zero_grad(set_to_none=True)
+                critic_opt.zero_grad(set_to_none=True)
+                sums["grad_norm"] += grad_norm.item()
+                n_opt_steps += 1
+        time_update = time.perf_counter() - t0
+        time_push = common.after_update(run)
+        run.step += 1
+
+        # ---- log (metric names shared by every train_*.py)
+        failed = rewards < run.task.pass_threshold
+        first_pass_tokens = float(lengths.sum())
+        metrics = {
+            "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if B > 1 else 0.0,
+            "reward/correct": correct.mean().item(), "reward/format": fmt.mean().item(),
+            "adv/mean": advantages.mean().item(), "adv/abs_mean": advantages.abs().mean().item(),
+            "adv/failed_pos_frac": (advantages[failed] > 0).float().mean().item() if failed.any() else float("nan"),
+            "loss/policy": sums["loss/policy"] / n_opt_steps,
+            "kl": sums["kl"] / tokens_seen if ref_model is not None else float("nan"),
+            "kl/old": sums["kl/old"] / tokens_seen, "clip_frac": sums["clip_frac"] / tokens_seen,
+            "entropy": sums["entropy"] / first_pass_tokens,
+            "logprob/sampler_diff": sums["logprob/sampler_diff"] / first_pass_tokens,
+            "grad_norm": sums["grad_norm"] / n_opt_steps, "lr": run.scheduler.get_last_lr()[0],
+            "len/mean": lengths.mean().item(), "len/truncated": 1.0 - sum(rollouts.finished) / B,
+            "time/rollout": time_rollout, "time/update": time_update, "time/push": time_push,
+            "value/loss": sums["value/loss"] / n_opt_steps, "value/clip_frac": sums["value/clip_frac"] / tokens_seen,
+            "value/mean": torch.cat(old_values).mean().item(), "value/explained_var": explained_variance(old_values, ret_seq),
+            "perf/tokens_per_s": first_pass_tokens / (time.perf_counter() - step_start),
+        }
+        metrics = common.all_mean(metrics)
+        if args.eval_every and (run.step % args.eval_every == 0 or run.step == args.steps):
+            metrics.update(evaluate(run))
+        run.log.log(run.step, metrics)
+        if args.save_every and run.step % args.save_every == 0:
+            common.checkpoint(run)
+
+    common.finish(run)
+    return run
+
+
+if __name__ == "__main__":
+    main()
