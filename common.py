@@ -62,6 +62,7 @@ class Args:
     save_every: int = field(default=50, metadata={"help": "checkpoint every N steps (and at the end)"})
     resume: bool = field(default=False, metadata={"help": "continue from out_dir/run_name/checkpoint.pt"})
     format_weight: float = field(default=0.0, metadata={"help": "add this times the format score to the reward"})
+    decontaminate: int = field(default=0, metadata={"help": "drop training prompts sharing a word n-gram of this size with a held-out prompt (13 is usual; 0 = off)"})
     brier: bool = field(default=False, metadata={"help": "calibration task: Brier reward instead of log-likelihood"})
     jsonl_reward: str = field(default="math", metadata={"help": "reward for jsonl:PATH tasks: math | exact"})
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "share of GPU memory vLLM may take (colocated with the trainer)"})
@@ -211,6 +212,14 @@ def build_tiny_model(alphabet: list, seed: int = 0, cache_dir: str = CACHE_DIR) 
 def re_escape(s: str) -> str:
     import re
     return re.escape(s)
+
+
+def prompt_style(model: str) -> str:
+    """'tiny' for the built-in model and checkpoints trained from it (final/ carries a marker), else 'chat'."""
+    marker = os.path.join(model, "rlmini.json")
+    if model == "tiny" or (os.path.exists(marker) and json.load(open(marker)).get("prompt_style") == "tiny"):
+        return "tiny"
+    return "chat"
 
 
 def load_model(args, task, device, dtype):
@@ -665,13 +674,15 @@ def load_checkpoint(path: str) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def save_final(model, tokenizer, path: str) -> None:
+def save_final(model, tokenizer, path: str, style: str = "chat") -> None:
     """The final policy in HF format (loadable by transformers and vLLM), written atomically."""
     inner = getattr(model, "module", model)
     tmp = f"{path}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     inner.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    with open(os.path.join(tmp, "rlmini.json"), "w") as f:
+        json.dump({"prompt_style": style}, f)
     old = f"{path}.old"
     if os.path.exists(path):
         shutil.rmtree(old, ignore_errors=True)
@@ -700,6 +711,7 @@ class Run:
     log: RunLog
     max_new_tokens: int
     probe: tuple
+    style: str = "tiny"     # prompt format: "tiny" (terse, no chat template) or "chat"
     step: int = 0
     data_pos: int = 0
     algo_state: dict = field(default_factory=dict)
@@ -719,8 +731,14 @@ def setup(args, algo: str) -> Run:
         args.run_name = f"{algo}-{args.task.split(':')[0]}-{model_tag}-s{args.seed}"
     run_dir = os.path.join(args.out_dir, args.run_name)
     os.makedirs(run_dir, exist_ok=True)
-    style = "tiny" if args.model == "tiny" else "chat"
+    style = prompt_style(args.model)
     task = rewards.load_task(args.task, style=style, seed=args.seed, brier=args.brier, jsonl_reward=args.jsonl_reward)
+    if args.decontaminate:
+        from eval import decontaminate
+        task.train, dropped = decontaminate(task.train, task.test, args.decontaminate)
+        if not task.train:
+            raise SystemExit(f"--decontaminate {args.decontaminate}: every training prompt overlaps the held-out split")
+        print(f"decontaminate: dropped {dropped} training prompts sharing a {args.decontaminate}-gram with the test split")
     model, tokenizer, path = load_model(args, task, device, dtype)
     if not args.push_check_tol:
         args.push_check_tol = default_push_tol(dtype)
@@ -736,7 +754,7 @@ def setup(args, algo: str) -> Run:
     probe = (probe_prompt, [3 + (7 * i) % max(1, len(tokenizer) - 3) for i in range(min(8, max_new))])
     engine = make_engine(args, path, tokenizer, device, dtype, max_len)
     run = Run(args, run_dir, device, dtype, task, model, tokenizer, path, engine, optimizer, scheduler, None,
-              max_new, probe)
+              max_new, probe, style)
     ckpt_path = os.path.join(run_dir, "checkpoint.pt")
     if args.resume:
         state = load_checkpoint(ckpt_path)
@@ -778,5 +796,5 @@ def after_update(run: Run) -> float:
 def finish(run: Run) -> None:
     checkpoint(run)
     if dist_info()[0] == 0:
-        save_final(run.model, run.tokenizer, os.path.join(run.run_dir, "final"))
+        save_final(run.model, run.tokenizer, os.path.join(run.run_dir, "final"), run.style)
     run.log.close()

@@ -1,29 +1,99 @@
-"""Evaluation: metrics on the held-out split, used by every train_*.py.
+"""Evaluation: the metrics seed 002 and seed 000 ask for, as a library and as a command.
 
-`evaluate(run)` samples `eval_n` completions per held-out prompt with the run's engine and reports
-correctness and format apart (seed 002), and for probability tasks the calibration error (seed 000).
+    python eval.py --model runs/demo/final --task addition --n 16 --k 1,4,16   # JSON, Markdown, plots
+    python eval.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --n 8 --k 1,8 --limit 200
+    python eval.py compare runs/grpo-calibration-tiny-s0 runs/rloo-calibration-tiny-s0   # no wandb needed
+    python eval.py audit --reward math --file labelled.jsonl  # verifier recall/precision vs human labels
+    python eval.py contamination --task gsm8k:data/gsm8k_{split}.jsonl --ngram 13
+
+Library: pass_at_k (unbiased, stable), maj_at_k and mean_at_k with bootstrap intervals,
+expected_calibration_error (seed 000's right-closed bins), auroc and brier (scikit-learn),
+reliability_diagram (PNG), ngram_overlap (contamination), verifier_audit, and evaluate(run) which
+every train_*.py calls every --eval_every steps (eval/* metrics and runs/<run>/eval.json).
 """
+import argparse
+import collections
 import json
+import math
 import os
+import sys
 
 import numpy as np
 import torch
 
 import common
+import rewards
+
+# ---------------------------------------------------------------------------------------------- metrics
 
 
-def expected_calibration_error(probs, labels, n_bins: int = 10) -> float:
-    """ECE = sum_b n_b/N |mean prediction_b - mean label_b| over equal-width, right-closed bins
-    (lo, hi], as seed 000's authors computed it (Guo et al. 2017); a prediction of exactly 0 goes
-    to the first bin."""
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021),
+    computed as a product so large n does not overflow."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n (got n={n}, c={c}, k={k})")
+    if n - c < k:
+        return 1.0
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def _majority(preds: list, correct: list):
+    """The most common prediction (ties: the first to appear) and whether it is correct."""
+    valid = [(p, c) for p, c in zip(preds, correct) if p is not None]
+    if not valid:
+        return False
+    counts = collections.Counter(p for p, _ in valid)
+    best = max(counts.values())
+    winner = next(p for p, _ in valid if counts[p] == best)
+    return any(c for p, c in valid if p == winner)
+
+
+def maj_at_k(preds: list, correct: list, k: int, draws: int = 32, seed: int = 0) -> np.ndarray:
+    """Majority-vote accuracy at k per question: the mean over `draws` random k-subsets of its n
+    samples (all of them when k == n). preds/correct: one list per question."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for p, c in zip(preds, correct):
+        n = len(p)
+        if k > n:
+            raise ValueError(f"maj@{k} needs at least {k} samples per question (got {n})")
+        subsets = [np.arange(n)] if k == n else [rng.choice(n, k, replace=False) for _ in range(draws)]
+        out.append(np.mean([_majority([p[i] for i in s], [c[i] for i in s]) for s in subsets]))
+    return np.array(out, dtype=np.float64)
+
+
+def mean_at_k(correct: list, k: int) -> np.ndarray:
+    """Average correctness of the first k samples, per question."""
+    return np.array([np.mean(c[:k]) for c in correct], dtype=np.float64)
+
+
+def bootstrap_ci(per_question, level: float = 0.95, draws: int = 1000, seed: int = 0) -> tuple:
+    """Percentile bootstrap interval of the mean over questions."""
+    x = np.asarray(per_question, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, len(x), size=(draws, len(x)))].mean(1)
+    return float(np.quantile(means, (1 - level) / 2)), float(np.quantile(means, 1 - (1 - level) / 2))
+
+
+def _check_probs(probs, labels):
     probs = np.asarray(probs, dtype=np.float64)
     labels = np.asarray(labels, dtype=np.float64)
     if probs.shape != labels.shape or probs.ndim != 1:
         raise ValueError(f"probs and labels must be 1-D and the same length (got {probs.shape}, {labels.shape})")
     if len(probs) == 0:
         raise ValueError("no predictions")
-    if np.any((probs < 0) | (probs > 1)) or np.any(np.isnan(probs)):
+    if np.any(np.isnan(probs)) or np.any((probs < 0) | (probs > 1)):
         raise ValueError("probabilities must lie in [0, 1]")
+    if not np.all(np.isin(labels, (0, 1))):
+        raise ValueError("labels must be 0 or 1")
+    return probs, labels
+
+
+def expected_calibration_error(probs, labels, n_bins: int = 10) -> float:
+    """ECE = sum_b n_b/N |mean prediction_b - mean label_b| over equal-width, right-closed bins
+    (lo, hi], as seed 000's authors computed it (Guo et al. 2017); a prediction of exactly 0 goes
+    to the first bin."""
+    probs, labels = _check_probs(probs, labels)
     edges = np.linspace(0.0, 1.0, n_bins + 1)
     ece = 0.0
     for b, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
@@ -35,27 +105,121 @@ def expected_calibration_error(probs, labels, n_bins: int = 10) -> float:
     return float(ece)
 
 
-@torch.no_grad()
-def evaluate(run) -> dict:
-    """Held-out metrics (eval/*) for the run's current policy; also writes <run_dir>/eval.json."""
-    args, task = run.args, run.task
-    examples = task.test[: args.eval_limit or None]
-    examples = common.shard(examples)
-    prompt_ids = common.encode_prompts(run.tokenizer, [e["prompt"] for e in examples], args.model != "tiny")
-    rollouts = common.generate(run.engine, run.model, prompt_ids, args.eval_n, run.max_new_tokens, args.temperature,
-                               seed=args.seed + 7_777_777, device=run.device, dtype=run.dtype)
-    rewards, correct, fmt, scores = common.score_rollouts(task, run.tokenizer, examples, rollouts, args.eval_n, 0.0)
-    metrics = {"eval/pass@1": correct.mean().item(), "eval/reward": rewards.mean().item(),
-               "eval/format_fail": 1.0 - fmt.mean().item()}
+def auroc(probs, labels) -> float:
+    """Area under the ROC curve (scikit-learn); NaN when only one class is present."""
+    from sklearn.metrics import roc_auc_score
+    probs, labels = _check_probs(probs, labels)
+    return float(roc_auc_score(labels, probs)) if len(set(labels.tolist())) == 2 else float("nan")
+
+
+def brier(probs, labels) -> float:
+    from sklearn.metrics import brier_score_loss
+    probs, labels = _check_probs(probs, labels)
+    return float(brier_score_loss(labels, probs))
+
+
+def reliability_diagram(curves: dict, path: str, n_bins: int = 10) -> None:
+    """PNG: predicted probability vs observed frequency per bin, one panel per named (probs, labels)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(curves), figsize=(3.4 * len(curves), 3.4), squeeze=False)
+    edges = np.linspace(0, 1, n_bins + 1)
+    for ax, (name, (probs, labels)) in zip(axes[0], curves.items()):
+        probs, labels = _check_probs(probs, labels)
+        idx = np.clip(np.searchsorted(edges, probs, side="left") - 1, 0, n_bins - 1)
+        xs = [probs[idx == b].mean() for b in range(n_bins) if (idx == b).any()]
+        ys = [labels[idx == b].mean() for b in range(n_bins) if (idx == b).any()]
+        ax.plot([0, 1], [0, 1], "k--", lw=0.8)
+        ax.plot(xs, ys, "o-")
+        ax.set_title(f"{name}\nECE {expected_calibration_error(probs, labels):.3f}", fontsize=9)
+        ax.set_xlabel("predicted probability")
+        ax.set_xlim(0, 1), ax.set_ylim(0, 1)
+    axes[0][0].set_ylabel("observed frequency")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------- contamination and verifier audit
+
+
+def _ngrams(text: str, n: int) -> set:
+    words = text.lower().split()
+    return {" ".join(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+def ngram_overlap(train_prompts: list, eval_prompts: list, n: int = 13) -> dict:
+    """Evaluation prompts sharing at least one word n-gram with a training prompt: the share, and
+    the offending (eval index, train index, n-gram) pairs."""
+    index = {}
+    for j, p in enumerate(train_prompts):
+        for g in _ngrams(p, n):
+            index.setdefault(g, j)
+    pairs = []
+    for i, p in enumerate(eval_prompts):
+        hit = next((g for g in _ngrams(p, n) if g in index), None)
+        if hit is not None:
+            pairs.append({"eval": i, "train": index[hit], "ngram": hit})
+    return {"n": n, "share": len(pairs) / max(1, len(eval_prompts)), "pairs": pairs}
+
+
+def decontaminate(train: list, test: list, n: int = 13) -> tuple:
+    """Drop training examples that share an n-gram with any held-out prompt."""
+    test_grams = set().union(*(_ngrams(e["prompt"], n) for e in test)) if test else set()
+    kept = [e for e in train if not (_ngrams(e["prompt"], n) & test_grams)]
+    return kept, len(train) - len(kept)
+
+
+def verifier_audit(score, rows: list, source: str = "audit") -> dict:
+    """A reward function `score(completion, example, finished)` against human labels. rows: {completion, answer, label}; label 1 =
+    the completion is correct. Recall = share of human-correct rows the verifier accepts (seed 002:
+    rule-based verifiers missed 14%), precision = share of accepted rows that are correct."""
+    tp = fp = fn = tn = 0
+    disagree = []
+    for i, row in enumerate(rows):
+        for key in ("completion", "answer", "label"):
+            if key not in row:
+                raise rewards.DataError(f"{source}: row {i}: missing field '{key}' (has: {sorted(row)})")
+        if row["label"] not in (0, 1, True, False):
+            raise rewards.DataError(f"{source}: row {i}: label must be 0 or 1 (got {row['label']!r})")
+        verdict = score(str(row["completion"]), {"answer": row["answer"]}, True).correct >= 1.0
+        human = bool(row["label"])
+        tp += verdict and human
+        fp += verdict and not human
+        fn += (not verdict) and human
+        tn += (not verdict) and not human
+        if verdict != human:
+            disagree.append({"row": i, "verifier": int(verdict), "human": int(human), **row})
+    return {"rows": len(rows), "recall": tp / (tp + fn) if tp + fn else float("nan"),
+            "precision": tp / (tp + fp) if tp + fp else float("nan"), "tp": tp, "fp": fp, "fn": fn, "tn": tn,
+            "disagreements": disagree}
+
+
+# ---------------------------------------------------------------------------------------------- evaluating a policy
+
+
+def summarize(task, examples: list, scores: list, n: int, ks: list, boot: bool = False) -> dict:
+    """Metrics from n scored samples per question (scores grouped by question)."""
+    correct = [[s.correct >= 1.0 for s in scores[i * n:(i + 1) * n]] for i in range(len(examples))]
+    preds = [[s.pred for s in scores[i * n:(i + 1) * n]] for i in range(len(examples))]
+    out = {"questions": len(examples), "n": n,
+           "format_fail": 1.0 - float(np.mean([s.format_ok for s in scores])),
+           "reward": float(np.mean([s.reward for s in scores]))}
+    for k in ks:
+        per_q = {f"pass@{k}": np.array([pass_at_k(n, sum(c), k) for c in correct]),
+                 f"maj@{k}": maj_at_k(preds, correct, k), f"mean@{k}": mean_at_k(correct, k)}
+        for name, v in per_q.items():
+            out[name] = float(v.mean())
+            if boot:
+                out[f"{name}_ci95"] = bootstrap_ci(v)
+    if task.kind == "ordinal":
+        out["pass_rate"] = float(np.mean([s.reward >= task.pass_threshold for s in scores]))
     if task.kind == "probability":
-        probs, labels = probability_predictions(scores, examples, args.eval_n)
-        metrics["eval/ece"] = expected_calibration_error(probs, labels)
-    metrics = common.all_mean(metrics)
-    if common.dist_info()[0] == 0:
-        with open(os.path.join(run.run_dir, "eval.json"), "w") as f:
-            json.dump({"step": run.step, **metrics}, f, indent=2)
-    common.sleep(run.engine)
-    return metrics
+        probs, labels = probability_predictions(scores, examples, n)
+        out.update(ece=expected_calibration_error(probs, labels), auroc=auroc(probs, labels),
+                   brier=brier(probs, labels), accuracy=float(np.mean((probs > 0.5) == (labels == 1))))
+    return out
 
 
 def probability_predictions(scores, examples, n):
@@ -67,3 +231,228 @@ def probability_predictions(scores, examples, n):
         probs.append(float(np.mean(valid)) if valid else 0.5)
         labels.append(ex["answer"])
     return np.array(probs), np.array(labels)
+
+
+def sample_and_score(run, examples: list, n: int, seed: int) -> list:
+    prompt_ids = common.encode_prompts(run.tokenizer, [e["prompt"] for e in examples], run.style == "chat")
+    rollouts = common.generate(run.engine, run.model, prompt_ids, n, run.max_new_tokens, run.args.temperature,
+                               seed=seed, device=run.device, dtype=run.dtype)
+    return common.score_rollouts(run.task, run.tokenizer, examples, rollouts, n, 0.0)[3]
+
+
+@torch.no_grad()
+def evaluate(run) -> dict:
+    """Held-out metrics (eval/*) for the run's current policy: pass@1, pass@k and maj@k with
+    k = --eval_n, format failures, and for probability tasks ECE, AUROC, Brier; also writes
+    <run_dir>/eval.json."""
+    args = run.args
+    examples = common.shard(run.task.test[: args.eval_limit or None])
+    scores = sample_and_score(run, examples, args.eval_n, seed=args.seed + 7_777_777)
+    full = summarize(run.task, examples, scores, args.eval_n, sorted({1, args.eval_n}))
+    k = args.eval_n
+    metrics = {"eval/pass@1": full["pass@1"], "eval/pass@k": full[f"pass@{k}"], "eval/maj@k": full[f"maj@{k}"],
+               "eval/format_fail": full["format_fail"], "eval/reward": full["reward"]}
+    for key in ("ece", "auroc", "brier", "pass_rate"):
+        if key in full:
+            metrics[f"eval/{key}"] = full[key]
+    metrics = common.all_mean(metrics)
+    if common.dist_info()[0] == 0:
+        with open(os.path.join(run.run_dir, "eval.json"), "w") as f:
+            json.dump({"step": run.step, "k": k, **metrics}, f, indent=2)
+    common.sleep(run.engine)
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------- command line
+
+
+def _write(out_dir: str, name: str, obj) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    with open(path, "w") as f:
+        f.write(obj if isinstance(obj, str) else json.dumps(obj, indent=2))
+    return path
+
+
+def _markdown(rows: list, columns: list) -> str:
+    fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else ("" if v is None else str(v))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _model_name(model: str) -> str:
+    """runs/<run>/final -> <run>; a hub id or other path -> its last part."""
+    parts = model.rstrip("/").split("/")
+    return parts[-2] if parts[-1] == "final" and len(parts) > 1 else parts[-1]
+
+
+def cmd_evaluate(argv) -> dict:
+    p = argparse.ArgumentParser(prog="eval.py", description="Evaluate a policy on a task's held-out split.")
+    p.add_argument("--model", default="tiny", help="hub id, local path (e.g. runs/<run>/final) or 'tiny'")
+    p.add_argument("--task", default="addition", help="as in training: addition, calibration, ordinal, gsm8k, math, jsonl:PATH")
+    p.add_argument("--n", type=int, default=16, help="samples per question")
+    p.add_argument("--k", default="1,4,16", help="comma-separated k for pass@k, maj@k, mean@k (each <= n)")
+    p.add_argument("--split", default="test", choices=["test", "train"])
+    p.add_argument("--limit", type=int, default=0, help="questions (0 = all)")
+    p.add_argument("--engine", default="vllm", choices=["vllm", "hf"])
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max_new_tokens", type=int, default=0, help="0 = the task's default")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="", help="output folder (default runs/eval-<model>-<task>)")
+    a = p.parse_args(argv)
+    ks = sorted({int(k) for k in a.k.split(",")})
+    if not ks or min(ks) < 1 or max(ks) > a.n:
+        raise SystemExit(f"--k {a.k}: every k must lie in 1..--n ({a.n})")
+    if a.engine == "vllm":
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    args = common.Args(model=a.model, task=a.task, engine=a.engine, temperature=a.temperature, seed=a.seed,
+                       max_new_tokens=a.max_new_tokens, dtype=a.dtype)
+    device, dtype = common.setup_device(args)
+    style = common.prompt_style(a.model)
+    task = rewards.load_task(a.task, style=style, seed=a.seed)
+    model, tok, path = common.load_model(args, task, device, dtype)
+    model.eval()
+    max_new = a.max_new_tokens or task.max_new_tokens
+    examples = (task.test if a.split == "test" else task.train)[: a.limit or None]
+    engine = common.make_engine(args, path, tok, device, dtype, max_len=min(
+        getattr(model.config, "max_position_embeddings", 4096),
+        max(len(x) for x in common.encode_prompts(tok, [e["prompt"] for e in examples], style == "chat")) + max_new + 8))
+    run = argparse.Namespace(args=args, tokenizer=tok, style=style, engine=engine, model=model, max_new_tokens=max_new,
+                             device=device, dtype=dtype, task=task)
+    scores = sample_and_score(run, examples, a.n, seed=a.seed + 7_777_777)
+    result = {"model": a.model, "task": a.task, "split": a.split, "temperature": a.temperature,
+              **summarize(task, examples, scores, a.n, ks, boot=True)}
+    out = a.out or os.path.join("runs", f"eval-{_model_name(a.model)}-{a.task.split(':')[0]}")
+    _write(out, "eval.json", result)
+    rows = [{"k": k, **{m: result[f"{m}@{k}"] for m in ("pass", "maj", "mean")},
+             **{f"{m} 95% CI": "[{:.3f}, {:.3f}]".format(*result[f"{m}@{k}_ci95"]) for m in ("pass", "maj")}} for k in ks]
+    table = _markdown(rows, ["k", "pass", "pass 95% CI", "maj", "maj 95% CI", "mean"])
+    extra = {k: result[k] for k in ("format_fail", "reward", "pass_rate", "ece", "auroc", "brier", "accuracy") if k in result}
+    table += "\n" + _markdown([extra], list(extra))
+    _write(out, "eval.md", f"# {a.model} on {a.task} ({a.split}, {len(examples)} questions, n={a.n})\n\n" + table)
+    _plot_pass_at_k(result, ks, os.path.join(out, "pass_at_k.png"))
+    if task.kind == "probability":
+        reliability_diagram({_model_name(a.model): probability_predictions(scores, examples, a.n)},
+                            os.path.join(out, "reliability.png"))
+    print(table, end="")
+    print(f"wrote {out}/eval.json, eval.md, pass_at_k.png" + (", reliability.png" if task.kind == "probability" else ""))
+    return result
+
+
+def _plot_pass_at_k(result, ks, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(4, 3))
+    for m in ("pass", "maj", "mean"):
+        ax.plot(ks, [result[f"{m}@{k}"] for k in ks], "o-", label=f"{m}@k")
+    ax.set_xscale("log", base=2), ax.set_xlabel("k (samples)"), ax.set_ylabel("accuracy"), ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+COMPARE_KEYS = ["reward/mean", "reward/correct", "adv/failed_pos_frac", "entropy", "eval/pass@1", "eval/pass@k",
+                "eval/maj@k", "eval/format_fail", "eval/ece", "eval/auroc", "eval/brier"]
+
+
+def cmd_compare(argv) -> dict:
+    p = argparse.ArgumentParser(prog="eval.py compare", description="Compare runs from their metrics.jsonl, no wandb needed.")
+    p.add_argument("runs", nargs="+", help="run folders (each with metrics.jsonl)")
+    p.add_argument("--out", default=os.path.join("runs", "compare"))
+    p.add_argument("--last", type=int, default=10, help="training metrics: mean of the last N steps")
+    a = p.parse_args(argv)
+    data = {}
+    for r in a.runs:
+        path = os.path.join(r, "metrics.jsonl")
+        if not os.path.exists(path):
+            raise SystemExit(f"compare: {path}: file not found")
+        try:
+            data[os.path.basename(r.rstrip("/"))] = common.read_metrics(path)
+        except (json.JSONDecodeError, KeyError) as e:
+            raise SystemExit(f"compare: {path}: not a metrics.jsonl ({e})") from None
+    rows = []
+    for name, m in data.items():
+        row = {"run": name, "steps": m[-1]["step"] if m else 0}
+        for key in COMPARE_KEYS:
+            vals = [x[key] for x in m if key in x and not math.isnan(x[key])]
+            if vals:  # eval/* : the last evaluation; training metrics: mean of the last N steps
+                row[key] = vals[-1] if key.startswith("eval/") else float(np.mean(vals[-a.last:]))
+        rows.append(row)
+    columns = ["run", "steps"] + [k for k in COMPARE_KEYS if any(k in r for r in rows)]
+    table = _markdown(rows, columns)
+    _write(a.out, "comparison.md", table)
+    _write(a.out, "comparison.json", rows)
+    _plot_curves(data, [k for k in ("reward/mean", "eval/pass@1", "eval/ece") if k in columns],
+                 os.path.join(a.out, "curves.png"))
+    print(table, end="")
+    print(f"wrote {a.out}/comparison.md, comparison.json, curves.png")
+    return {"rows": rows}
+
+
+def _plot_curves(data, keys, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(4 * max(1, len(keys)), 3), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        for name, m in data.items():
+            pts = [(x["step"], x[key]) for x in m if key in x and not math.isnan(x[key])]
+            if pts:
+                ax.plot(*zip(*pts), "o-" if len(pts) < 20 else "-", label=name, ms=3)
+        ax.set_title(key, fontsize=9), ax.set_xlabel("step")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def cmd_audit(argv) -> dict:
+    p = argparse.ArgumentParser(prog="eval.py audit", description="The reward function against human labels.")
+    p.add_argument("--reward", default="math", choices=sorted(rewards.JSONL_REWARDS),
+                   help="the verifier: math (math-verify on the last \\boxed{}, as gsm8k/math) | exact")
+    p.add_argument("--file", required=True, help="JSONL: {completion, answer, label (1 = correct)} per line")
+    p.add_argument("--out", default="")
+    a = p.parse_args(argv)
+    result = verifier_audit(rewards.JSONL_REWARDS[a.reward], rewards.read_jsonl(a.file), a.file)
+    if a.out:
+        _write(a.out, "audit.json", result)
+    print(f"{a.file}: {result['rows']} rows, recall {result['recall']:.3f}, precision {result['precision']:.3f}, "
+          f"{len(result['disagreements'])} disagreements")
+    for d in result["disagreements"][:20]:
+        print(f"  row {d['row']}: verifier {d['verifier']} human {d['human']}: {str(d['completion'])[:100]!r}")
+    return result
+
+
+def cmd_contamination(argv) -> dict:
+    p = argparse.ArgumentParser(prog="eval.py contamination", description="Word n-gram overlap of training and evaluation prompts.")
+    p.add_argument("--task", required=True, help="checks the task's train split against its test split")
+    p.add_argument("--ngram", type=int, default=13)
+    p.add_argument("--out", default="")
+    a = p.parse_args(argv)
+    task = rewards.load_task(a.task, style="chat")
+    result = ngram_overlap([e["prompt"] for e in task.train], [e["prompt"] for e in task.test], a.ngram)
+    if a.out:
+        _write(a.out, "contamination.json", result)
+    print(f"{a.task}: {len(result['pairs'])} of {len(task.test)} held-out prompts ({result['share']:.1%}) share a "
+          f"{a.ngram}-gram with a training prompt")
+    for q in result["pairs"][:20]:
+        print(f"  test {q['eval']} ~ train {q['train']}: {q['ngram']!r}")
+    return result
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"compare": cmd_compare, "audit": cmd_audit, "contamination": cmd_contamination}
+    if argv and argv[0] in commands:
+        return commands[argv[0]](argv[1:])
+    return cmd_evaluate(argv)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except rewards.DataError as e:
+        raise SystemExit(f"error: {e}") from None

@@ -27,6 +27,7 @@ class Score:
     correct: float       # 1/0 correctness (probability tasks: thresholded prediction == outcome)
     format_ok: float     # 1/0: answer parseable and the completion ended with EOS
     prob: float | None = None   # probability tasks: the predicted P(yes)
+    pred: str | None = None     # the extracted answer (what majority voting counts)
 
 
 @dataclass
@@ -81,7 +82,7 @@ def score_boxed_math(completion: str, example: dict, finished: bool) -> Score:
     if pred is None or not finished:
         return Score(0.0, 0.0, 0.0)
     ok = float(math_equal(pred, str(example["answer"])))
-    return Score(ok, ok, 1.0)
+    return Score(ok, ok, 1.0, pred=pred.replace(" ", ""))
 
 
 def score_exact(completion: str, example: dict, finished: bool) -> Score:
@@ -91,7 +92,7 @@ def score_exact(completion: str, example: dict, finished: bool) -> Score:
     if not finished or not pred:
         return Score(0.0, 0.0, 0.0)
     ok = float(pred == str(example["answer"]).strip())
-    return Score(ok, ok, 1.0)
+    return Score(ok, ok, 1.0, pred=pred)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,7 +129,7 @@ def addition_task(style: str, seed: int, max_operand: int = 9, n_test: int = 20)
         if not finished or not text.isdigit():
             return Score(0.0, 0.0, 0.0)
         ok = float(int(text) == example["answer"])
-        return Score(ok, ok, 1.0)
+        return Score(ok, ok, 1.0, pred=str(int(text)))
 
     return Task("addition", "binary", train, test, score, pass_threshold=1.0,
                 alphabet=DIGITS + ["+", "="], max_new_tokens=4 if style == "tiny" else 256)
@@ -178,7 +179,7 @@ def calibration_task(style: str, seed: int, n_categories: int = 20, n_questions:
         reward = calibration_reward(q, a, brier)
         if q is None:
             return Score(reward, 0.0, 0.0, None)
-        return Score(reward, float((q > 0.5) == (a == 1)), 1.0, q)
+        return Score(reward, float((q > 0.5) == (a == 1)), 1.0, q, pred=str(k))
 
     # a prediction at 50% is the uninformed baseline: better than that counts as passed
     threshold = calibration_reward(0.5, 1, brier)
@@ -217,7 +218,8 @@ def ordinal_task(style: str, seed: int, n_test: int = 10) -> Task:
         text = text.strip()
         pred = int(text) if finished and len(text) == 1 and text.isdigit() else None
         reward = ordinal_reward(pred, example["answer"])
-        return Score(reward, float(pred == example["answer"]), float(pred is not None))
+        return Score(reward, float(pred == example["answer"]), float(pred is not None),
+                     pred=None if pred is None else str(pred))
 
     return Task("ordinal", "ordinal", train, test, score, pass_threshold=0.5,
                 alphabet=DIGITS + ["+", "="], max_new_tokens=2 if style == "tiny" else 256)

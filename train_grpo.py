@@ -93,7 +93,7 @@ def main(argv=None):
         # ---- rollout: G completions for each prompt
         examples, run.data_pos = common.prompt_batch(run.task.train, run.data_pos, args.prompts_per_step, args.seed)
         examples = common.shard(examples)
-        prompt_ids = common.encode_prompts(tok, [e["prompt"] for e in examples], args.model != "tiny")
+        prompt_ids = common.encode_prompts(tok, [e["prompt"] for e in examples], run.style == "chat")
         t0 = time.perf_counter()
         rollouts = common.generate(run.engine, model, prompt_ids, args.group_size, run.max_new_tokens,
                                    args.temperature, seed=args.seed * 100_003 + run.step * 101 + common.dist_info()[0],

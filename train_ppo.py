@@ -141,7 +141,7 @@ def main(argv=None):
         # ---- rollout: G completions for each prompt
         examples, run.data_pos = common.prompt_batch(run.task.train, run.data_pos, args.prompts_per_step, args.seed)
         examples = common.shard(examples)
-        prompt_ids = common.encode_prompts(tok, [e["prompt"] for e in examples], args.model != "tiny")
+        prompt_ids = common.encode_prompts(tok, [e["prompt"] for e in examples], run.style == "chat")
         t0 = time.perf_counter()
         rollouts = common.generate(run.engine, model, prompt_ids, args.group_size, run.max_new_tokens,
                                    args.temperature, seed=args.seed * 100_003 + run.step * 101 + common.dist_info()[0],
@@ -239,6 +239,9 @@ def main(argv=None):
                         sampler = gather(sampler_logp, idx, mask)
                         sums["logprob/sampler_diff"] += ((sampler - logp.detach()).abs() * mask).sum().item()
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
+                for p in critic.parameters() if common.dist_info()[2] > 1 else []:  # not DDP-wrapped: average by hand
+                    torch.distributed.all_reduce(p.grad)
+                    p.grad /= common.dist_info()[2]
                 torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip or float("inf"))
                 run.optimizer.step()
                 run.scheduler.step()

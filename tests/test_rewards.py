@@ -13,9 +13,9 @@ FIX = os.path.join(os.path.dirname(__file__), "fixtures")
 def test_addition_needs_eos_and_exact_sum():
     task = rewards.load_task("addition")
     ex = {"prompt": "7+8=", "answer": 15}
-    assert task.score("15", ex, True) == rewards.Score(1.0, 1.0, 1.0)
+    assert task.score("15", ex, True) == rewards.Score(1.0, 1.0, 1.0, pred="15")
     assert task.score("15", ex, False).reward == 0.0          # truncated: no EOS
-    assert task.score("14", ex, True) == rewards.Score(0.0, 0.0, 1.0)
+    assert task.score("14", ex, True) == rewards.Score(0.0, 0.0, 1.0, pred="14")
     assert task.score("1+5", ex, True).format_ok == 0.0
     assert len(task.train) == 80 and len(task.test) == 20
     train_pairs = {e["prompt"] for e in task.train}
@@ -65,7 +65,7 @@ def test_gsm8k_parser_on_local_files():
     assert "\\boxed{}" in task.train[0]["prompt"]
     assert task.score("so \\boxed{72}", task.train[0], True).correct == 1.0
     assert task.score("so \\boxed{72.0}", task.train[0], True).correct == 1.0  # math-verify: numeric equality
-    assert task.score("so \\boxed{71}", task.train[0], True) == rewards.Score(0.0, 0.0, 1.0)
+    assert task.score("so \\boxed{71}", task.train[0], True) == rewards.Score(0.0, 0.0, 1.0, pred="71")
     assert task.score("no box, 72", task.train[0], True) == rewards.Score(0.0, 0.0, 0.0)
 
 

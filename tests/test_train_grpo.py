@@ -44,14 +44,19 @@ def test_addition_reward_rises_vllm_engine(tmp_path):
     assert start < 0.1 and end > start + 0.15, (start, end)
     # the trainer recomputes what vLLM sampled: per-token log-probs agree (fp32, CPU)
     assert max(r["logprob/sampler_diff"] for r in rows) < 1e-4
-    assert "eval/pass@1" in rows[-1] and os.path.exists(os.path.join(tmp_path, "add", "eval.json"))
+    for key in ("eval/pass@1", "eval/pass@k", "eval/maj@k", "eval/format_fail"):
+        assert key in rows[-1], key
+    assert rows[-1]["eval/pass@1"] <= rows[-1]["eval/pass@k"]
+    assert json.load(open(os.path.join(tmp_path, "add", "eval.json")))["step"] == 150
 
 
 def _calibration_ece(tmp_path, seed, std_norm):
     run = train(tmp_path, "--engine", "hf", "--task", "calibration", "--steps", "120", "--prompts_per_step", "64",
                 "--lr", "1e-3", "--seed", str(seed), "--std_norm", str(std_norm).lower(),
                 "--run_name", f"cal-{std_norm}-{seed}", "--eval_every", "120", "--eval_limit", "500", "--eval_n", "8")
-    return read_metrics(run.run_dir)[-1]["eval/ece"]
+    last = read_metrics(run.run_dir)[-1]
+    assert 0.5 < last["eval/auroc"] <= 1 and 0 < last["eval/brier"] < 0.5  # the probability metrics come along
+    return last["eval/ece"]
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -133,3 +138,15 @@ def test_failed_positive_fraction_on_ordinal(tmp_path):
     rows = read_metrics(run.run_dir)
     # a random policy on a partial-credit task: GRPO does reward some failures (seed 004, Fig. 1)
     assert max(r["adv/failed_pos_frac"] for r in rows) > 0.05
+
+
+def test_decontaminate_drops_overlapping_training_prompts(tmp_path):
+    shared = "one two three four five six seven eight nine ten eleven twelve thirteen"
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": f"{shared} plus", "answer": "1"}, {"prompt": "clean prompt", "answer": "2"},
+        {"prompt": "another clean one", "answer": "3"}]))
+    (tmp_path / "d.test.jsonl").write_text(json.dumps({"prompt": f"so {shared}", "answer": "1"}))
+    run = train(tmp_path, "--engine", "hf", "--task", f"jsonl:{tmp_path}/d.jsonl", "--steps", "1",
+                "--prompts_per_step", "2", "--group_size", "2", "--max_new_tokens", "4", "--decontaminate", "13",
+                "--run_name", "dc")
+    assert [e["answer"] for e in run.task.train] == ["2", "3"]

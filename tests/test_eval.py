@@ -1,0 +1,199 @@
+"""eval.py: calibration error against hand computation and its edge cases."""
+import numpy as np
+import pytest
+
+import common
+import rewards
+from eval import expected_calibration_error, probability_predictions
+
+
+def test_ece_hand_computed():
+    probs = [0.05, 0.15, 0.18, 0.95, 0.92, 0.55]
+    labels = [0, 0, 1, 1, 1, 0]
+    # bins (0,.1]: {.05|0}; (.1,.2]: {.15,.18|0,1}; (.5,.6]: {.55|0}; (.9,1]: {.95,.92|1,1}
+    expected = (1 / 6) * 0.05 + (2 / 6) * abs(0.165 - 0.5) + (1 / 6) * 0.55 + (2 / 6) * abs(0.935 - 1.0)
+    assert expected_calibration_error(probs, labels) == pytest.approx(expected)
+
+
+def test_ece_bins_are_right_closed_and_zero_goes_to_the_first():
+    # 0.1 sits on an edge: it belongs to (0, 0.1], together with 0.0
+    assert expected_calibration_error([0.0, 0.1], [0, 0]) == pytest.approx(0.05)
+    # 0.1 and 0.1000001 fall in different bins: (0,.1] and (.1,.2]
+    ece = expected_calibration_error([0.1, 0.1000001], [1, 0])
+    assert ece == pytest.approx(0.5 * 0.9 + 0.5 * 0.1000001)
+
+
+def test_ece_perfect_and_worst_and_one_class():
+    assert expected_calibration_error([1.0, 1.0, 0.0], [1, 1, 0]) == 0.0
+    assert expected_calibration_error([1.0, 0.0], [0, 1]) == 1.0
+    assert expected_calibration_error([0.3] * 10, [0] * 10) == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("probs,labels,message", [
+    ([0.5, 1.2], [0, 1], r"\[0, 1\]"),
+    ([0.5, float("nan")], [0, 1], r"\[0, 1\]"),
+    ([0.5], [0, 1], "same length"),
+    ([], [], "no predictions"),
+])
+def test_ece_rejects_bad_input(probs, labels, message):
+    with pytest.raises(ValueError, match=message):
+        expected_calibration_error(probs, labels)
+
+
+def test_prediction_per_question_is_the_mean_of_valid_samples():
+    S = rewards.Score
+    scores = [S(0, 0, 1, 0.2), S(0, 0, 1, 0.4), S(0, 0, 0, None), S(0, 0, 0, None)]
+    probs, labels = probability_predictions(scores, [{"answer": 1}, {"answer": 0}], 2)
+    assert probs.tolist() == pytest.approx([0.3, 0.5]) and labels.tolist() == [1, 0]
+
+
+def test_lr_warmup_is_linear_then_constant():
+    f = common.lr_lambda(4)
+    assert [f(k) for k in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert common.lr_lambda(0)(0) == 1.0
+
+
+# ---------------------------------------------------------------------------------------------- pass@k, maj@k, CIs
+import itertools  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+
+from conftest import run_script  # noqa: E402
+import eval as ev  # noqa: E402
+
+FIX = os.path.join(os.path.dirname(__file__), "fixtures")
+
+
+@pytest.mark.parametrize("n,c,k", [(n, c, k) for n in range(1, 8) for c in range(n + 1) for k in range(1, n + 1)])
+def test_pass_at_k_equals_brute_force_enumeration(n, c, k):
+    outcomes = [1] * c + [0] * (n - c)
+    subsets = list(itertools.combinations(range(n), k))
+    brute = sum(any(outcomes[i] for i in s) for s in subsets) / len(subsets)
+    assert ev.pass_at_k(n, c, k) == pytest.approx(brute, abs=1e-12)
+
+
+def test_pass_at_k_is_stable_for_large_n_and_rejects_bad_input():
+    assert ev.pass_at_k(10_000, 1, 1) == pytest.approx(1e-4)
+    assert 0.0 < ev.pass_at_k(2000, 3, 100) < 1.0
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        ev.pass_at_k(4, 2, 5)
+
+
+def test_majority_vote_hand_computed():
+    preds = [["3", "3", "5", None], ["7", "8", "8", "9"], [None, None, None, None]]
+    correct = [[True, True, False, False], [True, False, False, False], [False] * 4]
+    assert ev.maj_at_k(preds, correct, 4).tolist() == [1.0, 0.0, 0.0]
+    # k = 1 over random draws: the share of correct samples among all draws approaches c/n
+    assert ev.maj_at_k(preds, correct, 1, draws=4000)[0] == pytest.approx(0.5, abs=0.03)
+    # a tie goes to the first answer seen
+    assert ev.maj_at_k([["4", "2"]], [[False, True]], 2).tolist() == [0.0]
+
+
+def test_bootstrap_interval_covers_the_true_mean():
+    rng = np.random.default_rng(1)
+    hits = 0
+    for rep in range(100):
+        sample = rng.random(200) < 0.3
+        lo, hi = ev.bootstrap_ci(sample, draws=400, seed=rep)
+        hits += lo <= 0.3 <= hi
+    assert 88 <= hits <= 100  # nominal 95%
+
+
+def test_auroc_and_brier_known_values():
+    probs, labels = [0.1, 0.4, 0.35, 0.8], [0, 0, 1, 1]
+    assert ev.auroc(probs, labels) == pytest.approx(0.75)
+    assert ev.brier(probs, labels) == pytest.approx((0.01 + 0.16 + 0.4225 + 0.04) / 4)
+    assert np.isnan(ev.auroc([0.2, 0.3], [1, 1]))
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        ev.brier([0.5, -0.1], [0, 1])
+    with pytest.raises(ValueError, match="labels must be 0 or 1"):
+        ev.auroc([0.5, 0.1], [0, 2])
+
+
+def test_reliability_diagram_writes_a_png(tmp_path):
+    path = str(tmp_path / "r.png")
+    ev.reliability_diagram({"a": ([0.1, 0.9, 0.5], [0, 1, 1]), "b": ([0.3, 0.3], [0, 1])}, path)
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------------------------- contamination, audit
+
+
+def test_contamination_finds_a_planted_overlap_and_decontaminate_drops_it():
+    shared = "a farmer has seventeen sheep and all but nine run away how many are left now"
+    train = [{"prompt": "completely different words here about apples and pears"},
+             {"prompt": f"Question: {shared}? Think."}, {"prompt": "short"}]
+    test = [{"prompt": f"{shared} today"}, {"prompt": "nothing in common with the training prompts at all really"}]
+    found = ev.ngram_overlap([e["prompt"] for e in train], [e["prompt"] for e in test], n=13)
+    assert found["share"] == 0.5 and [(p["eval"], p["train"]) for p in found["pairs"]] == [(0, 1)]
+    assert len(found["pairs"][0]["ngram"].split()) == 13
+    kept, dropped = ev.decontaminate(train, test, 13)
+    assert dropped == 1 and kept == [train[0], train[2]]
+
+
+def test_verifier_audit_counts_a_planted_miss():
+    import rewards
+    rows = [{"completion": "so \\boxed{72}", "answer": "72", "label": 1},
+            {"completion": "the answer is 72", "answer": "72", "label": 1},   # correct, but unboxed: a miss
+            {"completion": "\\boxed{71}", "answer": "72", "label": 0},
+            {"completion": "\\boxed{0.5}", "answer": "\\frac{1}{2}", "label": 1}]
+    out = ev.verifier_audit(rewards.score_boxed_math, rows)
+    assert (out["tp"], out["fn"], out["fp"], out["tn"]) == (2, 1, 0, 1)
+    assert out["recall"] == pytest.approx(2 / 3) and out["precision"] == 1.0
+    assert [d["row"] for d in out["disagreements"]] == [1]
+
+
+def test_verifier_audit_names_bad_rows():
+    import rewards
+    with pytest.raises(rewards.DataError, match="audit: row 0: missing field 'label'"):
+        ev.verifier_audit(rewards.score_exact, [{"completion": "x", "answer": "x"}])
+    with pytest.raises(rewards.DataError, match="row 0: label must be 0 or 1"):
+        ev.verifier_audit(rewards.score_exact, [{"completion": "x", "answer": "x", "label": "yes"}])
+
+
+# ---------------------------------------------------------------------------------------------- the command line
+
+
+def test_cli_end_to_end_on_a_tiny_trained_checkpoint(tmp_path):
+    import train_grpo
+    for name in ("a", "b"):
+        train_grpo.main(["--engine", "hf", "--task", "calibration", "--steps", "3", "--prompts_per_step", "8",
+                         "--out_dir", str(tmp_path), "--run_name", name, "--wandb", "false", "--eval_every", "3",
+                         "--eval_limit", "50", "--seed", str(ord(name))])
+    out = tmp_path / "eval"
+    run_script("eval.py", ["--model", str(tmp_path / "a" / "final"), "--task", "calibration", "--n", "4", "--k", "1,2,4",
+                           "--limit", "40", "--engine", "hf", "--out", str(out)])
+    result = json.load(open(out / "eval.json"))
+    assert result["questions"] == 40 and result["n"] == 4
+    for key in ("pass@1", "pass@4", "maj@2", "mean@4", "ece", "auroc", "brier", "accuracy", "format_fail"):
+        assert key in result, key
+    assert result["pass@1"] <= result["pass@2"] <= result["pass@4"]
+    lo, hi = result["pass@1_ci95"]
+    assert lo <= result["pass@1"] <= hi
+    assert (out / "eval.md").exists() and (out / "pass_at_k.png").exists() and (out / "reliability.png").exists()
+    cmp = tmp_path / "cmp"
+    run_script("eval.py", ["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(cmp)])
+    rows = json.load(open(cmp / "comparison.json"))
+    assert [r["run"] for r in rows] == ["a", "b"] and all("eval/ece" in r for r in rows)
+    assert (cmp / "curves.png").exists() and "| run |" in open(cmp / "comparison.md").read()
+
+
+def test_cli_audit_and_contamination(tmp_path):
+    labelled = tmp_path / "labels.jsonl"
+    labelled.write_text("\n".join(json.dumps(r) for r in [
+        {"completion": "\\boxed{4}", "answer": "4", "label": 1}, {"completion": "4", "answer": "4", "label": 1}]))
+    proc = run_script("eval.py", ["audit", "--file", str(labelled), "--out", str(tmp_path)])
+    assert "recall 0.500" in proc.stdout and json.load(open(tmp_path / "audit.json"))["fn"] == 1
+    proc = run_script("eval.py", ["contamination", "--task", f"gsm8k:{FIX}/gsm8k_{{split}}.jsonl", "--ngram", "5"])
+    assert "of 1 held-out prompts" in proc.stdout
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["audit", "--file", "missing.jsonl"], "missing.jsonl: file not found"),
+    (["audit", "--file", os.path.join(FIX, "own.jsonl")], "row 0: missing field 'completion'"),
+    (["compare", "no/such/run"], "no/such/run/metrics.jsonl: file not found"),
+    (["--n", "2", "--k", "1,4"], "every k must lie in 1..--n"),
+])
+def test_cli_bad_input_gives_a_clear_error(argv, message):
+    with pytest.raises(AssertionError, match=message):
+        run_script("eval.py", argv)
