@@ -692,6 +692,46 @@ def save_final(model, tokenizer, path: str, style: str = "chat") -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# HA-DW (seed 001, arXiv 2601.08521): history-aware difficulty reweighting of group-relative
+# advantages, a plug-in used the same way by train_grpo.py and train_gpg.py (--hadw)
+
+
+def hadw_reweight(rewards, advantages, group_size: int, state: dict, eta: float, window: int, lam: float,
+                  anchor: str = "kalman"):
+    """Phi_i = lam * exp(D_i * M) with D_i = -sign(A_i) sign(p_hat - C), M = |p_hat - C|, C the
+    cross-batch difficulty anchor; returns (advantages * Phi, diagnostics) and updates `state`.
+
+    Hard prompt (group accuracy p_hat below the anchor): correct answers are boosted, wrong ones
+    damped; easy prompt: the reverse. Binary rewards (y_t = batch accuracy). The anchor update is
+    Kalman-like: C+ = (1 - eta_t) C- + eta_t y_t with eta_t = clamp(eta * std(last `window`
+    anchors), 0, 1). Cold start (the paper leaves it open; read literally the anchor freezes when
+    the window's std is 0): the first prior is y_1, and eta_t = eta while the window holds fewer
+    than 2 anchors or they are all equal, so a constant window cannot freeze the anchor.
+    anchor="mean" is the paper's appendix F variant: C_t^- = mean of the last m batch accuracies.
+    """
+    if anchor not in ("kalman", "mean"):
+        raise ValueError(f"--hadw_anchor {anchor!r}: choose kalman or mean")
+    y = rewards.float().mean().item()
+    prior = y if state.get("anchor") is None else state["anchor"]  # C_t^-
+    if anchor == "mean":  # appendix F: the anchor is a moving average of recent batch accuracies
+        prior = float(np.mean(state["accuracies"])) if state.get("accuracies") else y
+        state["accuracies"] = (state.get("accuracies", []) + [y])[-window:]
+    p_hat = rewards.float().view(-1, group_size).mean(1, keepdim=True).expand(-1, group_size).flatten()
+    diff = p_hat - prior
+    phi = lam * torch.exp(-torch.sign(advantages) * torch.sign(diff) * diff.abs())  # a constant: no gradient
+    history = state.get("history", [])[-window:]  # the last m posterior anchors
+    sigma = float(np.std(history)) if len(history) >= 2 else 0.0  # population std
+    eta_t = min(max(eta * sigma, 0.0), 1.0) if sigma > 0 else eta
+    posterior = (1 - eta_t) * prior + eta_t * y  # C_t^+, the next prior
+    state.update(anchor=posterior, history=(history + [posterior])[-window:])
+    hard, easy = diff < 0, diff > 0
+    info = {"hadw/anchor": prior, "hadw/eta": eta_t,
+            "hadw/phi_hard": phi[hard].mean().item() if hard.any() else float("nan"),
+            "hadw/phi_easy": phi[easy].mean().item() if easy.any() else float("nan")}
+    return advantages * phi, info
+
+
+# ----------------------------------------------------------------------------------------------
 # the run: everything a training loop needs, built from the arguments
 
 

@@ -135,6 +135,23 @@ def addition_task(style: str, seed: int, max_operand: int = 9, n_test: int = 20)
                 alphabet=DIGITS + ["+", "="], max_new_tokens=4 if style == "tiny" else 256)
 
 
+def mixed_task(style: str, seed: int, hard_frac: float = 0.5, size: int = 1000) -> Task:
+    """Single-digit sums with a controlled share of hard prompts (for HA-DW, seed 001): easy = one
+    operand is 0 (the answer is a copy of the other digit), hard = both operands >= 1 (a real sum),
+    a + b <= 9 either way. The train split draws `size` prompts with `hard_frac` of them hard; the
+    test split is all 55 pairs once, each tagged with its difficulty."""
+    base = addition_task(style, seed, n_test=0)
+    pairs = [e for e in base.train if e["answer"] <= 9]
+    easy = [dict(e, difficulty="easy") for e in pairs if "0+" in e["prompt"] or "+0" in e["prompt"]]
+    hard = [dict(e, difficulty="hard") for e in pairs if not ("0+" in e["prompt"] or "+0" in e["prompt"])]
+    rng = random.Random(seed)
+    n_hard = round(hard_frac * size)
+    train = [rng.choice(hard) for _ in range(n_hard)] + [rng.choice(easy) for _ in range(size - n_hard)]
+    rng.shuffle(train)
+    return Task("mixed", "binary", train, easy + hard, base.score, pass_threshold=1.0, alphabet=base.alphabet,
+                max_new_tokens=base.max_new_tokens)
+
+
 PERCENT_TOKENS = [f"{k}%" for k in range(1, 100)]
 _ANSWER_RE = re.compile(r"<answer>\s*(\d{1,2})\s*%?\s*</answer>", re.S)
 _TINY_PROB_RE = re.compile(r"^\s*(\d{1,2})%")
@@ -329,6 +346,11 @@ def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False
         return calibration_task(style, seed, brier=brier)
     if name == "ordinal":
         return ordinal_task(style, seed)
+    if name == "mixed":  # mixed[:HARD_FRAC]
+        try:
+            return mixed_task(style, seed, float(local) if local else 0.5)
+        except ValueError:
+            raise DataError(f"--task {spec!r}: mixed takes the share of hard prompts, e.g. mixed:0.5") from None
     if name in ("gsm8k", "math"):
         hub, parse = (GSM8K_HUB, parse_gsm8k_rows) if name == "gsm8k" else (MATH_HUB, parse_math_rows)
         splits = [parse(*_rows(local or None, hub, s)) for s in ("train", "test")]
@@ -349,5 +371,5 @@ def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False
             train, test = rows[:-n_test] or rows, rows[-n_test:]
         return Task("jsonl", "binary", train, test, JSONL_REWARDS[jsonl_reward], pass_threshold=1.0,
                     alphabet=list(string.printable), max_new_tokens=512)
-    raise DataError(f"--task {spec!r}: unknown task; choose addition, calibration, ordinal, gsm8k, "
-                    f"math or jsonl:PATH")
+    raise DataError(f"--task {spec!r}: unknown task; choose addition, calibration, ordinal, mixed[:HARD_FRAC], "
+                    f"gsm8k, math or jsonl:PATH")

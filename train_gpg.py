@@ -23,6 +23,11 @@ class Args(common.Args):
     loss_agg: str = field(default="token-mean", metadata={"help": "token-mean (GPG eq. 5) | seq-mean-token-mean | seq-mean-token-sum-norm"})
     beta_th: float = field(default=0.5, metadata={"help": "keep sampling until valid groups >= beta_th * prompts_per_step (authors' code 0.5; paper 0.6; 0 = off)"})
     max_rounds: int = field(default=20, metadata={"help": "most sampling rounds per step for the beta_th rule (authors' code: 20)"})
+    hadw: bool = field(default=False, metadata={"help": "HA-DW difficulty reweighting of the advantages (seed 001; binary rewards)"})
+    hadw_eta: float = field(default=0.1, metadata={"help": "HA-DW forgetting rate eta (eta_t = eta * std of recent anchors)"})
+    hadw_window: int = field(default=50, metadata={"help": "HA-DW: anchors in the std window (m)"})
+    hadw_lambda: float = field(default=1.3, metadata={"help": "HA-DW lambda_scale (paper's best, Table 7)"})
+    hadw_anchor: str = field(default="kalman", metadata={"help": "HA-DW anchor: kalman (sec. 3 update) | mean (appendix F: mean of the last m accuracies)"})
 
 
 # ---------------------------------------------------------------------------------------------- advantages
@@ -154,6 +159,9 @@ def main(argv=None):
 
         # ---- advantages
         advantages, alpha = compute_advantages(rewards, args.group_size, args.std_norm, args.adv_eps)
+        if args.hadw:  # seed 001: reweight by difficulty against the cross-batch anchor
+            advantages, hadw_info = common.hadw_reweight(rewards, advantages, args.group_size, run.algo_state.setdefault(
+                "hadw", {}), args.hadw_eta, args.hadw_window, args.hadw_lambda, args.hadw_anchor)
 
         sums = {"loss/policy": 0.0, "clip_frac": 0.0, "kl": 0.0, "kl/old": 0.0, "entropy": 0.0,
                 "logprob/sampler_diff": 0.0, "grad_norm": 0.0}
@@ -215,6 +223,7 @@ def main(argv=None):
             "gpg/alpha": alpha, "gpg/valid_frac": 1 / alpha, "gpg/rounds": rounds, "gpg/extra_rollouts": generated - B,
             "perf/tokens_per_s": first_pass_tokens / (time.perf_counter() - step_start),
         }
+        metrics.update(hadw_info if args.hadw else {})
         metrics = common.all_mean(metrics)
         if args.eval_every and (run.step % args.eval_every == 0 or run.step == args.steps):
             metrics.update(evaluate(run))

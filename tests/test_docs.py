@@ -14,7 +14,7 @@ def test_every_line_reference_in_docs_points_at_its_code():
         for path, line, code in REF.findall(text):
             lines = open(os.path.join(ROOT, path)).read().splitlines()
             assert int(line) <= len(lines) and code in lines[int(line) - 1], \
-                f"{os.path.basename(page)}: {path} L{line} no longer holds `{code}`"
+                f"{os.path.basename(page)}: {path} L{line} no longer holds `{code}` (run scripts/refresh_doc_refs.py)"
             refs += 1
     assert refs >= 30
 

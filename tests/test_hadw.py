@@ -1,0 +1,119 @@
+"""HA-DW (seed 001): Theorem 1, the direction of Phi, the anchor update, its cold start, resume."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import common
+import train_gpg
+import train_grpo
+from conftest import read_metrics
+from test_train_grpo import _rows_without_timing, _same
+
+# Theorem 1 at G = 8, from ../shared/notes/algorithms.md
+PUBLISHED_G8 = {0.125: 0.1904, 0.25: 0.2778, 0.5: 0.5, 0.75: 0.7222, 0.9: 0.8244}
+
+
+def theorem1(p, G):
+    """E[p_hat | 1 <= R <= G-1] = (p - p^G) / (1 - (1-p)^G - p^G)."""
+    return (p - p ** G) / (1 - (1 - p) ** G - p ** G)
+
+
+@pytest.mark.parametrize("p,published", sorted(PUBLISHED_G8.items()))
+def test_theorem1_closed_form_exact_sum_and_monte_carlo(p, published):
+    G = 8
+    assert theorem1(p, G) == pytest.approx(published, abs=5e-5)
+    # exact: condition the binomial on a non-degenerate group
+    w = [math.comb(G, r) * p ** r * (1 - p) ** (G - r) for r in range(1, G)]
+    exact = sum(r / G * wr for r, wr in zip(range(1, G), w)) / sum(w)
+    assert exact == pytest.approx(theorem1(p, G), rel=1e-12)
+    rng = np.random.default_rng(int(p * 1000))
+    R = rng.binomial(G, p, size=400_000)
+    R = R[(R >= 1) & (R <= G - 1)]
+    assert (R / G).mean() == pytest.approx(published, abs=0.004)
+    # the group baseline overestimates p for hard prompts, underestimates it for easy ones
+    assert (theorem1(p, G) > p) if p < 0.5 else (theorem1(p, G) <= p)
+
+
+def _reweight(rewards, state, eta=0.1, window=50, lam=1.3, group_size=4, anchor="kalman"):
+    rewards = torch.tensor(rewards, dtype=torch.float32)
+    advantages = train_grpo.compute_advantages(rewards, group_size, std_norm=False)
+    new, info = common.hadw_reweight(rewards, advantages, group_size, state, eta, window, lam, anchor)
+    return advantages, new, info
+
+
+def test_phi_direction_in_the_four_cases():
+    state = {"anchor": 0.5}
+    # group 1: hard (1 of 4 correct, p_hat .25 < C .5); group 2: easy (3 of 4, p_hat .75 > C)
+    adv, new, info = _reweight([1, 0, 0, 0, 1, 1, 1, 0], state)
+    phi = (new / adv).tolist()
+    lam, M = 1.3, 0.25
+    assert phi[0] == pytest.approx(lam * math.exp(M))    # hard, correct: boosted
+    assert phi[1] == pytest.approx(lam * math.exp(-M))   # hard, wrong: damped
+    assert phi[4] == pytest.approx(lam * math.exp(-M))   # easy, correct: damped
+    assert phi[7] == pytest.approx(lam * math.exp(M))    # easy, wrong: boosted
+    assert info["hadw/anchor"] == 0.5
+    assert info["hadw/phi_hard"] == pytest.approx(lam * (math.exp(M) + 3 * math.exp(-M)) / 4)
+
+
+def test_anchor_update_on_a_hand_made_sequence():
+    state = {}
+    ys = []
+    for y_batch in ([1, 0, 1, 0], [1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]):  # y = .5, .25, .75, 1
+        ys.append(_reweight(y_batch, state, eta=0.1, window=3)[2])
+    # step 1: prior = y_1 = .5; window empty -> eta_t = eta; C+ = .5
+    assert ys[0]["hadw/anchor"] == 0.5 and ys[0]["hadw/eta"] == 0.1
+    # step 2: prior .5; one anchor in the window -> eta_t = eta; C+ = .9 * .5 + .1 * .25 = .475
+    assert ys[1]["hadw/anchor"] == 0.5 and ys[1]["hadw/eta"] == 0.1
+    # step 3: prior .475; window [.5, .475], population std .0125 -> eta_t = .00125
+    assert ys[2]["hadw/anchor"] == pytest.approx(0.475) and ys[2]["hadw/eta"] == pytest.approx(0.00125)
+    c3 = 0.475 * (1 - 0.00125) + 0.00125 * 0.75
+    # step 4: prior c3; window [.5, .475, c3]
+    assert ys[3]["hadw/anchor"] == pytest.approx(c3)
+    assert ys[3]["hadw/eta"] == pytest.approx(0.1 * np.std([0.5, 0.475, c3]))
+    assert state["anchor"] == pytest.approx((1 - ys[3]["hadw/eta"]) * c3 + ys[3]["hadw/eta"] * 1.0)
+    assert len(state["history"]) == 3  # the window keeps the last m anchors
+
+
+def test_cold_start_a_constant_window_cannot_freeze_the_anchor():
+    """Read literally (eta_t = eta * std) the anchor would stay at 0 forever after all-zero batches."""
+    state = {}
+    for _ in range(5):
+        info = _reweight([0, 0, 0, 0], state)[2]
+        assert info["hadw/eta"] == 0.1  # constant window: fall back to eta
+    assert state["anchor"] == 0.0
+    _reweight([1, 1, 1, 1], state)
+    assert state["anchor"] == pytest.approx(0.1)  # it moves as soon as accuracy does
+
+
+def test_resume_with_the_anchor_gives_the_same_run(tmp_path):
+    opts = ["--engine", "hf", "--task", "mixed", "--hadw", "true", "--prompts_per_step", "8", "--save_every", "2",
+            "--out_dir", str(tmp_path), "--wandb", "false"]
+    train_grpo.main([*opts, "--steps", "4", "--run_name", "straight"])
+    train_grpo.main([*opts, "--steps", "2", "--run_name", "split"])
+    run = train_grpo.main([*opts, "--steps", "4", "--run_name", "split", "--resume", "true"])
+    rows = _rows_without_timing(tmp_path / "straight")
+    _same(rows, _rows_without_timing(tmp_path / "split"))
+    assert {"hadw/anchor", "hadw/eta", "hadw/phi_hard", "hadw/phi_easy"} <= set(rows[-1])
+    a = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=False)["algo_state"]["hadw"]
+    assert a == run.algo_state["hadw"] and len(a["history"]) == 4
+
+
+def test_gpg_and_the_dapo_gspo_settings_take_hadw(tmp_path):
+    base = ["--engine", "hf", "--task", "mixed", "--hadw", "true", "--steps", "2", "--prompts_per_step", "8",
+            "--out_dir", str(tmp_path), "--wandb", "false"]
+    runs = [train_gpg.main([*base, "--run_name", "gpg"]),
+            train_grpo.main([*base, "--run_name", "dapo", "--loss_agg", "token-mean", "--clip_eps_high", "0.28"]),
+            train_grpo.main([*base, "--run_name", "gspo", "--ratio_level", "sequence", "--clip_eps", "3e-4"])]
+    for run in runs:
+        assert "hadw/anchor" in read_metrics(run.run_dir)[-1] and run.algo_state["hadw"]["history"]
+
+
+def test_mean_anchor_is_the_moving_average_of_recent_accuracies():
+    state = {}
+    anchors = [_reweight(y, state, window=2, anchor="mean")[2]["hadw/anchor"]
+               for y in ([1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0])]  # y = .25, .5, 1, 0
+    assert anchors == pytest.approx([0.25, 0.25, 0.375, 0.75])  # first: y_1; then the mean of the last m = 2
+    with pytest.raises(ValueError, match="--hadw_anchor"):
+        _reweight([1, 0, 0, 0], {}, anchor="median")
