@@ -409,6 +409,16 @@ def _plot_curves(data, keys, path):
     plt.close(fig)
 
 
+def _report(out: str, name: str, result: dict, summary: str, details: list) -> dict:
+    """Write result JSON (if --out), print a summary line and the first 20 details."""
+    if out:
+        _write(out, name, result)
+    print(summary)
+    for line in details[:20]:
+        print(f"  {line}")
+    return result
+
+
 def cmd_audit(argv) -> dict:
     p = argparse.ArgumentParser(prog="eval.py audit", description="The reward function against human labels.")
     p.add_argument("--reward", default="math", choices=sorted(rewards.JSONL_REWARDS),
@@ -417,13 +427,11 @@ def cmd_audit(argv) -> dict:
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     result = verifier_audit(rewards.JSONL_REWARDS[a.reward], rewards.read_jsonl(a.file), a.file)
-    if a.out:
-        _write(a.out, "audit.json", result)
-    print(f"{a.file}: {result['rows']} rows, recall {result['recall']:.3f}, precision {result['precision']:.3f}, "
-          f"{len(result['disagreements'])} disagreements")
-    for d in result["disagreements"][:20]:
-        print(f"  row {d['row']}: verifier {d['verifier']} human {d['human']}: {str(d['completion'])[:100]!r}")
-    return result
+    return _report(a.out, "audit.json", result,
+                   f"{a.file}: {result['rows']} rows, recall {result['recall']:.3f}, precision {result['precision']:.3f}, "
+                   f"{len(result['disagreements'])} disagreements",
+                   [f"row {d['row']}: verifier {d['verifier']} human {d['human']}: {str(d['completion'])[:100]!r}"
+                    for d in result["disagreements"]])
 
 
 def cmd_contamination(argv) -> dict:
@@ -434,13 +442,10 @@ def cmd_contamination(argv) -> dict:
     a = p.parse_args(argv)
     task = rewards.load_task(a.task, style="chat")
     result = ngram_overlap([e["prompt"] for e in task.train], [e["prompt"] for e in task.test], a.ngram)
-    if a.out:
-        _write(a.out, "contamination.json", result)
-    print(f"{a.task}: {len(result['pairs'])} of {len(task.test)} held-out prompts ({result['share']:.1%}) share a "
-          f"{a.ngram}-gram with a training prompt")
-    for q in result["pairs"][:20]:
-        print(f"  test {q['eval']} ~ train {q['train']}: {q['ngram']!r}")
-    return result
+    return _report(a.out, "contamination.json", result,
+                   f"{a.task}: {len(result['pairs'])} of {len(task.test)} held-out prompts ({result['share']:.1%}) "
+                   f"share a {a.ngram}-gram with a training prompt",
+                   [f"test {q['eval']} ~ train {q['train']}: {q['ngram']!r}" for q in result["pairs"]])
 
 
 def main(argv=None):
