@@ -280,6 +280,7 @@ def make_engine(args, model_path: str, tokenizer, device, dtype, max_len: int) -
         return Engine("hf", None, eos, pad)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: weights reachable
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, CPU backend only
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not an INFO line per push; the push check reads warnings
     from vllm import LLM
     cuda = device.type == "cuda"
     saved = rng_state()  # the in-process worker reseeds Python/NumPy/torch RNGs when it starts
@@ -408,6 +409,9 @@ def push_weights(engine: Engine, model, dtype) -> dict:
     weights = [(n, p.detach().to(dtype)) for n, p in named_weights(model)]
     capture = _CaptureWarnings()
     vlog = logging.getLogger("vllm")
+    console = [(h, h.level) for h in vlog.handlers]
+    for h, _ in console:  # vLLM's own "Failed to load" lines are read below, not printed every step
+        h.setLevel(logging.ERROR)
     vlog.addHandler(capture)
     try:
         if _has_weights_iterator(llm):  # vLLM >= 0.16: reload in place from an iterator
@@ -416,6 +420,8 @@ def push_weights(engine: Engine, model, dtype) -> dict:
             llm.apply_model(lambda m: m.load_weights(iter(weights)))
     finally:
         vlog.removeHandler(capture)
+        for h, level in console:
+            h.setLevel(level)
     if engine.tied:  # re-tie shared tensors (e.g. lm_head = embed_tokens) that the reload split apart
         llm.apply_model(lambda m: _retie(m, engine.tied))
     # vLLM reports layers it could not fill; rotary caches hold no weights and tied heads were re-tied
