@@ -9,9 +9,9 @@ import hashlib
 import inspect
 import json
 import logging
-import math
 import os
 import random
+import re
 import shutil
 import sys
 import tempfile
@@ -189,7 +189,7 @@ def build_tiny_model(alphabet: list, seed: int = 0, cache_dir: str = CACHE_DIR) 
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     multi = sorted((t for t in vocab[len(SPECIAL):] if len(t) > 1), key=len, reverse=True)
-    pattern = "|".join([re_escape(t) for t in multi] + [r"[\s\S]"])
+    pattern = "|".join([re.escape(t) for t in multi] + [r"[\s\S]"])
     tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
     tok.decoder = decoders.Fuse()
@@ -207,11 +207,6 @@ def build_tiny_model(alphabet: list, seed: int = 0, cache_dir: str = CACHE_DIR) 
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
-
-
-def re_escape(s: str) -> str:
-    import re
-    return re.escape(s)
 
 
 def prompt_style(model: str) -> str:

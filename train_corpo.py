@@ -6,7 +6,6 @@ ordinal (partial-credit) rewards. The static variant uses R_min_correct alone.
     python train_corpo.py --task ordinal --baseline static    # seed 004 sec. 3.2
     python train_corpo.py --model Qwen/Qwen2.5-0.5B-Instruct --task jsonl:ratings.jsonl --r_min_correct 0.5
 """
-import copy
 import time
 from dataclasses import dataclass, field
 

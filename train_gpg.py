@@ -6,7 +6,6 @@ alpha = B / (B - M), and the beta_th rule: keep sampling new groups until enough
     python train_gpg.py --beta_th 0.6 --std_norm true         # paper Table 1 rows
     python train_gpg.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --lr 1e-6 --max_new_tokens 512
 """
-import copy
 import time
 from dataclasses import dataclass, field
 

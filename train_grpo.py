@@ -6,7 +6,6 @@ GSPO's sequence-level ratio, and an optional k3 KL penalty to a frozen reference
     python train_grpo.py --task calibration --std_norm false  # seed 000: calibrated without the std
     python train_grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --lr 1e-6 --max_new_tokens 512
 """
-import copy
 import time
 from dataclasses import dataclass, field
 

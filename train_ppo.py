@@ -6,7 +6,6 @@ baseline; clipped value loss; the critic has its own learning rate and optional 
     python train_ppo.py --task calibration                    # seed 000: PPO stays calibrated
     python train_ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --lr 1e-6 --max_new_tokens 512
 """
-import copy
 import time
 from dataclasses import dataclass, field
 

@@ -6,7 +6,6 @@ and the KL to a frozen reference either as a k3 loss term or subtracted from the
     python train_rloo.py --task calibration                   # seed 000: RLOO stays calibrated
     python train_rloo.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --lr 1e-6 --max_new_tokens 512
 """
-import copy
 import time
 from dataclasses import dataclass, field
 

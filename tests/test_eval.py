@@ -1,9 +1,15 @@
-"""eval.py: calibration error against hand computation and its edge cases."""
+"""eval.py: metrics against hand computation and brute force, contamination, audit, the command line."""
+import itertools
+import json
+import os
+
 import numpy as np
 import pytest
 
 import common
+import eval as ev
 import rewards
+from conftest import run_script
 from eval import expected_calibration_error, probability_predictions
 
 
@@ -54,12 +60,6 @@ def test_lr_warmup_is_linear_then_constant():
 
 
 # ---------------------------------------------------------------------------------------------- pass@k, maj@k, CIs
-import itertools  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-
-from conftest import run_script  # noqa: E402
-import eval as ev  # noqa: E402
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures")
 
@@ -132,7 +132,6 @@ def test_contamination_finds_a_planted_overlap_and_decontaminate_drops_it():
 
 
 def test_verifier_audit_counts_a_planted_miss():
-    import rewards
     rows = [{"completion": "so \\boxed{72}", "answer": "72", "label": 1},
             {"completion": "the answer is 72", "answer": "72", "label": 1},   # correct, but unboxed: a miss
             {"completion": "\\boxed{71}", "answer": "72", "label": 0},
@@ -144,7 +143,6 @@ def test_verifier_audit_counts_a_planted_miss():
 
 
 def test_verifier_audit_names_bad_rows():
-    import rewards
     with pytest.raises(rewards.DataError, match="audit: row 0: missing field 'label'"):
         ev.verifier_audit(rewards.score_exact, [{"completion": "x", "answer": "x"}])
     with pytest.raises(rewards.DataError, match="row 0: label must be 0 or 1"):

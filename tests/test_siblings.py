@@ -1,6 +1,5 @@
 """RLOO, CoRPO, GPG and PPO: hand-computed advantages, their losses, and short learning runs."""
 import math
-import os
 from types import SimpleNamespace
 
 import pytest

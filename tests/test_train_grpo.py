@@ -6,10 +6,8 @@ import os
 import pytest
 import torch
 
-import common
 import train_grpo
 from conftest import mean_of, read_metrics, run_script
-from eval import expected_calibration_error
 
 SHARED_METRICS = {"reward/mean", "reward/correct", "reward/format", "adv/mean", "adv/failed_pos_frac", "loss/policy",
                   "kl", "clip_frac", "entropy", "len/mean", "time/rollout", "time/update", "time/push",
