@@ -119,23 +119,30 @@ def brier(probs, labels) -> float:
 
 
 def reliability_diagram(curves: dict, path: str, n_bins: int = 10) -> None:
-    """PNG: predicted probability vs observed frequency per bin, one panel per named (probs, labels)."""
+    """PNG: observed frequency against mean prediction per bin (marker area ~ share of predictions),
+    one panel per named (probs, labels); a dict of such dicts draws one row of panels per key."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(curves), figsize=(3.4 * len(curves), 3.4), squeeze=False)
+    rows = curves if curves and all(isinstance(v, dict) for v in curves.values()) else {"": curves}
+    n_cols = max(len(r) for r in rows.values())
+    fig, axes = plt.subplots(len(rows), n_cols, figsize=(2.9 * n_cols, 3.1 * len(rows)), squeeze=False)
     edges = np.linspace(0, 1, n_bins + 1)
-    for ax, (name, (probs, labels)) in zip(axes[0], curves.items()):
-        probs, labels = _check_probs(probs, labels)
-        idx = np.clip(np.searchsorted(edges, probs, side="left") - 1, 0, n_bins - 1)
-        xs = [probs[idx == b].mean() for b in range(n_bins) if (idx == b).any()]
-        ys = [labels[idx == b].mean() for b in range(n_bins) if (idx == b).any()]
-        ax.plot([0, 1], [0, 1], "k--", lw=0.8)
-        ax.plot(xs, ys, "o-")
-        ax.set_title(f"{name}\nECE {expected_calibration_error(probs, labels):.3f}", fontsize=9)
-        ax.set_xlabel("predicted probability")
-        ax.set_xlim(0, 1), ax.set_ylim(0, 1)
-    axes[0][0].set_ylabel("observed frequency")
+    for i, (row_name, row) in enumerate(rows.items()):
+        for j in range(len(row), n_cols):
+            axes[i][j].axis("off")
+        for ax, (name, (probs, labels)) in zip(axes[i], row.items()):
+            probs, labels = _check_probs(probs, labels)
+            idx = np.clip(np.searchsorted(edges, probs, side="left") - 1, 0, n_bins - 1)  # right-closed, as ECE
+            used = [b for b in range(n_bins) if (idx == b).any()]
+            xs, ys = [probs[idx == b].mean() for b in used], [labels[idx == b].mean() for b in used]
+            ax.plot([0, 1], [0, 1], "k--", lw=0.8)
+            ax.plot(xs, ys, "-", lw=1, color="C0")
+            ax.scatter(xs, ys, s=[4 + 300 * (idx == b).mean() for b in used], color="C0", zorder=3)
+            ax.set_title(f"{name}\nECE {expected_calibration_error(probs, labels):.3f}", fontsize=9)
+            ax.set_xlabel("predicted probability", fontsize=8)
+            ax.set_xlim(0, 1), ax.set_ylim(0, 1)
+        axes[i][0].set_ylabel(f"{row_name}\nobserved frequency" if row_name else "observed frequency", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -218,7 +225,8 @@ def summarize(task, examples: list, scores: list, n: int, ks: list, boot: bool =
     if task.kind == "probability":
         probs, labels = probability_predictions(scores, examples, n)
         out.update(ece=expected_calibration_error(probs, labels), auroc=auroc(probs, labels),
-                   brier=brier(probs, labels), accuracy=float(np.mean((probs > 0.5) == (labels == 1))))
+                   brier=brier(probs, labels), accuracy=float(np.mean((probs > 0.5) == (labels == 1))),
+                   predictions={"probs": probs.tolist(), "labels": labels.tolist()})
     return out
 
 
@@ -252,13 +260,14 @@ def evaluate(run) -> dict:
     k = args.eval_n
     metrics = {"eval/pass@1": full["pass@1"], "eval/pass@k": full[f"pass@{k}"], "eval/maj@k": full[f"maj@{k}"],
                "eval/format_fail": full["format_fail"], "eval/reward": full["reward"]}
-    for key in ("ece", "auroc", "brier", "pass_rate"):
+    for key in ("ece", "auroc", "brier", "accuracy", "pass_rate"):
         if key in full:
             metrics[f"eval/{key}"] = full[key]
     metrics = common.all_mean(metrics)
-    if common.dist_info()[0] == 0:
+    if common.dist_info()[0] == 0:  # predictions: rank 0's share of the questions under torchrun
+        extra = {"predictions": full["predictions"]} if "predictions" in full else {}
         with open(os.path.join(run.run_dir, "eval.json"), "w") as f:
-            json.dump({"step": run.step, "k": k, **metrics}, f, indent=2)
+            json.dump({"step": run.step, "k": k, **metrics, **extra}, f, indent=2)
     common.sleep(run.engine)
     return metrics
 
@@ -266,7 +275,8 @@ def evaluate(run) -> dict:
 # ---------------------------------------------------------------------------------------------- command line
 
 
-def _write(out_dir: str, name: str, obj) -> str:
+def write_out(out_dir: str, name: str, obj) -> str:
+    """Write a string, or an object as JSON, to out_dir/name (creating the folder); returns the path."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name)
     with open(path, "w") as f:
@@ -325,17 +335,17 @@ def cmd_evaluate(argv) -> dict:
     result = {"model": a.model, "task": a.task, "split": a.split, "temperature": a.temperature,
               **summarize(task, examples, scores, a.n, ks, boot=True)}
     out = a.out or os.path.join("runs", f"eval-{_model_name(a.model)}-{a.task.split(':')[0]}")
-    _write(out, "eval.json", result)
+    write_out(out, "eval.json", result)
     rows = [{"k": k, **{m: result[f"{m}@{k}"] for m in ("pass", "maj", "mean")},
              **{f"{m} 95% CI": "[{:.3f}, {:.3f}]".format(*result[f"{m}@{k}_ci95"]) for m in ("pass", "maj")}} for k in ks]
     table = _markdown(rows, ["k", "pass", "pass 95% CI", "maj", "maj 95% CI", "mean"])
     extra = {k: result[k] for k in ("format_fail", "reward", "pass_rate", "ece", "auroc", "brier", "accuracy") if k in result}
     table += "\n" + _markdown([extra], list(extra))
-    _write(out, "eval.md", f"# {a.model} on {a.task} ({a.split}, {len(examples)} questions, n={a.n})\n\n" + table)
+    write_out(out, "eval.md", f"# {a.model} on {a.task} ({a.split}, {len(examples)} questions, n={a.n})\n\n" + table)
     _plot_pass_at_k(result, ks, os.path.join(out, "pass_at_k.png"))
     if task.kind == "probability":
-        reliability_diagram({_model_name(a.model): probability_predictions(scores, examples, a.n)},
-                            os.path.join(out, "reliability.png"))
+        pred = result["predictions"]
+        reliability_diagram({_model_name(a.model): (pred["probs"], pred["labels"])}, os.path.join(out, "reliability.png"))
     print(table, end="")
     print(f"wrote {out}/eval.json, eval.md, pass_at_k.png" + (", reliability.png" if task.kind == "probability" else ""))
     return result
@@ -355,7 +365,7 @@ def _plot_pass_at_k(result, ks, path):
 
 
 COMPARE_KEYS = ["reward/mean", "reward/correct", "adv/failed_pos_frac", "entropy", "eval/pass@1", "eval/pass@k",
-                "eval/maj@k", "eval/format_fail", "eval/ece", "eval/auroc", "eval/brier"]
+                "eval/maj@k", "eval/format_fail", "eval/ece", "eval/auroc", "eval/brier", "eval/accuracy"]
 
 
 def cmd_compare(argv) -> dict:
@@ -383,8 +393,8 @@ def cmd_compare(argv) -> dict:
         rows.append(row)
     columns = ["run", "steps"] + [k for k in COMPARE_KEYS if any(k in r for r in rows)]
     table = _markdown(rows, columns)
-    _write(a.out, "comparison.md", table)
-    _write(a.out, "comparison.json", rows)
+    write_out(a.out, "comparison.md", table)
+    write_out(a.out, "comparison.json", rows)
     _plot_curves(data, [k for k in ("reward/mean", "eval/pass@1", "eval/ece") if k in columns],
                  os.path.join(a.out, "curves.png"))
     print(table, end="")
@@ -412,7 +422,7 @@ def _plot_curves(data, keys, path):
 def _report(out: str, name: str, result: dict, summary: str, details: list) -> dict:
     """Write result JSON (if --out), print a summary line and the first 20 details."""
     if out:
-        _write(out, name, result)
+        write_out(out, name, result)
     print(summary)
     for line in details[:20]:
         print(f"  {line}")

@@ -111,9 +111,13 @@ def test_auroc_and_brier_known_values():
 
 
 def test_reliability_diagram_writes_a_png(tmp_path):
-    path = str(tmp_path / "r.png")
-    ev.reliability_diagram({"a": ([0.1, 0.9, 0.5], [0, 1, 1]), "b": ([0.3, 0.3], [0, 1])}, path)
-    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image
+    one_row = {"a": ([0.1, 0.9, 0.5], [0, 1, 1]), "b": ([0.3, 0.3], [0, 1])}
+    ev.reliability_diagram(one_row, str(tmp_path / "r.png"))
+    assert open(tmp_path / "r.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    ev.reliability_diagram({"row 1": one_row, "row 2": {"c": ([0.2], [1])}}, str(tmp_path / "grid.png"))
+    (w1, h1), (w2, h2) = Image.open(tmp_path / "r.png").size, Image.open(tmp_path / "grid.png").size
+    assert w2 == w1 and h2 > 1.8 * h1  # a dict of dicts: one row of panels per key
 
 
 # ---------------------------------------------------------------------------------------------- contamination, audit

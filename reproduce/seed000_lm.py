@@ -1,0 +1,122 @@
+"""Seed 000's question through the real trainers: the built-in tiny model on the `calibration` task
+(20 categories, log-likelihood reward), one run per algorithm, each evaluated on the held-out questions
+(prediction per question = mean of its sampled probabilities; ECE, AUROC, accuracy at 0.5).
+
+    python reproduce/seed000_lm.py                       # six algorithms, seed 0
+    python reproduce/seed000_lm.py --seeds 0,1 --steps 120 --algos grpo,grpo_nostd,rloo,ppo
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from eval import write_out  # noqa: E402
+
+# name -> (label, script, flags): every trainer with its defaults; only GRPO's std switch differs
+ALGOS = {
+    "grpo": ("GRPO", "train_grpo.py", []),
+    "grpo_nostd": ("GRPO (no std)", "train_grpo.py", ["--std_norm", "false"]),
+    "rloo": ("RLOO", "train_rloo.py", []),
+    "ppo": ("PPO", "train_ppo.py", []),
+    "gpg": ("GPG", "train_gpg.py", []),
+    "corpo": ("CoRPO", "train_corpo.py", []),
+}
+
+
+def run_one(algo: str, seed: int, a, threads: int) -> dict:
+    """Train one algorithm, evaluate at the end; returns the eval/* metrics and the predictions."""
+    label, script, flags = ALGOS[algo]
+    name = f"{algo}-s{seed}"
+    cmd = [sys.executable, os.path.join(ROOT, script), "--task", "calibration", "--engine", a.engine,
+           "--steps", str(a.steps), "--prompts_per_step", str(a.prompts_per_step), "--group_size", str(a.group_size),
+           "--lr", str(a.lr), "--seed", str(seed), "--eval_every", str(a.steps), "--eval_n", str(a.eval_n),
+           "--eval_limit", str(a.eval_limit), "--save_every", str(a.steps), "--out_dir", a.out, "--run_name", name,
+           "--wandb", "false", *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    with open(os.path.join(a.out, name, "eval.json")) as f:
+        ev = json.load(f)
+    return {"algo": algo, "label": label, "seed": seed, "seconds": time.time() - t0, "command": " ".join(cmd[1:]),
+            **{k.split("/")[1]: ev[k] for k in ("eval/ece", "eval/auroc", "eval/accuracy", "eval/brier", "eval/reward")},
+            "predictions": ev["predictions"]}
+
+
+def oracle(seed: int, eval_limit: int) -> dict:
+    """The task's true rates as predictions on the same held-out questions (the task's seed is the run's)."""
+    import rewards
+    from eval import auroc, brier, expected_calibration_error
+    test = rewards.load_task("calibration", seed=seed).test[: eval_limit or None]
+    p, y = np.array([e["p_true"] for e in test]), np.array([e["answer"] for e in test])
+    return {"algo": "oracle", "label": "true rates p_c (oracle)", "seed": seed, "ece": expected_calibration_error(p, y),
+            "auroc": auroc(p, y), "accuracy": float(np.mean((p > 0.5) == (y == 1))), "brier": brier(p, y)}
+
+
+def run_all(algos, seeds, a) -> list:
+    jobs = max(1, a.jobs)
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    todo = [(algo, seed) for seed in seeds for algo in algos]
+    with ThreadPoolExecutor(jobs) as pool:
+        return list(pool.map(lambda x: run_one(x[0], x[1], a, threads), todo))
+
+
+def table(results: list, eval_limit: int) -> str:
+    """Markdown, one row per algorithm: the mean over seeds (and the range when there are several); last,
+    the true rates of the same questions."""
+    results = results + [oracle(s, eval_limit) for s in dict.fromkeys(r["seed"] for r in results)]
+    lines = ["| algorithm | ECE | AUROC | accuracy | Brier | seeds |", "|---|---|---|---|---|---|"]
+    for algo in dict.fromkeys(r["algo"] for r in results):
+        rs = [r for r in results if r["algo"] == algo]
+
+        def cell(key):
+            v = [r[key] for r in rs]
+            return f"{np.mean(v):.3f}" + (f" ({min(v):.3f}-{max(v):.3f})" if len(v) > 1 else "")
+        lines.append(f"| {rs[0]['label']} | {cell('ece')} | {cell('auroc')} | {cell('accuracy')} | {cell('brier')} "
+                     f"| {','.join(str(r['seed']) for r in rs)} |")
+    return "\n".join(lines)
+
+
+def parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--algos", default=",".join(ALGOS), help=f"comma-separated, from {','.join(ALGOS)}")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds (one run per algorithm and seed)")
+    p.add_argument("--steps", type=int, default=300, help="training steps per run")
+    p.add_argument("--prompts_per_step", type=int, default=128, help="prompts per rollout batch")
+    p.add_argument("--group_size", type=int, default=8, help="completions per prompt")
+    p.add_argument("--lr", type=float, default=3e-4, help="learning rate (same for every algorithm)")
+    p.add_argument("--eval_n", type=int, default=8, help="samples per held-out question")
+    p.add_argument("--eval_limit", type=int, default=2000, help="held-out questions (0 = all 2,000)")
+    p.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="rollout engine (hf is faster for the tiny model)")
+    p.add_argument("--jobs", type=int, default=2, help="runs in parallel")
+    p.add_argument("--out", default="runs/seed000_lm", help="folder for the runs, results.json and table.md")
+    return p
+
+
+def main(argv=None):
+    a = parser().parse_args(argv)
+    algos = [x for x in a.algos.split(",") if x]
+    unknown = sorted(set(algos) - set(ALGOS))
+    if unknown:
+        raise SystemExit(f"--algos: unknown {unknown}; choose from {','.join(ALGOS)}")
+    seeds = [int(s) for s in a.seeds.split(",") if s]
+    t0 = time.time()
+    results = run_all(algos, seeds, a)
+    md = table(results, a.eval_limit)
+    write_out(a.out, "results.json", {"config": vars(a), "wall_seconds": time.time() - t0, "results": results})
+    write_out(a.out, "table.md", md + "\n")
+    print(md)
+    print(f"{len(results)} runs in {time.time() - t0:.0f} s; wrote {a.out}/results.json, table.md")
+    return results
+
+
+if __name__ == "__main__":
+    main()
