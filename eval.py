@@ -284,6 +284,14 @@ def write_out(out_dir: str, name: str, obj) -> str:
     return path
 
 
+def write_results(out_dir: str, results: dict, table: str) -> None:
+    """A reproduction's output: results.json and table.md in out_dir; the table is printed."""
+    write_out(out_dir, "results.json", results)
+    write_out(out_dir, "table.md", table + "\n")
+    print(table)
+    print(f"wrote {out_dir}/results.json, table.md")
+
+
 def _markdown(rows: list, columns: list) -> str:
     fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else ("" if v is None else str(v))
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]

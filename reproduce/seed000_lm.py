@@ -17,7 +17,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from eval import write_out  # noqa: E402
+from eval import write_results  # noqa: E402
 
 # name -> (label, script, flags): every trainer with its defaults; only GRPO's std switch differs
 ALGOS = {
@@ -110,11 +110,9 @@ def main(argv=None):
     seeds = [int(s) for s in a.seeds.split(",") if s]
     t0 = time.time()
     results = run_all(algos, seeds, a)
-    md = table(results, a.eval_limit)
-    write_out(a.out, "results.json", {"config": vars(a), "wall_seconds": time.time() - t0, "results": results})
-    write_out(a.out, "table.md", md + "\n")
-    print(md)
-    print(f"{len(results)} runs in {time.time() - t0:.0f} s; wrote {a.out}/results.json, table.md")
+    write_results(a.out, {"config": vars(a), "wall_seconds": time.time() - t0, "results": results},
+                  table(results, a.eval_limit))
+    print(f"{len(results)} runs in {time.time() - t0:.0f} s")
     return results
 
 

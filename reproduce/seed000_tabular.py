@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_grpo  # noqa: E402
 import train_ppo  # noqa: E402
 import train_rloo  # noqa: E402
-from eval import auroc, expected_calibration_error, write_out  # noqa: E402
+from eval import auroc, expected_calibration_error, write_results  # noqa: E402
 
 N_QUESTIONS, N_CATEGORIES, N_TOKENS = 10_000, 20, 99
 TOKEN_PROB = torch.arange(1, N_TOKENS + 1, dtype=torch.float32) / 100  # token k means probability (k+1)/100
@@ -129,7 +129,7 @@ def train(algo: str, updates: int = 1, clip_eps: float | None = None, steps: int
           data_seed: int = 2, lr: float = 3e-3, critic_lr: float = 1e-5, log_every: int = 1000) -> dict:
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
-    categories, outcomes, p_true = make_data(data_seed)
+    categories, outcomes, _ = make_data(data_seed)
     G = GROUP_SIZE[algo]
     module = {"rloo": train_rloo, "ppo": train_ppo}.get(algo, train_grpo)
     cat_rep, out_rep = categories.repeat_interleave(G), outcomes.repeat_interleave(G)  # grouped by question
@@ -137,11 +137,12 @@ def train(algo: str, updates: int = 1, clip_eps: float | None = None, steps: int
     opt = torch.optim.AdamW([logits], lr=lr)  # torch defaults otherwise (weight_decay 0.01), as the notebook
     values = torch.zeros(N_CATEGORIES, requires_grad=True)  # PPO's value model: one scalar per category
     critic_opt = torch.optim.AdamW([values], lr=critic_lr)
+    ones = torch.ones(len(cat_rep), 1)  # the mask of one-token answers, for PPO's value loss
     history, t0 = [], time.time()
     for step in range(1, steps // updates + 1):  # one rollout per step; `updates` gradient steps each
         tokens = sample_tokens(logits, categories, G, generator).flatten()
         rewards = log_likelihood_reward(tokens, out_rep)
-        old_values = values.detach()[cat_rep]
+        old_values = values.detach()[cat_rep] if algo == "ppo" else None
         adv = advantages(algo, rewards, old_values, G)  # from the pre-step value (PPO)
         cell, adv_sum, count = aggregate_by_token(cat_rep * N_TOKENS + tokens, adv)
         old_logp = torch.log_softmax(logits.detach(), -1).flatten()
@@ -153,7 +154,6 @@ def train(algo: str, updates: int = 1, clip_eps: float | None = None, steps: int
             opt.step()
             clipped += float((stats["clipped"].squeeze(1) * count).sum()) / len(rewards) / updates
             if algo == "ppo":  # one MSE step per gradient step on the policy; returns = r (gamma = lam = 1)
-                ones = torch.ones(len(rewards), 1)
                 v_loss = train_ppo.value_loss(values[cat_rep].unsqueeze(1), old_values.unsqueeze(1),
                                               rewards.unsqueeze(1), ones, 0.0, len(rewards))
                 critic_opt.zero_grad()
@@ -222,12 +222,10 @@ def main(argv=None):
     rows = ROWS["on"] + ROWS["off"] if a.rows == "all" else ROWS[a.rows]
     t0 = time.time()
     results = run_rows(rows, a.steps, a.seed, a.jobs)
-    md = table(results, oracle())
-    write_out(a.out, "results.json", {"steps": a.steps, "seed": a.seed, "wall_seconds": time.time() - t0,
-                                      "oracle": oracle(), "results": results})
-    write_out(a.out, "table.md", md + "\n")
-    print(md)
-    print(f"{len(rows)} runs x {a.steps} steps in {time.time() - t0:.0f} s; wrote {a.out}/results.json, table.md")
+    ref = oracle()
+    write_results(a.out, {"steps": a.steps, "seed": a.seed, "wall_seconds": time.time() - t0, "oracle": ref,
+                          "results": results}, table(results, ref))
+    print(f"{len(rows)} runs x {a.steps} steps in {time.time() - t0:.0f} s")
     return results
 
 
