@@ -266,8 +266,7 @@ def evaluate(run) -> dict:
     metrics = common.all_mean(metrics)
     if common.dist_info()[0] == 0:  # predictions: rank 0's share of the questions under torchrun
         extra = {"predictions": full["predictions"]} if "predictions" in full else {}
-        with open(os.path.join(run.run_dir, "eval.json"), "w") as f:
-            json.dump({"step": run.step, "k": k, **metrics, **extra}, f, indent=2)
+        write_out(run.run_dir, "eval.json", {"step": run.step, "k": k, **metrics, **extra})
     common.sleep(run.engine)
     return metrics
 
