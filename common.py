@@ -1,7 +1,9 @@
-"""Shared pieces of every train_*.py: arguments, model and tokenizer loading, rollouts (vLLM
-in-process or plain transformers), weight push into vLLM, token log-probs, logging, checkpoints.
+"""Shared plumbing of every train_*.py: arguments, model and tokenizer loading, rollouts (vLLM
+in-process or plain transformers), the vLLM engine's sleep and weight push, token log-probs,
+distributed helpers, logging, checkpoints.
 
-Everything algorithmic (advantages, losses) lives in the train_*.py scripts, not here.
+Everything algorithmic (advantages, losses, reweightings, corrections) lives in the train_*.py
+scripts, not here.
 """
 import contextlib
 import dataclasses
@@ -15,8 +17,9 @@ import re
 import shutil
 import sys
 import tempfile
-import time
+import typing
 from dataclasses import dataclass, field
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
@@ -31,52 +34,112 @@ CACHE_DIR = os.environ.get("RLMINI_CACHE", os.path.join(os.path.expanduser("~"),
 # arguments
 
 
+def arg(default, help: str):
+    """A dataclass field with its one-line help (shown by --help)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class Args:
     """Options shared by every algorithm. Each script subclasses this with its own."""
-    model: str = field(default="tiny", metadata={"help": "'tiny' (built-in random-init Qwen3), a hub id or a local path"})
-    task: str = field(default="addition", metadata={"help": "addition | calibration | ordinal | gsm8k | math | jsonl:PATH (gsm8k:PATH reads local files)"})
-    steps: int = field(default=200, metadata={"help": "training steps (one rollout batch each)"})
-    prompts_per_step: int = field(default=32, metadata={"help": "prompts per rollout batch"})
-    group_size: int = field(default=8, metadata={"help": "completions sampled per prompt (G)"})
-    lr: float = field(default=3e-4, metadata={"help": "learning rate (tiny model: 3e-4; a pretrained 0.5B-7B model: ~1e-6)"})
-    warmup: int = field(default=0, metadata={"help": "linear lr warm-up steps (optimizer steps)"})
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
-    max_new_tokens: int = field(default=0, metadata={"help": "generation budget; 0 = the task's default"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature (log-probs are taken at the same temperature)"})
-    seed: int = field(default=0, metadata={"help": "seed for data order, sampling and initialisation"})
-    engine: str = field(default="vllm", metadata={"help": "rollout engine: vllm (in-process) | hf (transformers generate)"})
-    dtype: str = field(default="auto", metadata={"help": "compute dtype: auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | float16 | float32"})
-    micro_batch_size: int = field(default=64, metadata={"help": "sequences per forward/backward (gradient accumulation)"})
-    updates_per_rollout: int = field(default=1, metadata={"help": "passes (epochs) over each rollout batch"})
-    minibatches: int = field(default=1, metadata={"help": "optimizer steps per pass: the rollout batch is split into this many"})
-    grad_clip: float = field(default=1.0, metadata={"help": "max global grad norm (0 = off)"})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": "trade compute for activation memory"})
-    out_dir: str = field(default="runs", metadata={"help": "runs are written to out_dir/run_name"})
-    run_name: str = field(default="", metadata={"help": "default: <algo>-<task>-<model>-s<seed>"})
-    wandb: bool = field(default=True, metadata={"help": "log to wandb (offline when WANDB_API_KEY is unset)"})
-    wandb_project: str = field(default="rlmini", metadata={"help": "wandb project"})
-    eval_every: int = field(default=0, metadata={"help": "evaluate on the held-out split every N steps and at the end (0 = off)"})
-    eval_n: int = field(default=4, metadata={"help": "samples per held-out prompt in evaluation"})
-    eval_limit: int = field(default=0, metadata={"help": "held-out prompts used in evaluation (0 = all)"})
-    save_every: int = field(default=50, metadata={"help": "checkpoint every N steps (and at the end)"})
-    resume: bool = field(default=False, metadata={"help": "continue from out_dir/run_name/checkpoint.pt"})
-    format_weight: float = field(default=0.0, metadata={"help": "add this times the format score to the reward"})
-    decontaminate: int = field(default=0, metadata={"help": "drop training prompts sharing a word n-gram of this size with a held-out prompt (13 is usual; 0 = off)"})
-    brier: bool = field(default=False, metadata={"help": "calibration task: Brier reward instead of log-likelihood"})
-    jsonl_reward: str = field(default="math", metadata={"help": "reward for jsonl:PATH tasks: math | exact"})
-    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "share of GPU memory vLLM may take (colocated with the trainer)"})
-    vllm_sleep: bool = field(default=True, metadata={"help": "CUDA only: free vLLM memory (sleep mode) while training"})
-    push_check_every: int = field(default=1, metadata={"help": "verify vLLM against the trainer on a probe every N pushes (0 = off)"})
-    push_check_tol: float = field(default=0.0, metadata={"help": "mean |logprob diff| allowed on the probe; 0 = by dtype (fp32 2e-3, bf16 5e-2)"})
-    config: str = field(default="", metadata={"help": "YAML or JSON file of options; command-line flags override it"})
+    model: str = arg("tiny", "'tiny' (built-in random-init Qwen3), a hub id or a local path")
+    task: str = arg("addition", "addition | calibration | ordinal | mixed | gsm8k | math | jsonl:PATH")
+    steps: int = arg(200, "training steps (one rollout batch each)")
+    prompts_per_step: int = arg(32, "prompts per rollout batch (all ranks together)")
+    group_size: int = arg(8, "completions sampled per prompt (G)")
+    lr: float = arg(3e-4, "learning rate (tiny model: 3e-4; a pretrained 0.5B-7B model: ~1e-6)")
+    warmup: int = arg(0, "linear lr warm-up steps (optimizer steps)")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    max_new_tokens: int = arg(0, "generation budget; 0 = the task's default")
+    temperature: float = arg(1.0, "sampling temperature (log-probs are taken at the same temperature)")
+    seed: int = arg(0, "seed for data order, sampling and initialisation")
+    engine: Literal["vllm", "hf"] = arg("vllm", "rollout engine: vLLM in-process, or transformers generate")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = arg("auto", "compute dtype (auto: bf16 CUDA, fp32 CPU)")
+    micro_batch_size: int = arg(64, "sequences per forward/backward (gradient accumulation)")
+    updates_per_rollout: int = arg(1, "passes (epochs) over each rollout batch")
+    minibatches: int = arg(1, "optimizer steps per pass: the rollout batch is split into this many")
+    grad_clip: float = arg(1.0, "max global grad norm (0 = off)")
+    gradient_checkpointing: bool = arg(False, "trade compute for activation memory")
+    rollout_correction: Literal["off", "token-tis", "token-mis", "seq-mis"] = arg(
+        "off", "sampler/trainer mismatch correction (Yao et al. 2025); GPU bf16: token-tis")
+    is_cap: float = arg(2.0, "token-tis: the weight pi_old / pi_sampler is truncated at this cap")
+    is_low: float = arg(0.5, "token-mis / seq-mis: tokens (completions) with weight below this are dropped")
+    is_high: float = arg(2.0, "token-mis / seq-mis: tokens (completions) with weight above this are dropped")
+    sampler_diff_tol: float = arg(0.0, "stop if a step's mean |sampler - trainer| log-prob exceeds it; 0 = by dtype")
+    out_dir: str = arg("runs", "runs are written to out_dir/run_name")
+    run_name: str = arg("", "default: <algo>-<task>-<model>-s<seed>")
+    wandb: bool = arg(True, "log to wandb (offline when WANDB_API_KEY is unset)")
+    wandb_project: str = arg("rlmini", "wandb project")
+    eval_every: int = arg(0, "evaluate on the held-out split every N steps and at the end (0 = off)")
+    eval_n: int = arg(4, "samples per held-out prompt in evaluation")
+    eval_limit: int = arg(0, "held-out prompts used in evaluation (0 = all)")
+    save_every: int = arg(50, "checkpoint every N steps (and at the end; 0 = only at the end)")
+    resume: bool = arg(False, "continue from out_dir/run_name/checkpoint.pt")
+    format_weight: float = arg(0.0, "add this times the format score to the reward")
+    decontaminate: int = arg(0, "drop training prompts sharing a word n-gram of this size with a test prompt (0 = off)")
+    brier: bool = arg(False, "calibration task: Brier reward instead of log-likelihood")
+    jsonl_reward: Literal["math", "exact"] = arg("math", "reward for jsonl:PATH tasks")
+    vllm_gpu_memory_utilization: float = arg(0.3, "share of GPU memory vLLM may take (colocated with the trainer)")
+    vllm_sleep: bool = arg(True, "CUDA only: free vLLM's memory (sleep level 2) while the trainer updates")
+    push_check_every: int = arg(1, "verify vLLM against the trainer on a probe every N steps (0 = off)")
+    push_check_tol: float = arg(0.0, "mean |logprob diff| allowed on the probe; 0 = by dtype (fp32 2e-3, bf16 5e-2)")
+    config: str = arg("", "YAML or JSON file of options; command-line flags override it")
+    min_group_size: ClassVar[int] = 1  # scripts with a group baseline raise it to 2
+
+    def __post_init__(self):
+        validate(self)
+
+
+ONE_OR_MORE, NON_NEGATIVE, POSITIVE = (">= 1", lambda v: v >= 1), (">= 0", lambda v: v >= 0), ("> 0", lambda v: v > 0)
+UNIT = ("in [0, 1]", lambda v: 0 <= v <= 1)
+# the valid range of every numeric option a script may have; checked when the arguments are parsed
+RANGES = {
+    "steps": ONE_OR_MORE, "prompts_per_step": ONE_OR_MORE, "micro_batch_size": ONE_OR_MORE,
+    "updates_per_rollout": ONE_OR_MORE, "minibatches": ONE_OR_MORE, "eval_n": ONE_OR_MORE,
+    "lr": POSITIVE, "temperature": POSITIVE, "is_cap": POSITIVE, "is_high": POSITIVE,
+    "warmup": NON_NEGATIVE, "weight_decay": NON_NEGATIVE, "max_new_tokens": NON_NEGATIVE, "grad_clip": NON_NEGATIVE,
+    "eval_every": NON_NEGATIVE, "eval_limit": NON_NEGATIVE, "save_every": NON_NEGATIVE, "decontaminate": NON_NEGATIVE,
+    "push_check_every": NON_NEGATIVE, "push_check_tol": NON_NEGATIVE, "sampler_diff_tol": NON_NEGATIVE,
+    "is_low": NON_NEGATIVE, "vllm_gpu_memory_utilization": ("in (0, 1]", lambda v: 0 < v <= 1),
+    # options of some scripts only
+    "clip_eps": POSITIVE, "clip_eps_high": NON_NEGATIVE, "beta": NON_NEGATIVE, "adv_eps": NON_NEGATIVE,
+    "hadw_eta": UNIT, "hadw_window": ONE_OR_MORE, "hadw_lambda": POSITIVE, "beta_th": UNIT, "max_rounds": ONE_OR_MORE,
+    "gamma": UNIT, "lam": UNIT, "critic_lr": NON_NEGATIVE, "vf_clip": NON_NEGATIVE, "critic_warmup": NON_NEGATIVE,
+}
+
+
+def validate(args) -> None:
+    """Types, choices and ranges of every option, and the options that must agree; raises
+    ValueError naming the flag. Runs when the dataclass is built: command line and --config alike."""
+    for f in dataclasses.fields(args):
+        v, flag = getattr(args, f.name), f"--{f.name}"
+        if v is None:  # an optional option left unset (its type may read plain: HfArgumentParser unwraps Optional)
+            continue
+        if typing.get_origin(f.type) is Literal:
+            if v not in typing.get_args(f.type):
+                raise ValueError(f"{flag} {v!r}: choose one of {', '.join(typing.get_args(f.type))}")
+        elif f.type in (int, float, bool) and (isinstance(v, bool) != (f.type is bool) or
+                                               not isinstance(v, (int, float) if f.type is float else f.type)):
+            raise ValueError(f"{flag} {v!r}: expected {f.type.__name__}")
+        if f.name in RANGES and not RANGES[f.name][1](v):
+            raise ValueError(f"{flag} {v!r}: must be {RANGES[f.name][0]}")
+    if args.group_size < args.min_group_size:
+        why = " (the group baseline needs two completions of each prompt)" if args.min_group_size > 1 else ""
+        raise ValueError(f"--group_size {args.group_size}: must be >= {args.min_group_size}{why}")
+    if (args.prompts_per_step * args.group_size) % args.minibatches:
+        raise ValueError(f"--minibatches {args.minibatches} must divide prompts_per_step * group_size "
+                         f"= {args.prompts_per_step * args.group_size}")
+    if args.is_low > args.is_high:
+        raise ValueError(f"--is_low {args.is_low} must not exceed --is_high {args.is_high}")
 
 
 def parse_args(cls, argv=None):
-    """Parse `cls` (a subclass of Args) from the command line, with an optional --config file."""
+    """Parse `cls` (a subclass of Args) from the command line, with an optional --config file;
+    flags are never abbreviated (--temp is not --temperature)."""
     from transformers import HfArgumentParser
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = HfArgumentParser(cls)
+    parser = HfArgumentParser(cls, allow_abbrev=False)
+    source = "command line"
     if "--config" in argv:
         path = argv[argv.index("--config") + 1]
         if not os.path.exists(path):
@@ -92,15 +155,11 @@ def parse_args(cls, argv=None):
         if unknown:
             raise SystemExit(f"--config {path}: unknown option(s) {unknown}")
         parser.set_defaults(**cfg)
-    (args,) = parser.parse_args_into_dataclasses(args=argv)
-    for name in ("steps", "prompts_per_step", "group_size", "micro_batch_size", "updates_per_rollout", "minibatches"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name} must be >= 1 (got {getattr(args, name)})")
-    if args.engine not in ("vllm", "hf"):
-        raise SystemExit(f"--engine {args.engine!r}: choose vllm or hf")
-    if (args.prompts_per_step * args.group_size) % args.minibatches:
-        raise SystemExit(f"--minibatches {args.minibatches} must divide prompts_per_step*group_size "
-                         f"= {args.prompts_per_step * args.group_size}")
+        source = f"command line or --config {path}"
+    try:
+        (args,) = parser.parse_args_into_dataclasses(args=argv)
+    except ValueError as e:
+        raise SystemExit(f"bad option ({source}): {e}") from None
     return args
 
 
@@ -112,6 +171,13 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def rollout_seed(seed: int, step: int, rank: int, sampling_round: int = 0) -> int:
+    """The sampling seed of one generate call: distinct for every (--seed, step, rank, sampling
+    round), the same in every script; evaluation uses step -1 (the same draws at every evaluation)."""
+    digest = hashlib.sha256(f"rollout/{seed}/{step}/{rank}/{sampling_round}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFF_FFFF
 
 
 def rng_state() -> dict:
@@ -129,24 +195,28 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def dist_info() -> tuple[int, int, int]:
-    """(rank, local_rank, world_size) from torchrun's environment."""
-    return (int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)),
-            int(os.environ.get("WORLD_SIZE", 1)))
+def rank() -> int:
+    """This process's rank under torchrun (0 on one process)."""
+    return int(os.environ.get("RANK", 0))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", 1))
 
 
 def setup_device(args) -> tuple[torch.device, torch.dtype]:
-    rank, local_rank, world = dist_info()
     if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", local_rank())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if world > 1 and not torch.distributed.is_initialized():
+    if world_size() > 1 and not torch.distributed.is_initialized():
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
     name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    if name not in ("bfloat16", "float16", "float32"):
-        raise SystemExit(f"--dtype {args.dtype!r}: choose auto, bfloat16, float16 or float32")
     return device, getattr(torch, name)
 
 
@@ -164,7 +234,8 @@ def all_mean(values: dict) -> dict:
 
 
 def all_sum(x: float) -> float:
-    return all_mean({"x": x})["x"] * dist_info()[2]
+    """Sum a float over ranks (identity on one process)."""
+    return all_mean({"x": x})["x"] * world_size()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,6 +327,7 @@ class Rollouts:
     completion_ids: list    # sampled tokens, EOS included when sampled
     sampler_logprobs: list  # the sampler's log-prob of each sampled token (temperature applied)
     finished: list          # True where the completion ended with EOS ("stop"), False at "length"
+    pad_id: int = 0         # padding id for the trainer's batches
 
 
 @dataclass
@@ -264,8 +336,8 @@ class Engine:
     llm: object = None      # vllm.LLM for kind == "vllm"
     eos_id: int = 1
     pad_id: int = 0
-    sleeping: bool = False
-    sleep_mode: bool = False
+    sleep_mode: bool = False  # CUDA vLLM: sleep (level 2) between rollouts
+    asleep: bool = False    # vLLM's weights are discarded until the next push_weights
     tied: list = field(default_factory=list)  # vLLM parameter names sharing one tensor
 
 
@@ -294,21 +366,29 @@ def make_engine(args, model_path: str, tokenizer, device, dtype, max_len: int) -
 
 def generate(engine: Engine, model, prompt_ids: list, n: int, max_new_tokens: int, temperature: float,
              seed: int, device, dtype) -> Rollouts:
-    """Sample n completions per prompt. `seed` fixes every sample (per-request seeds in vLLM)."""
+    """Sample n completions per prompt. `seed` fixes every sample (per-request seeds in vLLM).
+    vLLM samples from the weights it was last pushed; a sleeping engine is refused, since level-2
+    sleep discarded them (waking it would sample from garbage)."""
     if engine.kind == "vllm":
+        if engine.asleep:
+            raise EngineStateError("generate() on a sleeping vLLM engine: sleep level 2 discarded its weights; "
+                                   "push_weights() restores them and wakes it")
         return _generate_vllm(engine, prompt_ids, n, max_new_tokens, temperature, seed)
     return _generate_hf(engine, model, prompt_ids, n, max_new_tokens, temperature, seed, device, dtype)
 
 
+class EngineStateError(RuntimeError):
+    pass
+
+
 def _generate_vllm(engine, prompt_ids, n, max_new_tokens, temperature, seed) -> Rollouts:
     from vllm import SamplingParams
-    wake(engine, tags=None)
     # per-request seeds; with n > 1 vLLM gives child i the seed + i, so space them by n
     params = [SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_new_tokens,
                              logprobs=0, seed=(seed * 1_000_003 + i * n) % 2**31)
               for i in range(len(prompt_ids))]
     outs = engine.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
-    r = Rollouts([], [], [], [])
+    r = Rollouts([], [], [], [], engine.pad_id)
     for ids, out in zip(prompt_ids, outs):
         for c in out.outputs:
             toks = list(c.token_ids)
@@ -343,7 +423,7 @@ def _generate_hf(engine, model, prompt_ids, n, max_new_tokens, temperature, seed
     model.train(was_training)
     seqs = out.sequences[:, width:].cpu()
     logps = torch.stack([s.float().log_softmax(-1) for s in out.scores], 1).cpu()  # scores: after temperature
-    r = Rollouts([], [], [], [])
+    r = Rollouts([], [], [], [], engine.pad_id)
     for i, p in enumerate(rows):
         toks = seqs[i].tolist()
         stop = toks.index(engine.eos_id) + 1 if engine.eos_id in toks else len(toks)
@@ -355,20 +435,20 @@ def _generate_hf(engine, model, prompt_ids, n, max_new_tokens, temperature, seed
     return r
 
 
-def sleep(engine: Engine) -> None:
-    """CUDA: release vLLM's weights and KV cache while the trainer runs (level 2: weights are
-    pushed back afterwards anyway). A no-op on CPU, where sleep mode does not exist."""
-    if engine.sleep_mode and not engine.sleeping:
+def engine_sleep(engine: Engine) -> None:
+    """Free vLLM's GPU memory (weights and KV cache) while the trainer updates: sleep level 2,
+    which discards the weights instead of copying them to CPU memory, since the push after the
+    update replaces them. Until that push the engine refuses to generate. A no-op on CPU, where
+    vLLM has no sleep mode, and for the HF engine."""
+    if engine.sleep_mode and not engine.asleep:
         engine.llm.sleep(level=2)
-        engine.sleeping = True
+        engine.asleep = True
 
 
-def wake(engine: Engine, tags) -> None:
-    if engine.sleep_mode and engine.sleeping:
-        torch.cuda.empty_cache()
+def _wake(engine: Engine, tags: list) -> None:
+    if engine.asleep:
+        torch.cuda.empty_cache()  # the trainer's cached blocks go back before vLLM allocates
         engine.llm.wake_up(tags=tags)
-        if tags is None or "kv_cache" in tags:
-            engine.sleeping = False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -395,13 +475,20 @@ def named_weights(model):
     return list(model.named_parameters())
 
 
-def push_weights(engine: Engine, model, dtype) -> dict:
-    """Load the trainer's current weights into the vLLM engine. Returns {names_sent}."""
+def push_weights(engine: Engine, model, dtype) -> None:
+    """Load the trainer's current weights into the vLLM engine, waking it first if it sleeps
+    (weights memory, the load, then the KV cache); a no-op for the HF engine."""
     if engine.kind != "vllm":
-        return {}
+        return
+    _wake(engine, tags=["weights"])
+    load_into_vllm(engine, [(n, p.detach().to(dtype)) for n, p in named_weights(model)])
+    _wake(engine, tags=["kv_cache"])
+    engine.asleep = False
+
+
+def load_into_vllm(engine: Engine, weights: list) -> None:
+    """Load (HF name, tensor) pairs into vLLM in place; fails if vLLM reports a layer it did not fill."""
     llm = engine.llm
-    wake(engine, tags=["weights"])
-    weights = [(n, p.detach().to(dtype)) for n, p in named_weights(model)]
     capture = _CaptureWarnings()
     vlog = logging.getLogger("vllm")
     console = [(h, h.level) for h in vlog.handlers]
@@ -426,8 +513,6 @@ def push_weights(engine: Engine, model, dtype) -> dict:
     if missed:
         raise PushError(f"weight push left vLLM parameters unloaded: {missed}")
     llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
-    wake(engine, tags=["kv_cache"])
-    return {"names_sent": len(weights)}
 
 
 def _tied_groups(model) -> list:
@@ -464,7 +549,9 @@ def _has_weights_iterator(llm) -> bool:
 
 def check_push(engine: Engine, model, probe: tuple, temperature: float, tol: float, device, dtype) -> float:
     """Fail loudly if vLLM does not reproduce the trainer's log-probs on a fixed probe
-    (prompt, completion): a push that silently did nothing shows up here."""
+    (prompt, completion): a push that silently did nothing shows up here. HF engine: nothing to check."""
+    if engine.kind != "vllm":
+        return 0.0
     from vllm import SamplingParams
     prompt, completion = probe
     seq = list(prompt) + list(completion)
@@ -484,6 +571,28 @@ def check_push(engine: Engine, model, probe: tuple, temperature: float, tol: flo
 
 def default_push_tol(dtype) -> float:
     return 2e-3 if dtype == torch.float32 else 5e-2
+
+
+class RolloutMismatchError(RuntimeError):
+    pass
+
+
+def default_sampler_diff_tol(dtype) -> float:
+    """Mean |sampler - trainer| log-prob of sampled tokens beyond which a step is broken, not noisy:
+    fp32 engines agree to ~1e-6 (measured 1e-7 HF, 5e-7 vLLM on CPU); bf16 kernels differ by ~1e-2."""
+    return 1e-3 if dtype == torch.float32 else 0.1
+
+
+def check_sampler_diff(diff: float, step: int, tol: float) -> None:
+    """The per-step guard: the trainer recomputes the log-prob of every sampled token; if the mean
+    difference to the sampler's values is beyond `tol` the rollouts did not come from this policy."""
+    if not diff <= tol:  # NaN fails too
+        raise RolloutMismatchError(
+            f"step {step}: the trainer's log-probs of the sampled tokens differ from the sampler's by {diff:.4g} "
+            f"on average (> --sampler_diff_tol {tol:.3g}). The rollouts did not come from the policy being trained. "
+            f"Likely causes: vLLM sampled from stale or discarded weights (a weight push that did not take effect; "
+            f"an engine woken from sleep level 2 without a push), a different dtype or temperature in the engine "
+            f"and the trainer, or a tokenizer/chat-template mismatch. Nothing of this step was saved.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -551,6 +660,33 @@ def token_logprobs(model, batch: dict, temperature: float, chunk_tokens: int = 4
     return logp, entropy
 
 
+def rollout_batch(rollouts: Rollouts, idx: list, device) -> dict:
+    """The trainer's batch (make_batch) of completions `idx` of a rollout batch."""
+    return make_batch([rollouts.prompt_ids[i] for i in idx], [rollouts.completion_ids[i] for i in idx],
+                      rollouts.pad_id, device)
+
+
+def rollout_logprobs(model, rollouts: Rollouts, idx: list, temperature: float, device, dtype,
+                     with_entropy: bool = False) -> tuple:
+    """(batch, log-probs [b, T-1], entropy or None) of completions `idx` under `model`, in `dtype`."""
+    batch = rollout_batch(rollouts, idx, device)
+    with autocast(device, dtype):
+        logp, entropy = token_logprobs(model, batch, temperature, with_entropy=with_entropy)
+    return batch, logp, entropy
+
+
+def to_ragged(padded, mask) -> list:
+    """[b, T] values laid out like `mask` -> one 1-D tensor per completion (its tokens only)."""
+    return [v[m > 0] for v, m in zip(padded, mask)]
+
+
+def to_padded(ragged: list, idx: list, mask):
+    """The inverse: the 1-D tensors of completions `idx` -> [b, T] laid out like `mask`, 0 elsewhere."""
+    out = torch.zeros_like(mask)
+    out[mask > 0] = torch.cat([ragged[i].to(mask.device) for i in idx])
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # data
 
@@ -571,17 +707,17 @@ def prompt_batch(examples: list, pos: int, n: int, seed: int) -> tuple[list, int
 
 def shard(items: list) -> list:
     """This rank's share of a list (torchrun)."""
-    rank, _, world = dist_info()
-    return items[rank::world]
+    return items[rank()::world_size()]
 
 
-def score_rollouts(task, tokenizer, examples: list, rollouts: Rollouts, group_size: int, format_weight: float):
-    """Rewards and their parts, one per completion (examples are repeated group_size times)."""
+def score_rollouts(task, tokenizer, examples: list, rollouts: Rollouts, group_size: int):
+    """(reward, correct, format score, Score objects), one per completion (examples are repeated
+    group_size times). The task's reward only: any bonus is the training script's business."""
     scores = []
     for k, toks in enumerate(rollouts.completion_ids):
         text = tokenizer.decode(toks, skip_special_tokens=True)
         scores.append(task.score(text, examples[k // group_size], rollouts.finished[k]))
-    reward = torch.tensor([s.reward + format_weight * s.format_ok for s in scores], dtype=torch.float32)
+    reward = torch.tensor([s.reward for s in scores], dtype=torch.float32)
     correct = torch.tensor([s.correct for s in scores], dtype=torch.float32)
     fmt = torch.tensor([s.format_ok for s in scores], dtype=torch.float32)
     return reward, correct, fmt, scores
@@ -595,7 +731,7 @@ class RunLog:
     """metrics.jsonl (always), wandb (optional), and a progress bar."""
 
     def __init__(self, args, run_dir: str, start_step: int, total: int):
-        self.rank0 = dist_info()[0] == 0
+        self.rank0 = rank() == 0
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.wandb = None
         self.bar = None
@@ -693,46 +829,6 @@ def save_final(model, tokenizer, path: str, style: str = "chat") -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# HA-DW (seed 001, arXiv 2601.08521): history-aware difficulty reweighting of group-relative
-# advantages, a plug-in used the same way by train_grpo.py and train_gpg.py (--hadw)
-
-
-def hadw_reweight(rewards, advantages, group_size: int, state: dict, eta: float, window: int, lam: float,
-                  anchor: str = "kalman"):
-    """Phi_i = lam * exp(D_i * M) with D_i = -sign(A_i) sign(p_hat - C), M = |p_hat - C|, C the
-    cross-batch difficulty anchor; returns (advantages * Phi, diagnostics) and updates `state`.
-
-    Hard prompt (group accuracy p_hat below the anchor): correct answers are boosted, wrong ones
-    damped; easy prompt: the reverse. Binary rewards (y_t = batch accuracy). The anchor update is
-    Kalman-like: C+ = (1 - eta_t) C- + eta_t y_t with eta_t = clamp(eta * std(last `window`
-    anchors), 0, 1). Cold start (the paper leaves it open; read literally the anchor freezes when
-    the window's std is 0): the first prior is y_1, and eta_t = eta while the window holds fewer
-    than 2 anchors or they are all equal, so a constant window cannot freeze the anchor.
-    anchor="mean" is the paper's appendix F variant: C_t^- = mean of the last m batch accuracies.
-    """
-    if anchor not in ("kalman", "mean"):
-        raise ValueError(f"--hadw_anchor {anchor!r}: choose kalman or mean")
-    y = rewards.float().mean().item()
-    prior = y if state.get("anchor") is None else state["anchor"]  # C_t^-
-    if anchor == "mean":  # appendix F: the anchor is a moving average of recent batch accuracies
-        prior = float(np.mean(state["accuracies"])) if state.get("accuracies") else y
-        state["accuracies"] = (state.get("accuracies", []) + [y])[-window:]
-    p_hat = rewards.float().view(-1, group_size).mean(1, keepdim=True).expand(-1, group_size).flatten()
-    diff = p_hat - prior
-    phi = lam * torch.exp(-torch.sign(advantages) * torch.sign(diff) * diff.abs())  # a constant: no gradient
-    history = state.get("history", [])[-window:]  # the last m posterior anchors
-    sigma = float(np.std(history)) if len(history) >= 2 else 0.0  # population std
-    eta_t = min(max(eta * sigma, 0.0), 1.0) if sigma > 0 else eta
-    posterior = (1 - eta_t) * prior + eta_t * y  # C_t^+, the next prior
-    state.update(anchor=posterior, history=(history + [posterior])[-window:])
-    hard, easy = diff < 0, diff > 0
-    info = {"hadw/anchor": prior, "hadw/eta": eta_t,
-            "hadw/phi_hard": phi[hard].mean().item() if hard.any() else float("nan"),
-            "hadw/phi_easy": phi[easy].mean().item() if easy.any() else float("nan")}
-    return advantages * phi, info
-
-
-# ----------------------------------------------------------------------------------------------
 # the run: everything a training loop needs, built from the arguments
 
 
@@ -756,7 +852,6 @@ class Run:
     step: int = 0
     data_pos: int = 0
     algo_state: dict = field(default_factory=dict)
-    pushes: int = 0
 
 
 def lr_lambda(warmup: int):
@@ -775,18 +870,17 @@ def setup(args, algo: str) -> Run:
     style = prompt_style(args.model)
     task = rewards.load_task(args.task, style=style, seed=args.seed, brier=args.brier, jsonl_reward=args.jsonl_reward)
     if args.decontaminate:
-        from eval import decontaminate
-        task.train, dropped = decontaminate(task.train, task.test, args.decontaminate)
+        task.train, dropped = rewards.decontaminate(task.train, task.test, args.decontaminate)
         if not task.train:
             raise SystemExit(f"--decontaminate {args.decontaminate}: every training prompt overlaps the held-out split")
         print(f"decontaminate: dropped {dropped} training prompts sharing a {args.decontaminate}-gram with the test split")
     model, tokenizer, path = load_model(args, task, device, dtype)
-    if not args.push_check_tol:
-        args.push_check_tol = default_push_tol(dtype)
+    args.push_check_tol = args.push_check_tol or default_push_tol(dtype)
+    args.sampler_diff_tol = args.sampler_diff_tol or default_sampler_diff_tol(dtype)
     max_new = args.max_new_tokens or task.max_new_tokens
     max_prompt = max(len(p) for p in encode_prompts(tokenizer, [e["prompt"] for e in task.train[:256]], style == "chat"))
     max_len = min(getattr(model.config, "max_position_embeddings", 4096), max_prompt * 2 + max_new + 8)
-    if dist_info()[2] > 1:
+    if world_size() > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup))
@@ -813,7 +907,7 @@ def checkpoint(run: Run) -> None:
     """Everything needed to continue: model, optimizer, scheduler, RNGs, step, data position and
     the algorithm's state (`run.algo_state`: plain values, or modules/optimizers whose state_dict
     is saved; after --resume a script finds those state dicts there and loads them)."""
-    if dist_info()[0] != 0:
+    if rank() != 0:
         return
     algo = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in run.algo_state.items()}
     state = {"model": getattr(run.model, "module", run.model).state_dict(), "optimizer": run.optimizer.state_dict(),
@@ -822,20 +916,8 @@ def checkpoint(run: Run) -> None:
     save_checkpoint(os.path.join(run.run_dir, "checkpoint.pt"), state)
 
 
-def after_update(run: Run) -> float:
-    """Push the new weights into vLLM (and check them); returns the push time."""
-    t0 = time.perf_counter()
-    if run.engine.kind == "vllm":
-        push_weights(run.engine, run.model, run.dtype)
-        run.pushes += 1
-        if run.args.push_check_every and run.pushes % run.args.push_check_every == 0:
-            check_push(run.engine, run.model, run.probe, run.args.temperature, run.args.push_check_tol,
-                       run.device, run.dtype)
-    return time.perf_counter() - t0
-
-
 def finish(run: Run) -> None:
     checkpoint(run)
-    if dist_info()[0] == 0:
+    if rank() == 0:
         save_final(run.model, run.tokenizer, os.path.join(run.run_dir, "final"), run.style)
     run.log.close()

@@ -8,7 +8,7 @@
 
 Library: pass_at_k (unbiased, stable), maj_at_k and mean_at_k with bootstrap intervals,
 expected_calibration_error (seed 000's right-closed bins), auroc and brier (scikit-learn),
-reliability_diagram (PNG), ngram_overlap (contamination), verifier_audit, and evaluate(run) which
+reliability_diagram (PNG), verifier_audit, and evaluate(run) which
 every train_*.py calls every --eval_every steps (eval/* metrics and runs/<run>/eval.json).
 """
 import argparse
@@ -148,34 +148,7 @@ def reliability_diagram(curves: dict, path: str, n_bins: int = 10) -> None:
     plt.close(fig)
 
 
-# ---------------------------------------------------------------------------------------------- contamination and verifier audit
-
-
-def _ngrams(text: str, n: int) -> set:
-    words = text.lower().split()
-    return {" ".join(words[i:i + n]) for i in range(len(words) - n + 1)}
-
-
-def ngram_overlap(train_prompts: list, eval_prompts: list, n: int = 13) -> dict:
-    """Evaluation prompts sharing at least one word n-gram with a training prompt: the share, and
-    the offending (eval index, train index, n-gram) pairs."""
-    index = {}
-    for j, p in enumerate(train_prompts):
-        for g in _ngrams(p, n):
-            index.setdefault(g, j)
-    pairs = []
-    for i, p in enumerate(eval_prompts):
-        hit = next((g for g in _ngrams(p, n) if g in index), None)
-        if hit is not None:
-            pairs.append({"eval": i, "train": index[hit], "ngram": hit})
-    return {"n": n, "share": len(pairs) / max(1, len(eval_prompts)), "pairs": pairs}
-
-
-def decontaminate(train: list, test: list, n: int = 13) -> tuple:
-    """Drop training examples that share an n-gram with any held-out prompt."""
-    test_grams = set().union(*(_ngrams(e["prompt"], n) for e in test)) if test else set()
-    kept = [e for e in train if not (_ngrams(e["prompt"], n) & test_grams)]
-    return kept, len(train) - len(kept)
+# ---------------------------------------------------------------------------------------------- verifier audit (contamination: rewards.py)
 
 
 def verifier_audit(score, rows: list, source: str = "audit") -> dict:
@@ -245,17 +218,18 @@ def sample_and_score(run, examples: list, n: int, seed: int) -> list:
     prompt_ids = common.encode_prompts(run.tokenizer, [e["prompt"] for e in examples], run.style == "chat")
     rollouts = common.generate(run.engine, run.model, prompt_ids, n, run.max_new_tokens, run.args.temperature,
                                seed=seed, device=run.device, dtype=run.dtype)
-    return common.score_rollouts(run.task, run.tokenizer, examples, rollouts, n, 0.0)[3]
+    return common.score_rollouts(run.task, run.tokenizer, examples, rollouts, n)[3]
 
 
 @torch.no_grad()
 def evaluate(run) -> dict:
     """Held-out metrics (eval/*) for the run's current policy: pass@1, pass@k and maj@k with
     k = --eval_n, format failures, and for probability tasks ECE, AUROC, Brier; also writes
-    <run_dir>/eval.json."""
+    <run_dir>/eval.json. The rollout engine is left as it was found: awake, with the policy's
+    weights (the training loop pushed them just before); it is never put to sleep here."""
     args = run.args
     examples = common.shard(run.task.test[: args.eval_limit or None])
-    scores = sample_and_score(run, examples, args.eval_n, seed=args.seed + 7_777_777)
+    scores = sample_and_score(run, examples, args.eval_n, seed=common.rollout_seed(args.seed, -1, common.rank()))
     full = summarize(run.task, examples, scores, args.eval_n, sorted({1, args.eval_n}))
     k = args.eval_n
     metrics = {"eval/pass@1": full["pass@1"], "eval/pass@k": full[f"pass@{k}"], "eval/maj@k": full[f"maj@{k}"],
@@ -264,10 +238,9 @@ def evaluate(run) -> dict:
         if key in full:
             metrics[f"eval/{key}"] = full[key]
     metrics = common.all_mean(metrics)
-    if common.dist_info()[0] == 0:  # predictions: rank 0's share of the questions under torchrun
+    if common.rank() == 0:  # predictions: rank 0's share of the questions under torchrun
         extra = {"predictions": full["predictions"]} if "predictions" in full else {}
         write_out(run.run_dir, "eval.json", {"step": run.step, "k": k, **metrics, **extra})
-    common.sleep(run.engine)
     return metrics
 
 
@@ -338,7 +311,7 @@ def cmd_evaluate(argv) -> dict:
         max(len(x) for x in common.encode_prompts(tok, [e["prompt"] for e in examples], style == "chat")) + max_new + 8))
     run = argparse.Namespace(args=args, tokenizer=tok, style=style, engine=engine, model=model, max_new_tokens=max_new,
                              device=device, dtype=dtype, task=task)
-    scores = sample_and_score(run, examples, a.n, seed=a.seed + 7_777_777)
+    scores = sample_and_score(run, examples, a.n, seed=common.rollout_seed(a.seed, -1, common.rank()))
     result = {"model": a.model, "task": a.task, "split": a.split, "temperature": a.temperature,
               **summarize(task, examples, scores, a.n, ks, boot=True)}
     out = a.out or os.path.join("runs", f"eval-{_model_name(a.model)}-{a.task.split(':')[0]}")
@@ -458,7 +431,7 @@ def cmd_contamination(argv) -> dict:
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
     task = rewards.load_task(a.task, style="chat")
-    result = ngram_overlap([e["prompt"] for e in task.train], [e["prompt"] for e in task.test], a.ngram)
+    result = rewards.ngram_overlap([e["prompt"] for e in task.train], [e["prompt"] for e in task.test], a.ngram)
     return _report(a.out, "contamination.json", result,
                    f"{a.task}: {len(result['pairs'])} of {len(task.test)} held-out prompts ({result['share']:.1%}) "
                    f"share a {a.ngram}-gram with a training prompt",

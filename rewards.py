@@ -373,3 +373,34 @@ def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False
                     alphabet=list(string.printable), max_new_tokens=512)
     raise DataError(f"--task {spec!r}: unknown task; choose addition, calibration, ordinal, mixed[:HARD_FRAC], "
                     f"gsm8k, math or jsonl:PATH")
+
+
+# ----------------------------------------------------------------------------------------------
+# contamination: word n-gram overlap between training and held-out prompts (seed 002)
+
+
+def _ngrams(text: str, n: int) -> set:
+    words = text.lower().split()
+    return {" ".join(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+def ngram_overlap(train_prompts: list, eval_prompts: list, n: int = 13) -> dict:
+    """Evaluation prompts sharing at least one word n-gram with a training prompt: the share, and
+    the offending (eval index, train index, n-gram) pairs."""
+    index = {}
+    for j, p in enumerate(train_prompts):
+        for g in _ngrams(p, n):
+            index.setdefault(g, j)
+    pairs = []
+    for i, p in enumerate(eval_prompts):
+        hit = next((g for g in _ngrams(p, n) if g in index), None)
+        if hit is not None:
+            pairs.append({"eval": i, "train": index[hit], "ngram": hit})
+    return {"n": n, "share": len(pairs) / max(1, len(eval_prompts)), "pairs": pairs}
+
+
+def decontaminate(train: list, test: list, n: int = 13) -> tuple:
+    """Drop training examples that share an n-gram with any held-out prompt."""
+    test_grams = set().union(*(_ngrams(e["prompt"], n) for e in test)) if test else set()
+    kept = [e for e in train if not (_ngrams(e["prompt"], n) & test_grams)]
+    return kept, len(train) - len(kept)

@@ -1,58 +1,87 @@
-"""CoRPO (Garg & Venkatesh, seed 004) in one file: GRPO's loop with a correctness-clamped baseline,
+"""CoRPO (Garg & Venkatesh 2025) in one file: GRPO's loop with a correctness-clamped baseline,
 max(R_min_correct, group mean), so that a failed completion never gets a positive advantage, for
 ordinal (partial-credit) rewards. The static variant uses R_min_correct alone.
 
     python train_corpo.py --task ordinal                      # built-in tiny model, partial credit (CPU ok)
-    python train_corpo.py --task ordinal --baseline static    # seed 004 sec. 3.2
+    python train_corpo.py --task ordinal --baseline static    # Garg & Venkatesh 2025, sec. 3.2
     python train_corpo.py --model Qwen/Qwen2.5-0.5B-Instruct --task jsonl:ratings.jsonl --r_min_correct 0.5
 """
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import torch
 
 import common
+from common import arg
 from eval import evaluate
 
 
 @dataclass
 class Args(common.Args):
-    baseline: str = field(default="adaptive", metadata={"help": "adaptive: max(R_min_correct, group mean) | static: R_min_correct"})
-    r_min_correct: float | None = field(default=None, metadata={"help": "minimum reward of a correct completion (default: the task's pass threshold)"})
-    loss_agg: str = field(default="seq-mean-token-mean", metadata={"help": "seq-mean-token-mean (GRPO) | token-mean (DAPO) | seq-mean-token-sum-norm (Dr. GRPO)"})
-    clip_eps: float = field(default=0.2, metadata={"help": "PPO clip range below 1 (and above, unless clip_eps_high is set)"})
-    clip_eps_high: float = field(default=0.0, metadata={"help": "clip range above 1; DAPO clip-higher uses 0.28 (0 = clip_eps)"})
-    ratio_level: str = field(default="token", metadata={"help": "token | sequence (GSPO: exp of the mean token log-ratio)"})
-    beta: float = field(default=0.0, metadata={"help": "k3 KL penalty to the initial policy (0 = no reference model is loaded)"})
+    baseline: Literal["adaptive", "static"] = arg("adaptive", "max(R_min_correct, group mean), or R_min_correct")
+    r_min_correct: float | None = arg(None, "minimum reward of a correct completion (default: the task's threshold)")
+    loss_agg: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = arg(
+        "seq-mean-token-mean", "loss aggregation: GRPO | DAPO | Dr. GRPO")
+    clip_eps: float = arg(0.2, "PPO clip range below 1 (and above, unless clip_eps_high is set)")
+    clip_eps_high: float = arg(0.0, "clip range above 1; DAPO clip-higher uses 0.28 (0 = clip_eps)")
+    ratio_level: Literal["token", "sequence"] = arg("token", "importance ratio per token, or GSPO's per sequence")
+    beta: float = arg(0.0, "k3 KL penalty to the initial policy (0 = no reference model is loaded)")
+    min_group_size: ClassVar[int] = 2  # the adaptive baseline's group mean needs two completions
 
 
 # ---------------------------------------------------------------------------------------------- advantages
 
 
 def compute_advantages(rewards, group_size, r_min_correct, baseline="adaptive"):
-    """CoRPO: A_i = r_i - max(R_min_correct, mean(r)) (seed 004, eq. in sec. 3.3); the static
+    """CoRPO: A_i = r_i - max(R_min_correct, mean(r)) (Garg & Venkatesh 2025, sec. 3.3); the static
     variant A_i = r_i - R_min_correct (sec. 3.2). No std normalisation (the paper skips it)."""
-    r = rewards.view(-1, group_size)
+    r = rewards.double().view(-1, group_size)  # float64: an all-equal group's mean is exact, so its A is exactly 0
     b = torch.full_like(r[:, :1], r_min_correct)
     if baseline == "adaptive":
         b = torch.maximum(b, r.mean(dim=1, keepdim=True))
-    return (r - b).flatten()
+    return (r - b).flatten().to(rewards.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- loss
 
 
-def policy_loss(logp, old_logp, ref_logp, advantages, mask, args):
-    """Per-token clipped surrogate (PPO eq. 7), optionally with GSPO's sequence ratio and a k3 KL."""
+def rollout_correction(old_logp, sampler_logp, mask, args):
+    """Rollout correction (Yao et al. 2025): per-token weights w = pi_old / pi_sampler, detached, that
+    undo the sampler/trainer mismatch (bf16 vLLM kernels sample from a slightly different policy).
+    token-tis truncates w at is_cap; token-mis zeroes tokens whose w is outside [is_low, is_high];
+    seq-mis zeroes whole completions whose geometric-mean w is outside. Returns (weights or None, stats)."""
+    log_w = ((old_logp - sampler_logp) * mask).detach()
+    w = torch.exp(log_w)
+    if args.rollout_correction == "token-tis":  # truncated IS: min(w, C)
+        weight, dropped = w.clamp(max=args.is_cap), w > args.is_cap
+    elif args.rollout_correction == "token-mis":  # masked IS: w inside [lo, hi], else 0
+        dropped = (w < args.is_low) | (w > args.is_high)
+        weight = w * ~dropped
+    elif args.rollout_correction == "seq-mis":  # a completion whose geometric-mean w is outside [lo, hi] is dropped
+        geo_w = torch.exp(log_w.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1))
+        dropped = ((geo_w < args.is_low) | (geo_w > args.is_high)).expand_as(w)
+        weight = w * ~dropped
+    else:
+        weight, dropped = None, torch.zeros_like(w, dtype=torch.bool)
+    return weight, {"w": w, "changed": dropped.float(), "kl": torch.expm1(log_w) - log_w}  # k3 of KL(sampler || pi_old)
+
+
+def policy_loss(logp, old_logp, ref_logp, advantages, mask, args, is_weight=None):
+    """Per-token clipped surrogate (Schulman et al. 2017, eq. 7), optionally with GSPO's sequence ratio
+    and a k3 KL; `is_weight` (rollout correction) multiplies the policy-gradient term, not the KL."""
     log_ratio = (logp - old_logp) * mask
-    if args.ratio_level == "sequence":  # GSPO: s_i = exp(mean_t log ratio), one ratio per completion
-        log_ratio = (log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(logp)
+    if args.ratio_level == "sequence":  # GSPO-token (Zheng et al. 2025): the value of s_i = exp(mean_t log ratio),
+        seq = log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # the gradient of each token
+        log_ratio = (seq.detach() + logp - logp.detach()) * mask  # (= GSPO's when advantages are per sequence)
     ratio = torch.exp(log_ratio)
     adv = advantages.unsqueeze(1)
     eps_high = args.clip_eps_high or args.clip_eps
     clipped_ratio = torch.clamp(ratio, 1 - args.clip_eps, 1 + eps_high)
     token_loss = -torch.min(ratio * adv, clipped_ratio * adv)
     stats = {"clipped": ((ratio * adv) > (clipped_ratio * adv)).float(), "ratio": ratio.detach()}
+    if is_weight is not None:
+        token_loss = token_loss * is_weight
     if ref_logp is not None:  # k3 estimator of KL(pi || ref), unbiased and positive (Schulman 2020)
         kl = torch.expm1(ref_logp - logp) - (ref_logp - logp)  # = e^d - d - 1, exact for small d
         token_loss = token_loss + args.beta * kl
@@ -63,11 +92,11 @@ def policy_loss(logp, old_logp, ref_logp, advantages, mask, args):
 def aggregate(token_loss, mask, loss_agg, n_seqs, n_tokens, max_len):
     """This micro-batch's share of the minibatch loss. Normalisers (n_seqs, n_tokens) count the
     whole optimisation minibatch, so gradient accumulation does not change the result."""
-    if loss_agg == "token-mean":  # DAPO eq. 12: sum over all tokens / all tokens
+    if loss_agg == "token-mean":  # DAPO (Yu et al. 2025) eq. 12: sum over all tokens / all tokens
         return (token_loss * mask).sum() / n_tokens
-    if loss_agg == "seq-mean-token-mean":  # GRPO eq. 3: mean over tokens, then over completions
+    if loss_agg == "seq-mean-token-mean":  # GRPO (Shao et al. 2024) eq. 3: mean over tokens, then completions
         return ((token_loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / n_seqs
-    if loss_agg == "seq-mean-token-sum-norm":  # Dr. GRPO: token sum / (G * L_max), L_max a constant
+    if loss_agg == "seq-mean-token-sum-norm":  # Dr. GRPO (Liu et al. 2025): token sum / (G * L_max), L_max a constant
         return (token_loss * mask).sum() / (n_seqs * max_len)
     raise ValueError(f"--loss_agg {loss_agg!r}: choose seq-mean-token-mean, token-mean or seq-mean-token-sum-norm")
 
@@ -77,11 +106,6 @@ def aggregate(token_loss, mask, loss_agg, n_seqs, n_tokens, max_len):
 
 def main(argv=None):
     args = common.parse_args(Args, argv)
-    if args.ratio_level not in ("token", "sequence"):
-        raise SystemExit(f"--ratio_level {args.ratio_level!r}: choose token or sequence")
-    aggregate(torch.zeros(1, 1), torch.ones(1, 1), args.loss_agg, 1, 1, 1)  # fail fast on a bad --loss_agg
-    if args.baseline not in ("adaptive", "static"):
-        raise SystemExit(f"--baseline {args.baseline!r}: choose adaptive or static")
     run = common.setup(args, algo="corpo")
     r_min = run.task.pass_threshold if args.r_min_correct is None else args.r_min_correct
     model, tok, device, dtype = run.model, run.tokenizer, run.device, run.dtype
@@ -91,34 +115,23 @@ def main(argv=None):
 
     while run.step < args.steps:
         step_start = time.perf_counter()
-        # ---- rollout: G completions for each prompt
+        # ---- rollout: G completions for each prompt, sampled by the engine from the weights it was last pushed
         examples, run.data_pos = common.prompt_batch(run.task.train, run.data_pos, args.prompts_per_step, args.seed)
         examples = common.shard(examples)
         prompt_ids = common.encode_prompts(tok, [e["prompt"] for e in examples], run.style == "chat")
         t0 = time.perf_counter()
-        rollouts = common.generate(run.engine, model, prompt_ids, args.group_size, run.max_new_tokens,
-                                   args.temperature, seed=args.seed * 100_003 + run.step * 101 + common.dist_info()[0],
-                                   device=device, dtype=dtype)
-        common.sleep(run.engine)
+        rollouts = common.generate(run.engine, model, prompt_ids, args.group_size, run.max_new_tokens, args.temperature,
+                                   common.rollout_seed(args.seed, run.step, common.rank()), device, dtype)
+        common.engine_sleep(run.engine)  # CUDA vLLM: free its memory for the update (level 2: weights discarded)
         time_rollout = time.perf_counter() - t0
-        rewards, correct, fmt, _ = common.score_rollouts(run.task, tok, examples, rollouts, args.group_size, args.format_weight)
+        rewards, correct, fmt, _ = common.score_rollouts(run.task, tok, examples, rollouts, args.group_size)
+        rewards = rewards + args.format_weight * fmt  # optional format bonus, in the reward only
 
         # ---- update: updates_per_rollout passes, each split into `minibatches` optimizer steps
         t0 = time.perf_counter()
         B = len(rollouts.completion_ids)
         lengths = torch.tensor([len(c) for c in rollouts.completion_ids], dtype=torch.float32)
         micro = args.micro_batch_size
-
-        def forward(idx, net, need_entropy=False):
-            batch = common.make_batch([rollouts.prompt_ids[i] for i in idx], [rollouts.completion_ids[i] for i in idx],
-                                      tok.pad_token_id, device)
-            with common.autocast(device, dtype):
-                logp, entropy = common.token_logprobs(net, batch, args.temperature, with_entropy=need_entropy)
-            return batch, logp, entropy
-
-        def per_seq(values, mask):  # [b, T] padded -> list of 1-D tensors over each completion
-            return [v[m > 0] for v, m in zip(values, mask)]
-
         sampler_logp = [torch.tensor(lp, dtype=torch.float32) for lp in rollouts.sampler_logprobs]
         on_policy = args.updates_per_rollout == 1 and args.minibatches == 1
         old_logp, ref_logp = [None] * B, [None] * B
@@ -126,51 +139,49 @@ def main(argv=None):
             for s in range(0, B, micro):
                 idx = list(range(s, min(s + micro, B)))
                 if not on_policy:  # pi_old, recomputed by the trainer (not the sampler's values)
-                    batch, logp, _ = forward(idx, model)
-                    old_logp[s:s + len(idx)] = per_seq(logp, batch["mask"])
+                    batch, logp, _ = common.rollout_logprobs(model, rollouts, idx, args.temperature, device, dtype)
+                    old_logp[s:s + len(idx)] = common.to_ragged(logp, batch["mask"])
                 if ref_model is not None:
-                    batch, logp, _ = forward(idx, ref_model)
-                    ref_logp[s:s + len(idx)] = per_seq(logp, batch["mask"])
-
-        def gather(values, idx, mask):  # list of 1-D tensors -> [b, T] matching mask
-            out = torch.zeros_like(mask)
-            out[mask > 0] = torch.cat([values[i].to(mask.device) for i in idx])
-            return out
+                    batch, logp, _ = common.rollout_logprobs(ref_model, rollouts, idx, args.temperature, device, dtype)
+                    ref_logp[s:s + len(idx)] = common.to_ragged(logp, batch["mask"])
 
         # ---- advantages
         advantages = compute_advantages(rewards, args.group_size, r_min, args.baseline)
 
         sums = {"loss/policy": 0.0, "clip_frac": 0.0, "kl": 0.0, "kl/old": 0.0, "entropy": 0.0,
-                "logprob/sampler_diff": 0.0, "grad_norm": 0.0}
+                "logprob/sampler_diff": 0.0, "grad_norm": 0.0, "is/mean": 0.0, "is/clip_frac": 0.0, "is/kl": 0.0}
         n_opt_steps, tokens_seen = 0, 0.0
         shuffle = torch.Generator().manual_seed(args.seed * 1_000_003 + run.step)  # a function of the step: resumable
         for epoch in range(args.updates_per_rollout):
             perm = torch.randperm(B, generator=shuffle)
             for mb in perm.chunk(args.minibatches):
                 mb = mb.tolist()
-                n_seqs = common.all_sum(len(mb)) / common.dist_info()[2]  # DDP averages gradients over ranks
-                n_tokens = common.all_sum(float(lengths[mb].sum())) / common.dist_info()[2]
+                n_seqs = common.all_sum(len(mb)) / common.world_size()  # DDP averages gradients over ranks
+                n_tokens = common.all_sum(float(lengths[mb].sum())) / common.world_size()
                 for s in range(0, len(mb), micro):
                     idx = mb[s:s + micro]
-                    batch, logp, entropy = forward(idx, model, need_entropy=epoch == 0)
+                    batch, logp, entropy = common.rollout_logprobs(model, rollouts, idx, args.temperature, device,
+                                                                   dtype, with_entropy=epoch == 0)
                     mask = batch["mask"]
-                    old = logp.detach() if on_policy else gather(old_logp, idx, mask)
-                    ref = gather(ref_logp, idx, mask) if ref_model is not None else None
-                    token_loss, stats = policy_loss(logp, old, ref, advantages[idx].to(device), mask, args)
+                    old = logp.detach() if on_policy else common.to_padded(old_logp, idx, mask)
+                    ref = common.to_padded(ref_logp, idx, mask) if ref_model is not None else None
+                    sampler = common.to_padded(sampler_logp, idx, mask)
+                    is_weight, is_stats = rollout_correction(old, sampler, mask, args)  # Yao et al. 2025
+                    token_loss, stats = policy_loss(logp, old, ref, advantages[idx].to(device), mask, args, is_weight)
                     loss = aggregate(token_loss, mask, args.loss_agg, n_seqs, n_tokens, run.max_new_tokens)
                     loss.backward()
                     # diagnostics, token-weighted
-                    ntok = mask.sum().item()
-                    tokens_seen += ntok
+                    tokens_seen += mask.sum().item()
                     sums["loss/policy"] += loss.item()
                     sums["clip_frac"] += (stats["clipped"] * mask).sum().item()
                     sums["kl"] += (stats["kl"] * mask).sum().item() if "kl" in stats else 0.0
                     log_r = torch.log(stats["ratio"].clamp(min=1e-30))
                     sums["kl/old"] += ((torch.exp(-log_r) + log_r - 1) * mask).sum().item()
-                    if epoch == 0:
+                    if epoch == 0:  # once per rollout token: the sampler against pi_old
                         sums["entropy"] += (entropy * mask).sum().item()
-                        sampler = gather(sampler_logp, idx, mask)
-                        sums["logprob/sampler_diff"] += ((sampler - logp.detach()).abs() * mask).sum().item()
+                        sums["logprob/sampler_diff"] += ((sampler - old).abs() * mask).sum().item()
+                        for key, name in (("w", "is/mean"), ("changed", "is/clip_frac"), ("kl", "is/kl")):
+                            sums[name] += (is_stats[key] * mask).sum().item()
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
                 run.optimizer.step()
                 run.scheduler.step()
@@ -178,12 +189,22 @@ def main(argv=None):
                 sums["grad_norm"] += grad_norm.item()
                 n_opt_steps += 1
         time_update = time.perf_counter() - t0
-        time_push = common.after_update(run)
+
+        # ---- guard: the trainer must reproduce the sampler's log-probs (stale or discarded engine weights)
+        first_pass_tokens = float(lengths.sum())
+        sampler_diff = common.all_sum(sums["logprob/sampler_diff"]) / common.all_sum(first_pass_tokens)
+        common.check_sampler_diff(sampler_diff, run.step + 1, args.sampler_diff_tol)
+
+        # ---- push: the updated weights into vLLM (wakes it; no-op for the HF engine), checked on a probe
+        t0 = time.perf_counter()
+        common.push_weights(run.engine, model, dtype)
+        if args.push_check_every and (run.step + 1) % args.push_check_every == 0:
+            common.check_push(run.engine, model, run.probe, args.temperature, args.push_check_tol, device, dtype)
+        time_push = time.perf_counter() - t0
         run.step += 1
 
         # ---- log (metric names shared by every train_*.py)
         failed = rewards < run.task.pass_threshold
-        first_pass_tokens = float(lengths.sum())
         metrics = {
             "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if B > 1 else 0.0,
             "reward/correct": correct.mean().item(), "reward/format": fmt.mean().item(),
@@ -193,13 +214,15 @@ def main(argv=None):
             "kl": sums["kl"] / tokens_seen if ref_model is not None else float("nan"),
             "kl/old": sums["kl/old"] / tokens_seen, "clip_frac": sums["clip_frac"] / tokens_seen,
             "entropy": sums["entropy"] / first_pass_tokens,
-            "logprob/sampler_diff": sums["logprob/sampler_diff"] / first_pass_tokens,
+            "is/mean": sums["is/mean"] / first_pass_tokens, "is/clip_frac": sums["is/clip_frac"] / first_pass_tokens,
+            "is/kl": sums["is/kl"] / first_pass_tokens,
             "grad_norm": sums["grad_norm"] / n_opt_steps, "lr": run.scheduler.get_last_lr()[0],
             "len/mean": lengths.mean().item(), "len/truncated": 1.0 - sum(rollouts.finished) / B,
             "time/rollout": time_rollout, "time/update": time_update, "time/push": time_push,
             "perf/tokens_per_s": first_pass_tokens / (time.perf_counter() - step_start),
         }
-        metrics = common.all_mean(metrics)
+        metrics = {**common.all_mean(metrics), "logprob/sampler_diff": sampler_diff}
+        # ---- evaluation (the engine holds the weights just pushed and stays awake for the next rollout)
         if args.eval_every and (run.step % args.eval_every == 0 or run.step == args.steps):
             metrics.update(evaluate(run))
         run.log.log(run.step, metrics)

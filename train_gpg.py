@@ -1,5 +1,5 @@
-"""GPG (Chu et al., seed 003) in one file: GRPO's loop with the plain policy-gradient loss
--log pi * A (no ratio, no clipping, no KL, no reference model), the group-mean advantage scaled by
+"""GPG (Chu et al. 2025) in one file: GRPO's loop with the plain policy-gradient loss -log pi * A
+(no ratio, no clipping, no KL, no reference model), the group-mean advantage scaled by
 alpha = B / (B - M), and the beta_th rule: keep sampling new groups until enough are valid.
 
     python train_gpg.py                                       # built-in tiny model on `addition` (CPU ok)
@@ -7,63 +7,123 @@ alpha = B / (B - M), and the beta_th rule: keep sampling new groups until enough
     python train_gpg.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --lr 1e-6 --max_new_tokens 512
 """
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
+import numpy as np
 import torch
 
 import common
+from common import arg
 from eval import evaluate
 
 
 @dataclass
 class Args(common.Args):
-    std_norm: bool = field(default=False, metadata={"help": "F_norm = group std instead of 1 (paper eq. 6; 1 is the default)"})
-    adv_eps: float = field(default=1e-6, metadata={"help": "epsilon added to the group std (verl 1e-6; seed 000's code 1e-5)"})
-    loss_agg: str = field(default="token-mean", metadata={"help": "token-mean (GPG eq. 5) | seq-mean-token-mean | seq-mean-token-sum-norm"})
-    beta_th: float = field(default=0.5, metadata={"help": "keep sampling until valid groups >= beta_th * prompts_per_step (authors' code 0.5; paper 0.6; 0 = off)"})
-    max_rounds: int = field(default=20, metadata={"help": "most sampling rounds per step for the beta_th rule (authors' code: 20)"})
-    hadw: bool = field(default=False, metadata={"help": "HA-DW difficulty reweighting of the advantages (seed 001; binary rewards)"})
-    hadw_eta: float = field(default=0.1, metadata={"help": "HA-DW forgetting rate eta (eta_t = eta * std of recent anchors)"})
-    hadw_window: int = field(default=50, metadata={"help": "HA-DW: anchors in the std window (m)"})
-    hadw_lambda: float = field(default=1.3, metadata={"help": "HA-DW lambda_scale (paper's best, Table 7)"})
-    hadw_anchor: str = field(default="kalman", metadata={"help": "HA-DW anchor: kalman (sec. 3 update) | mean (appendix F: mean of the last m accuracies)"})
+    std_norm: bool = arg(False, "F_norm = group std instead of 1 (Chu et al. 2025, eq. 6; 1 is the default)")
+    adv_eps: float = arg(1e-6, "epsilon added to the group std (verl 1e-6; Bereket & Leskovec's code 1e-5)")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = arg(
+        "token-mean", "loss aggregation: GPG eq. 5 | GRPO | Dr. GRPO")
+    beta_th: float = arg(0.5, "resample until valid groups >= beta_th * prompts_per_step (code 0.5, paper 0.6; 0 = off)")
+    max_rounds: int = arg(20, "most sampling rounds per step for the beta_th rule (authors' code: 20)")
+    hadw: bool = arg(False, "HA-DW difficulty reweighting of the advantages (arXiv 2601.08521; binary rewards)")
+    hadw_eta: float = arg(0.1, "HA-DW forgetting rate eta (eta_t = eta * std of recent anchors)")
+    hadw_window: int = arg(50, "HA-DW: anchors in the std window (m)")
+    hadw_lambda: float = arg(1.3, "HA-DW lambda_scale (the paper's best, Table 7)")
+    hadw_anchor: Literal["kalman", "mean"] = arg("kalman", "HA-DW anchor: sec. 3 Kalman update | app. F moving mean")
+    min_group_size: ClassVar[int] = 2  # the group baseline needs two completions of a prompt
 
 
 # ---------------------------------------------------------------------------------------------- advantages
 
 
 def compute_advantages(rewards, group_size, std_norm=False, eps=1e-6):
-    """GPG: A_i = alpha * (r_i - mean(r)) / F_norm (paper eqs. 6-8), alpha = B / (B - M) with M the
-    completions in groups whose rewards are all equal (they carry no gradient, eq. 7). verl's `gpg`
+    """GPG: A_i = alpha * (r_i - mean(r)) / F_norm (Chu et al. 2025, eqs. 6-8), alpha = B / (B - M) with M
+    the completions in groups whose rewards are all equal (they carry no gradient, eq. 7). verl's `gpg`
     estimator instead uses alpha = bsz / count_nonzero(scores) (non-zero rewards, no resampling):
     a different quantity; we follow the paper and the authors' code (B - M valid completions)."""
-    r = rewards.view(-1, group_size)
+    r = rewards.double().view(-1, group_size)  # float64: an all-equal group's mean is exact, so its A is exactly 0
     advantages = r - r.mean(dim=1, keepdim=True)
     if std_norm:
         advantages = advantages / (r.std(dim=1, keepdim=True) + eps)
     valid = (r.max(dim=1).values > r.min(dim=1).values).float().sum() * group_size
     alpha = r.numel() / valid.item() if valid > 0 else 1.0
-    return alpha * advantages.flatten(), alpha
+    return alpha * advantages.flatten().to(rewards.dtype), alpha
+
+
+def hadw_reweight(rewards, advantages, group_size, state, eta, window, lam, anchor="kalman"):
+    """HA-DW (arXiv 2601.08521, 2026): A_i * Phi_i with Phi_i = lam * exp(D_i * M), D_i = -sign(A_i)
+    sign(p_hat - C), M = |p_hat - C|, C the cross-batch difficulty anchor; updates `state`.
+
+    Hard prompt (group accuracy p_hat below the anchor): correct answers are boosted, wrong ones
+    damped; easy prompt: the reverse. Binary rewards (y_t = batch accuracy). Anchor update (sec. 3):
+    C+ = (1 - eta_t) C- + eta_t y_t, eta_t = clamp(eta * std(last `window` anchors), 0, 1). Cold start
+    (the paper leaves it open; read literally a constant window freezes the anchor): the first prior
+    is y_1, and eta_t = eta while the window holds fewer than 2 distinct anchors. anchor="mean" is the
+    paper's appendix F variant: C_t^- = mean of the last m batch accuracies.
+    """
+    y = rewards.float().mean().item()
+    prior = y if state.get("anchor") is None else state["anchor"]  # C_t^-
+    if anchor == "mean":  # appendix F: the anchor is a moving average of recent batch accuracies
+        prior = float(np.mean(state["accuracies"])) if state.get("accuracies") else y
+        state["accuracies"] = (state.get("accuracies", []) + [y])[-window:]
+    p_hat = rewards.float().view(-1, group_size).mean(1, keepdim=True).expand(-1, group_size).flatten()
+    diff = p_hat - prior
+    phi = lam * torch.exp(-torch.sign(advantages) * torch.sign(diff) * diff.abs())  # a constant: no gradient
+    history = state.get("history", [])[-window:]  # the last m posterior anchors
+    sigma = float(np.std(history)) if len(history) >= 2 else 0.0  # population std
+    eta_t = min(max(eta * sigma, 0.0), 1.0) if sigma > 0 else eta
+    posterior = (1 - eta_t) * prior + eta_t * y  # C_t^+, the next prior
+    state.update(anchor=posterior, history=(history + [posterior])[-window:])
+    hard, easy = diff < 0, diff > 0
+    info = {"hadw/anchor": prior, "hadw/eta": eta_t,
+            "hadw/phi_hard": phi[hard].mean().item() if hard.any() else float("nan"),
+            "hadw/phi_easy": phi[easy].mean().item() if easy.any() else float("nan")}
+    return advantages * phi, info
 
 
 # ---------------------------------------------------------------------------------------------- loss
 
 
-def policy_loss(logp, old_logp, ref_logp, advantages, mask, args):
-    """GPG eq. 5: the policy gradient itself, -log pi(o_t) * A; no ratio, clipping or KL."""
+def rollout_correction(old_logp, sampler_logp, mask, args):
+    """Rollout correction (Yao et al. 2025): per-token weights w = pi_old / pi_sampler, detached, that
+    undo the sampler/trainer mismatch (bf16 vLLM kernels sample from a slightly different policy).
+    token-tis truncates w at is_cap; token-mis zeroes tokens whose w is outside [is_low, is_high];
+    seq-mis zeroes whole completions whose geometric-mean w is outside. Returns (weights or None, stats)."""
+    log_w = ((old_logp - sampler_logp) * mask).detach()
+    w = torch.exp(log_w)
+    if args.rollout_correction == "token-tis":  # truncated IS: min(w, C)
+        weight, dropped = w.clamp(max=args.is_cap), w > args.is_cap
+    elif args.rollout_correction == "token-mis":  # masked IS: w inside [lo, hi], else 0
+        dropped = (w < args.is_low) | (w > args.is_high)
+        weight = w * ~dropped
+    elif args.rollout_correction == "seq-mis":  # a completion whose geometric-mean w is outside [lo, hi] is dropped
+        geo_w = torch.exp(log_w.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1))
+        dropped = ((geo_w < args.is_low) | (geo_w > args.is_high)).expand_as(w)
+        weight = w * ~dropped
+    else:
+        weight, dropped = None, torch.zeros_like(w, dtype=torch.bool)
+    return weight, {"w": w, "changed": dropped.float(), "kl": torch.expm1(log_w) - log_w}  # k3 of KL(sampler || pi_old)
+
+
+def policy_loss(logp, old_logp, ref_logp, advantages, mask, args, is_weight=None):
+    """GPG eq. 5: the policy gradient itself, -log pi(o_t) * A; no ratio, clipping or KL; `is_weight`
+    (rollout correction) multiplies it."""
     token_loss = -logp * advantages.unsqueeze(1)
     ratio = torch.exp((logp - old_logp) * mask).detach()  # only for the kl/old diagnostic
+    if is_weight is not None:
+        token_loss = token_loss * is_weight
     return token_loss, {"clipped": torch.zeros_like(logp), "ratio": ratio}
 
 
 def aggregate(token_loss, mask, loss_agg, n_seqs, n_tokens, max_len):
     """This micro-batch's share of the minibatch loss. Normalisers (n_seqs, n_tokens) count the
     whole optimisation minibatch, so gradient accumulation does not change the result."""
-    if loss_agg == "token-mean":  # DAPO eq. 12: sum over all tokens / all tokens
+    if loss_agg == "token-mean":  # DAPO (Yu et al. 2025) eq. 12: sum over all tokens / all tokens
         return (token_loss * mask).sum() / n_tokens
-    if loss_agg == "seq-mean-token-mean":  # GRPO eq. 3: mean over tokens, then over completions
+    if loss_agg == "seq-mean-token-mean":  # GRPO (Shao et al. 2024) eq. 3: mean over tokens, then completions
         return ((token_loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / n_seqs
-    if loss_agg == "seq-mean-token-sum-norm":  # Dr. GRPO: token sum / (G * L_max), L_max a constant
+    if loss_agg == "seq-mean-token-sum-norm":  # Dr. GRPO (Liu et al. 2025): token sum / (G * L_max), L_max a constant
         return (token_loss * mask).sum() / (n_seqs * max_len)
     raise ValueError(f"--loss_agg {loss_agg!r}: choose seq-mean-token-mean, token-mean or seq-mean-token-sum-norm")
 
@@ -74,14 +134,14 @@ def split_groups(examples, rollouts, rewards, correct, fmt, group_size):
     for g, ex in enumerate(examples):
         k = slice(g * group_size, (g + 1) * group_size)
         part = common.Rollouts(rollouts.prompt_ids[k], rollouts.completion_ids[k], rollouts.sampler_logprobs[k],
-                               rollouts.finished[k])
+                               rollouts.finished[k], rollouts.pad_id)
         out.append((ex, part, rewards[k], correct[k], fmt[k]))
     return out
 
 
 def join_groups(groups):
     rollouts = common.Rollouts(*[sum((getattr(g[1], f) for g in groups), []) for f in
-                                 ("prompt_ids", "completion_ids", "sampler_logprobs", "finished")])
+                                 ("prompt_ids", "completion_ids", "sampler_logprobs", "finished")], groups[0][1].pad_id)
     return ([g[0] for g in groups], rollouts, *[torch.cat([g[i] for g in groups]) for i in (2, 3, 4)])
 
 
@@ -90,7 +150,6 @@ def join_groups(groups):
 
 def main(argv=None):
     args = common.parse_args(Args, argv)
-    aggregate(torch.zeros(1, 1), torch.ones(1, 1), args.loss_agg, 1, 1, 1)  # fail fast on a bad --loss_agg
     run = common.setup(args, algo="gpg")
     model, tok, device, dtype = run.model, run.tokenizer, run.device, run.dtype
     ref_model = None  # GPG has no reference model
@@ -107,11 +166,11 @@ def main(argv=None):
             examples = common.shard(examples)
             prompt_ids = common.encode_prompts(tok, [e["prompt"] for e in examples], run.style == "chat")
             rollouts = common.generate(run.engine, model, prompt_ids, args.group_size, run.max_new_tokens, args.temperature,
-                                       seed=(args.seed * 100_003 + run.step * 101 + common.dist_info()[0]) * 64 + rounds,
-                                       device=device, dtype=dtype)
-            scored = common.score_rollouts(run.task, tok, examples, rollouts, args.group_size, args.format_weight)[:3]
-            first_round = first_round if rounds else scored  # reward/* logs the first round: the policy's own rate
-            groups = split_groups(examples, rollouts, *scored, args.group_size)
+                                       common.rollout_seed(args.seed, run.step, common.rank(), rounds), device, dtype)
+            rewards, correct, fmt, _ = common.score_rollouts(run.task, tok, examples, rollouts, args.group_size)
+            rewards = rewards + args.format_weight * fmt  # optional format bonus, in the reward only
+            first_round = first_round if rounds else (rewards, correct, fmt)  # reward/* logs the policy's own rate
+            groups = split_groups(examples, rollouts, rewards, correct, fmt, args.group_size)
             valid_groups += [g for g in groups if g[2].max() > g[2].min()]
             rounds, generated = rounds + 1, generated + len(rollouts.completion_ids)
             enough = common.all_sum(len(valid_groups)) >= args.beta_th * common.all_sum(len(examples))
@@ -119,7 +178,7 @@ def main(argv=None):
                 break
         degenerate = [g for g in groups if not g[2].max() > g[2].min()]
         examples, rollouts, rewards, correct, fmt = join_groups((valid_groups + degenerate)[:len(examples)])
-        common.sleep(run.engine)
+        common.engine_sleep(run.engine)  # CUDA vLLM: free its memory for the update (level 2: weights discarded)
         time_rollout = time.perf_counter() - t0
 
         # ---- update: updates_per_rollout passes, each split into `minibatches` optimizer steps
@@ -127,17 +186,6 @@ def main(argv=None):
         B = len(rollouts.completion_ids)
         lengths = torch.tensor([len(c) for c in rollouts.completion_ids], dtype=torch.float32)
         micro = args.micro_batch_size
-
-        def forward(idx, net, need_entropy=False):
-            batch = common.make_batch([rollouts.prompt_ids[i] for i in idx], [rollouts.completion_ids[i] for i in idx],
-                                      tok.pad_token_id, device)
-            with common.autocast(device, dtype):
-                logp, entropy = common.token_logprobs(net, batch, args.temperature, with_entropy=need_entropy)
-            return batch, logp, entropy
-
-        def per_seq(values, mask):  # [b, T] padded -> list of 1-D tensors over each completion
-            return [v[m > 0] for v, m in zip(values, mask)]
-
         sampler_logp = [torch.tensor(lp, dtype=torch.float32) for lp in rollouts.sampler_logprobs]
         on_policy = args.updates_per_rollout == 1 and args.minibatches == 1
         old_logp, ref_logp = [None] * B, [None] * B
@@ -145,54 +193,52 @@ def main(argv=None):
             for s in range(0, B, micro):
                 idx = list(range(s, min(s + micro, B)))
                 if not on_policy:  # pi_old, recomputed by the trainer (not the sampler's values)
-                    batch, logp, _ = forward(idx, model)
-                    old_logp[s:s + len(idx)] = per_seq(logp, batch["mask"])
+                    batch, logp, _ = common.rollout_logprobs(model, rollouts, idx, args.temperature, device, dtype)
+                    old_logp[s:s + len(idx)] = common.to_ragged(logp, batch["mask"])
                 if ref_model is not None:
-                    batch, logp, _ = forward(idx, ref_model)
-                    ref_logp[s:s + len(idx)] = per_seq(logp, batch["mask"])
-
-        def gather(values, idx, mask):  # list of 1-D tensors -> [b, T] matching mask
-            out = torch.zeros_like(mask)
-            out[mask > 0] = torch.cat([values[i].to(mask.device) for i in idx])
-            return out
+                    batch, logp, _ = common.rollout_logprobs(ref_model, rollouts, idx, args.temperature, device, dtype)
+                    ref_logp[s:s + len(idx)] = common.to_ragged(logp, batch["mask"])
 
         # ---- advantages
         advantages, alpha = compute_advantages(rewards, args.group_size, args.std_norm, args.adv_eps)
-        if args.hadw:  # seed 001: reweight by difficulty against the cross-batch anchor
-            advantages, hadw_info = common.hadw_reweight(rewards, advantages, args.group_size, run.algo_state.setdefault(
+        if args.hadw:  # HA-DW (arXiv 2601.08521): reweight by difficulty against the cross-batch anchor
+            advantages, hadw_info = hadw_reweight(rewards, advantages, args.group_size, run.algo_state.setdefault(
                 "hadw", {}), args.hadw_eta, args.hadw_window, args.hadw_lambda, args.hadw_anchor)
 
         sums = {"loss/policy": 0.0, "clip_frac": 0.0, "kl": 0.0, "kl/old": 0.0, "entropy": 0.0,
-                "logprob/sampler_diff": 0.0, "grad_norm": 0.0}
+                "logprob/sampler_diff": 0.0, "grad_norm": 0.0, "is/mean": 0.0, "is/clip_frac": 0.0, "is/kl": 0.0}
         n_opt_steps, tokens_seen = 0, 0.0
         shuffle = torch.Generator().manual_seed(args.seed * 1_000_003 + run.step)  # a function of the step: resumable
         for epoch in range(args.updates_per_rollout):
             perm = torch.randperm(B, generator=shuffle)
             for mb in perm.chunk(args.minibatches):
                 mb = mb.tolist()
-                n_seqs = common.all_sum(len(mb)) / common.dist_info()[2]  # DDP averages gradients over ranks
-                n_tokens = common.all_sum(float(lengths[mb].sum())) / common.dist_info()[2]
+                n_seqs = common.all_sum(len(mb)) / common.world_size()  # DDP averages gradients over ranks
+                n_tokens = common.all_sum(float(lengths[mb].sum())) / common.world_size()
                 for s in range(0, len(mb), micro):
                     idx = mb[s:s + micro]
-                    batch, logp, entropy = forward(idx, model, need_entropy=epoch == 0)
+                    batch, logp, entropy = common.rollout_logprobs(model, rollouts, idx, args.temperature, device,
+                                                                   dtype, with_entropy=epoch == 0)
                     mask = batch["mask"]
-                    old = logp.detach() if on_policy else gather(old_logp, idx, mask)
-                    ref = gather(ref_logp, idx, mask) if ref_model is not None else None
-                    token_loss, stats = policy_loss(logp, old, ref, advantages[idx].to(device), mask, args)
+                    old = logp.detach() if on_policy else common.to_padded(old_logp, idx, mask)
+                    ref = common.to_padded(ref_logp, idx, mask) if ref_model is not None else None
+                    sampler = common.to_padded(sampler_logp, idx, mask)
+                    is_weight, is_stats = rollout_correction(old, sampler, mask, args)  # Yao et al. 2025
+                    token_loss, stats = policy_loss(logp, old, ref, advantages[idx].to(device), mask, args, is_weight)
                     loss = aggregate(token_loss, mask, args.loss_agg, n_seqs, n_tokens, run.max_new_tokens)
                     loss.backward()
                     # diagnostics, token-weighted
-                    ntok = mask.sum().item()
-                    tokens_seen += ntok
+                    tokens_seen += mask.sum().item()
                     sums["loss/policy"] += loss.item()
                     sums["clip_frac"] += (stats["clipped"] * mask).sum().item()
                     sums["kl"] += (stats["kl"] * mask).sum().item() if "kl" in stats else 0.0
                     log_r = torch.log(stats["ratio"].clamp(min=1e-30))
                     sums["kl/old"] += ((torch.exp(-log_r) + log_r - 1) * mask).sum().item()
-                    if epoch == 0:
+                    if epoch == 0:  # once per rollout token: the sampler against pi_old
                         sums["entropy"] += (entropy * mask).sum().item()
-                        sampler = gather(sampler_logp, idx, mask)
-                        sums["logprob/sampler_diff"] += ((sampler - logp.detach()).abs() * mask).sum().item()
+                        sums["logprob/sampler_diff"] += ((sampler - old).abs() * mask).sum().item()
+                        for key, name in (("w", "is/mean"), ("changed", "is/clip_frac"), ("kl", "is/kl")):
+                            sums[name] += (is_stats[key] * mask).sum().item()
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
                 run.optimizer.step()
                 run.scheduler.step()
@@ -200,12 +246,22 @@ def main(argv=None):
                 sums["grad_norm"] += grad_norm.item()
                 n_opt_steps += 1
         time_update = time.perf_counter() - t0
-        time_push = common.after_update(run)
+
+        # ---- guard: the trainer must reproduce the sampler's log-probs (stale or discarded engine weights)
+        first_pass_tokens = float(lengths.sum())
+        sampler_diff = common.all_sum(sums["logprob/sampler_diff"]) / common.all_sum(first_pass_tokens)
+        common.check_sampler_diff(sampler_diff, run.step + 1, args.sampler_diff_tol)
+
+        # ---- push: the updated weights into vLLM (wakes it; no-op for the HF engine), checked on a probe
+        t0 = time.perf_counter()
+        common.push_weights(run.engine, model, dtype)
+        if args.push_check_every and (run.step + 1) % args.push_check_every == 0:
+            common.check_push(run.engine, model, run.probe, args.temperature, args.push_check_tol, device, dtype)
+        time_push = time.perf_counter() - t0
         run.step += 1
 
         # ---- log (metric names shared by every train_*.py)
         failed = rewards < run.task.pass_threshold
-        first_pass_tokens = float(lengths.sum())
         metrics = {
             "reward/mean": first_round[0].mean().item(), "reward/std": first_round[0].std().item() if B > 1 else 0.0,
             "reward/correct": first_round[1].mean().item(), "reward/format": first_round[2].mean().item(),
@@ -215,15 +271,17 @@ def main(argv=None):
             "kl": sums["kl"] / tokens_seen if ref_model is not None else float("nan"),
             "kl/old": sums["kl/old"] / tokens_seen, "clip_frac": sums["clip_frac"] / tokens_seen,
             "entropy": sums["entropy"] / first_pass_tokens,
-            "logprob/sampler_diff": sums["logprob/sampler_diff"] / first_pass_tokens,
+            "is/mean": sums["is/mean"] / first_pass_tokens, "is/clip_frac": sums["is/clip_frac"] / first_pass_tokens,
+            "is/kl": sums["is/kl"] / first_pass_tokens,
             "grad_norm": sums["grad_norm"] / n_opt_steps, "lr": run.scheduler.get_last_lr()[0],
             "len/mean": lengths.mean().item(), "len/truncated": 1.0 - sum(rollouts.finished) / B,
             "time/rollout": time_rollout, "time/update": time_update, "time/push": time_push,
-            "gpg/alpha": alpha, "gpg/valid_frac": 1 / alpha, "gpg/rounds": rounds, "gpg/extra_rollouts": generated - B,
             "perf/tokens_per_s": first_pass_tokens / (time.perf_counter() - step_start),
+            "gpg/alpha": alpha, "gpg/valid_frac": 1 / alpha, "gpg/rounds": rounds, "gpg/extra_rollouts": generated - B,
         }
         metrics.update(hadw_info if args.hadw else {})
-        metrics = common.all_mean(metrics)
+        metrics = {**common.all_mean(metrics), "logprob/sampler_diff": sampler_diff}
+        # ---- evaluation (the engine holds the weights just pushed and stays awake for the next rollout)
         if args.eval_every and (run.step % args.eval_every == 0 or run.step == args.steps):
             metrics.update(evaluate(run))
         run.log.log(run.step, metrics)

@@ -32,7 +32,7 @@ def accuracy_by_difficulty(path, task, n, seed):
     engine = common.Engine("hf", None, tok.eos_token_id, tok.pad_token_id)
     prompts = common.encode_prompts(tok, [e["prompt"] for e in task.test], False)
     r = common.generate(engine, model, prompts, n, task.max_new_tokens, 1.0, seed, torch.device("cpu"), torch.float32)
-    _, correct, _, _ = common.score_rollouts(task, tok, task.test, r, n, 0.0)
+    _, correct, _, _ = common.score_rollouts(task, tok, task.test, r, n)
     per_prompt = correct.view(-1, n).mean(1)
     hard = torch.tensor([e["difficulty"] == "hard" for e in task.test])
     return per_prompt[hard].mean().item(), per_prompt[~hard].mean().item(), per_prompt.mean().item()

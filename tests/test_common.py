@@ -84,13 +84,59 @@ def test_args_from_config_file_with_command_line_override(tmp_path):
 
 @pytest.mark.parametrize("argv,message", [
     (["--config", "nope.yaml"], "nope.yaml: file not found"),
-    (["--engine", "sglang"], "--engine 'sglang'"),
-    (["--group_size", "0"], "--group_size must be >= 1"),
+    (["--group_size", "1"], r"--group_size 1: must be >= 2 \(the group baseline"),
     (["--prompts_per_step", "3", "--group_size", "3", "--minibatches", "2"], "--minibatches 2 must divide"),
+    (["--clip_eps", "-0.5"], "--clip_eps -0.5: must be > 0"),
+    (["--grad_clip", "-1"], "--grad_clip -1.0: must be >= 0"),
+    (["--hadw_eta", "1.5"], r"--hadw_eta 1.5: must be in \[0, 1\]"),
+    (["--is_low", "3"], "--is_low 3.0 must not exceed --is_high 2.0"),
 ])
 def test_bad_arguments_name_the_flag(argv, message):
     with pytest.raises(SystemExit, match=message):
         common.parse_args(train_grpo.Args, argv)
+
+
+@pytest.mark.parametrize("flag,value", [("engine", "sglang"), ("rollout_correction", "tis"), ("loss_agg", "sum"),
+                                        ("hadw_anchor", "median")])
+def test_a_bad_choice_is_refused_with_the_choices_listed_from_the_command_line_and_a_config(tmp_path, capsys,
+                                                                                            flag, value):
+    with pytest.raises(SystemExit):
+        common.parse_args(train_grpo.Args, [f"--{flag}", value])
+    assert f"invalid choice: '{value}' (choose from" in capsys.readouterr().err
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"{flag}: {value}\n")  # argparse does not check defaults: validate() does
+    with pytest.raises(SystemExit, match=f"--{flag} '{value}': choose one of"):
+        common.parse_args(train_grpo.Args, ["--config", str(cfg)])
+
+
+def test_config_values_are_type_and_range_checked(tmp_path):
+    for text, message in [("save_every: 1.7", "--save_every 1.7: expected int"), ("steps: true", "--steps True"),
+                          ("lr: -0.1", "--lr -0.1: must be > 0"), ("eval_n: 0", "--eval_n 0: must be >= 1")]:
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text(text + "\n")
+        with pytest.raises(SystemExit, match=message):
+            common.parse_args(train_grpo.Args, ["--config", str(cfg)])
+
+
+def test_flags_are_never_abbreviated():
+    with pytest.raises(SystemExit, match=r"not used by the HfArgumentParser: \['--temp', '0.5'\]"):
+        common.parse_args(train_grpo.Args, ["--temp", "0.5"])  # not --temperature
+
+
+@pytest.mark.parametrize("module", ["train_grpo", "train_rloo", "train_corpo", "train_gpg"])
+def test_group_scripts_refuse_groups_of_one_and_ppo_accepts_them(module):
+    import importlib
+    with pytest.raises(SystemExit, match="--group_size 1: must be >= 2"):
+        common.parse_args(importlib.import_module(module).Args, ["--group_size", "1"])
+    import train_ppo
+    assert common.parse_args(train_ppo.Args, ["--group_size", "1"]).group_size == 1
+
+
+def test_rollout_seeds_differ_by_step_rank_and_round_and_fit_vllm():
+    seeds = {common.rollout_seed(s, step, rank, rnd) for s in (0, 1) for step in (-1, 0, 1, 2) for rank in (0, 1, 7)
+             for rnd in (0, 1, 2)}
+    assert len(seeds) == 2 * 4 * 3 * 3 and all(0 <= x < 2**31 for x in seeds)
+    assert common.rollout_seed(3, 5, 1) == common.rollout_seed(3, 5, 1, 0)  # first sampling round = the default
 
 
 def test_config_file_unknown_key_is_named(tmp_path):

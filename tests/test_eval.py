@@ -128,10 +128,10 @@ def test_contamination_finds_a_planted_overlap_and_decontaminate_drops_it():
     train = [{"prompt": "completely different words here about apples and pears"},
              {"prompt": f"Question: {shared}? Think."}, {"prompt": "short"}]
     test = [{"prompt": f"{shared} today"}, {"prompt": "nothing in common with the training prompts at all really"}]
-    found = ev.ngram_overlap([e["prompt"] for e in train], [e["prompt"] for e in test], n=13)
+    found = rewards.ngram_overlap([e["prompt"] for e in train], [e["prompt"] for e in test], n=13)
     assert found["share"] == 0.5 and [(p["eval"], p["train"]) for p in found["pairs"]] == [(0, 1)]
     assert len(found["pairs"][0]["ngram"].split()) == 13
-    kept, dropped = ev.decontaminate(train, test, 13)
+    kept, dropped = rewards.decontaminate(train, test, 13)
     assert dropped == 1 and kept == [train[0], train[2]]
 
 

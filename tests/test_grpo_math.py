@@ -136,3 +136,147 @@ def test_k3_kl_value_and_zero_at_reference():
     assert stats["kl"][0, 0].item() == pytest.approx(math.exp(d) - d - 1)
     assert stats["kl"][0, 1].item() == 0.0
     assert token_loss[0, 0].item() == pytest.approx(0.1 * (math.exp(d) - d - 1))
+
+
+# ---------------------------------------------------------------------------------------------- float32 edge cases
+
+
+@pytest.mark.parametrize("value", [math.log(0.01), 0.1, -0.7, 1 / 3])
+@pytest.mark.parametrize("G", [2, 3, 8, 16])
+def test_an_all_equal_group_gets_exactly_zero_advantage_in_float32(value, G):
+    """log(0.01) * 8 in float32 used to give +0.316 (the mean off by one rounding step, / (std + 1e-6))."""
+    import train_corpo
+    import train_gpg
+    import train_rloo
+    r = torch.full((2 * G,), value, dtype=torch.float32)
+    assert torch.equal(grpo.compute_advantages(r, G, std_norm=True), torch.zeros(2 * G))
+    assert torch.equal(grpo.compute_advantages(r, G, std_norm=False), torch.zeros(2 * G))
+    assert torch.equal(train_gpg.compute_advantages(r, G, std_norm=True)[0], torch.zeros(2 * G))
+    assert torch.equal(train_rloo.compute_advantages(r, G), torch.zeros(2 * G))
+    assert torch.equal(train_corpo.compute_advantages(r, G, r_min_correct=value - 1.0), torch.zeros(2 * G))
+    assert grpo.compute_advantages(r, G).dtype == torch.float32
+
+
+def test_advantages_match_a_float64_reference_on_random_groups():
+    g = torch.Generator().manual_seed(0)
+    r = torch.randn(64, generator=g) * 3 + 1
+    ref = r.double().view(-1, 8)
+    ref = ((ref - ref.mean(1, keepdim=True)) / (ref.std(1, keepdim=True) + 1e-6)).flatten()
+    assert torch.allclose(grpo.compute_advantages(r, 8).double(), ref, atol=1e-6, rtol=0)
+
+
+def test_ppo_whitening_does_not_amplify_rounding_on_a_constant_batch():
+    import train_ppo
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    const = torch.full((2, 4), math.log(0.01)) * mask
+    assert torch.equal(train_ppo.whiten(const, mask), torch.zeros(2, 4))
+    x = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 5.0, 0.0, 0.0]])
+    w = train_ppo.whiten(x, mask)
+    valid = w[mask > 0].double()
+    assert valid.mean().abs() < 1e-6 and valid.var().item() == pytest.approx(1.0, abs=1e-6)
+    assert torch.equal(w[mask == 0], torch.zeros(3))
+
+
+# ---------------------------------------------------------------------------------------------- GSPO-token
+
+
+def close(tensor, expected):
+    torch.testing.assert_close(tensor, torch.tensor(expected, dtype=tensor.dtype), atol=1e-6, rtol=1e-6)
+
+
+def test_ppo_gspo_token_keeps_per_token_advantages_in_the_gradient():
+    """GSPO-token (Zheng et al. 2025): s_i,t = sg[s_i] pi/sg[pi]; with A = [[1, -1]] the old form gave [[0, 0]]."""
+    import train_ppo
+    args = loss_args(ratio_level="sequence", clip_eps=0.2)
+    old = torch.tensor([[-1.0, -2.0]])
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    mask = torch.ones(1, 2)
+    token_loss, stats = train_ppo.policy_loss(logp, old, None, torch.tensor([[1.0, -1.0]]), mask, args)
+    train_ppo.aggregate(token_loss, mask, "seq-mean-token-mean", 1, 2, 2).backward()
+    close(logp.grad, [[-0.5, 0.5]])  # -s_i A_t / |y| with s_i = 1
+    # off-policy: the value of every token's ratio is the sequence ratio, its gradient s_i * grad log pi_t
+    logp = torch.tensor([[-0.9, -2.05]], requires_grad=True)
+    token_loss, stats = train_ppo.policy_loss(logp, old, None, torch.tensor([[1.0, -1.0]]), mask, args)
+    s = math.exp((0.1 - 0.05) / 2)
+    assert stats["ratio"][0].tolist() == pytest.approx([s, s])
+    train_ppo.aggregate(token_loss, mask, "seq-mean-token-mean", 1, 2, 2).backward()
+    close(logp.grad, [[-s / 2, s / 2]])
+
+
+def test_grpo_gspo_token_gradient_equals_the_sequence_form_for_sequence_advantages():
+    old = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -0.3, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    adv = torch.tensor([0.7, -1.2])
+    start = torch.tensor([[-0.95, -2.02, -0.49], [-1.03, -0.31, 0.0]])
+    logp = start.clone().requires_grad_(True)
+    token_loss, _ = grpo.policy_loss(logp, old, None, adv, mask, loss_args(ratio_level="sequence", clip_eps=0.5))
+    grpo.aggregate(token_loss, mask, "seq-mean-token-mean", 2, 5, 3).backward()
+    ref = start.clone().requires_grad_(True)  # GSPO as published: one ratio per sequence, through its mean
+    s = torch.exp(((ref - old) * mask).sum(1) / mask.sum(1))
+    (-(s * adv)).mean().backward()
+    assert torch.allclose(logp.grad, ref.grad * mask, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------- rollout correction
+
+
+def correction_args(mode, cap=2.0, lo=0.5, hi=2.0):
+    return SimpleNamespace(rollout_correction=mode, is_cap=cap, is_low=lo, is_high=hi, **vars(loss_args()))
+
+
+OLD = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -0.3, 0.0]])
+SAMPLER = OLD - torch.tensor([[1.0, 0.0, -1.0], [0.2, 0.1, 0.0]])  # log w = old - sampler
+CMASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+
+
+def test_rollout_weights_equal_hand_computed_values_for_every_mode():
+    e = math.e
+    w, stats = grpo.rollout_correction(OLD, SAMPLER, CMASK, correction_args("off"))
+    assert w is None and stats["changed"].sum() == 0
+    close(stats["w"], [[e, 1.0, 1 / e], [math.exp(0.2), math.exp(0.1), 1.0]])
+    k3 = lambda lw: math.exp(lw) - 1 - lw  # noqa: E731
+    close(stats["kl"], [[k3(1), 0.0, k3(-1)], [k3(0.2), k3(0.1), 0.0]])
+    w, stats = grpo.rollout_correction(OLD, SAMPLER, CMASK, correction_args("token-tis"))  # min(w, 2)
+    close(w, [[2.0, 1.0, 1 / e], [math.exp(0.2), math.exp(0.1), 1.0]])
+    assert stats["changed"].tolist() == [[1, 0, 0], [0, 0, 0]]
+    w, stats = grpo.rollout_correction(OLD, SAMPLER, CMASK, correction_args("token-mis"))  # w if 0.5 <= w <= 2
+    close(w, [[0.0, 1.0, 0.0], [math.exp(0.2), math.exp(0.1), 1.0]])
+    assert stats["changed"].tolist() == [[1, 0, 1], [0, 0, 0]]
+    # geometric means: row 0 exp(0/3) = 1 (kept), row 1 exp(0.3/2) = 1.16 (kept); bounds [1.1, 2] drop row 0
+    w, stats = grpo.rollout_correction(OLD, SAMPLER, CMASK, correction_args("seq-mis", lo=1.1))
+    close(w, [[0.0, 0.0, 0.0], [math.exp(0.2), math.exp(0.1), 1.0]])
+    assert stats["changed"][0].tolist() == [1, 1, 1] and stats["changed"][1].tolist() == [0, 0, 0]
+    w, _ = grpo.rollout_correction(OLD, SAMPLER, CMASK, correction_args("seq-mis"))
+    close(w, [[e, 1.0, 1 / e], [math.exp(0.2), math.exp(0.1), 1.0]])
+
+
+@pytest.mark.parametrize("module", ["train_grpo", "train_rloo", "train_corpo", "train_gpg", "train_ppo"])
+@pytest.mark.parametrize("mode", ["token-tis", "token-mis", "seq-mis"])
+def test_corrected_gradient_is_the_is_weighted_policy_gradient(module, mode):
+    """On-policy (ratio 1), the loss gradient equals -(1/N) sum_i A_i (1/|y_i|) sum_t w~_it grad log pi_it,
+    the truncated/masked IS-weighted policy-gradient estimator; the KL term is not weighted."""
+    import importlib
+    m = importlib.import_module(module)
+    args = correction_args(mode)
+    adv = torch.tensor([0.8, -1.5])
+    logp = OLD.clone().requires_grad_(True)
+    w, _ = m.rollout_correction(OLD, SAMPLER, CMASK, args)
+    token_adv = adv[:, None].expand(-1, 3) if module == "train_ppo" else adv
+    token_loss, _ = m.policy_loss(logp, OLD, None, token_adv, CMASK, args, w)
+    m.aggregate(token_loss, CMASK, "seq-mean-token-mean", 2, 5, 3).backward()
+    expected = -(adv[:, None] * w * CMASK / CMASK.sum(1, keepdim=True)) / 2
+    assert torch.allclose(logp.grad, expected, atol=1e-7)
+    assert [inspect_source(m.rollout_correction)] == [inspect_source(grpo.rollout_correction)]  # one estimator
+
+
+def inspect_source(fn):
+    import inspect
+    return inspect.getsource(fn)
+
+
+def test_the_correction_does_not_weight_the_kl_term():
+    args = SimpleNamespace(**{**vars(correction_args("token-tis")), "beta": 0.1})
+    logp = OLD.clone().requires_grad_(True)
+    ref = OLD - 0.3
+    token_loss, stats = grpo.policy_loss(logp, OLD, ref, torch.zeros(2), CMASK, args, torch.full_like(OLD, 5.0))
+    assert torch.allclose(token_loss, 0.1 * stats["kl"])  # advantage 0: only the unweighted KL remains

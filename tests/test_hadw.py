@@ -36,11 +36,21 @@ def test_theorem1_closed_form_exact_sum_and_monte_carlo(p, published):
     assert (theorem1(p, G) > p) if p < 0.5 else (theorem1(p, G) <= p)
 
 
+def _yaml(tmp_path, text):
+    (tmp_path / "c.yaml").write_text(text + "\n")
+    return tmp_path / "c.yaml"
+
+
 def _reweight(rewards, state, eta=0.1, window=50, lam=1.3, group_size=4, anchor="kalman"):
     rewards = torch.tensor(rewards, dtype=torch.float32)
     advantages = train_grpo.compute_advantages(rewards, group_size, std_norm=False)
-    new, info = common.hadw_reweight(rewards, advantages, group_size, state, eta, window, lam, anchor)
+    new, info = train_grpo.hadw_reweight(rewards, advantages, group_size, state, eta, window, lam, anchor)
     return advantages, new, info
+
+
+def test_grpo_and_gpg_carry_the_same_hadw_code():
+    import inspect
+    assert inspect.getsource(train_grpo.hadw_reweight) == inspect.getsource(train_gpg.hadw_reweight)
 
 
 def test_phi_direction_in_the_four_cases():
@@ -110,10 +120,10 @@ def test_gpg_and_the_dapo_gspo_settings_take_hadw(tmp_path):
         assert "hadw/anchor" in read_metrics(run.run_dir)[-1] and run.algo_state["hadw"]["history"]
 
 
-def test_mean_anchor_is_the_moving_average_of_recent_accuracies():
+def test_mean_anchor_is_the_moving_average_of_recent_accuracies(tmp_path):
     state = {}
     anchors = [_reweight(y, state, window=2, anchor="mean")[2]["hadw/anchor"]
                for y in ([1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0])]  # y = .25, .5, 1, 0
     assert anchors == pytest.approx([0.25, 0.25, 0.375, 0.75])  # first: y_1; then the mean of the last m = 2
-    with pytest.raises(ValueError, match="--hadw_anchor"):
-        _reweight([1, 0, 0, 0], {}, anchor="median")
+    with pytest.raises(SystemExit, match="--hadw_anchor 'median': choose one of kalman, mean"):  # at parse time
+        common.parse_args(train_grpo.Args, ["--config", str(_yaml(tmp_path, "hadw_anchor: median"))])

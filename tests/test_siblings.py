@@ -31,7 +31,7 @@ def test_rloo_advantage_is_leave_one_out():
 
 
 def test_rloo_needs_two_completions(tmp_path):
-    with pytest.raises(SystemExit, match="--group_size must be >= 2"):
+    with pytest.raises(SystemExit, match="--group_size 1: must be >= 2"):
         train(train_rloo, tmp_path, "--group_size", "1")
 
 
