@@ -1,4 +1,5 @@
-"""Evaluation: the metrics seed 002 and seed 000 ask for, as a library and as a command.
+"""Evaluation: the metrics the evaluation-practice reference ("GRPO for Reasoning-Model
+Post-Training", 2026) and Bereket & Leskovec (2025) ask for, as a library and as a command.
 
     python eval.py --model runs/demo/final --task addition --n 16 --k 1,4,16   # JSON, Markdown, plots
     python eval.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --n 8 --k 1,8 --limit 200
@@ -7,7 +8,7 @@
     python eval.py contamination --task gsm8k:data/gsm8k_{split}.jsonl --ngram 13
 
 Library: pass_at_k (unbiased, stable), maj_at_k and mean_at_k with bootstrap intervals,
-expected_calibration_error (seed 000's right-closed bins), auroc and brier (scikit-learn),
+expected_calibration_error (Bereket & Leskovec's right-closed bins), auroc and brier (scikit-learn),
 reliability_diagram (PNG), verifier_audit, and evaluate(run) which
 every train_*.py calls every --eval_every steps (eval/* metrics and runs/<run>/eval.json).
 """
@@ -91,7 +92,7 @@ def _check_probs(probs, labels):
 
 def expected_calibration_error(probs, labels, n_bins: int = 10) -> float:
     """ECE = sum_b n_b/N |mean prediction_b - mean label_b| over equal-width, right-closed bins
-    (lo, hi], as seed 000's authors computed it (Guo et al. 2017); a prediction of exactly 0 goes
+    (lo, hi], as Bereket & Leskovec computed it (Guo et al. 2017); a prediction of exactly 0 goes
     to the first bin."""
     probs, labels = _check_probs(probs, labels)
     edges = np.linspace(0.0, 1.0, n_bins + 1)
@@ -153,7 +154,7 @@ def reliability_diagram(curves: dict, path: str, n_bins: int = 10) -> None:
 
 def verifier_audit(score, rows: list, source: str = "audit") -> dict:
     """A reward function `score(completion, example, finished)` against human labels. rows: {completion, answer, label}; label 1 =
-    the completion is correct. Recall = share of human-correct rows the verifier accepts (seed 002:
+    the completion is correct. Recall = share of human-correct rows the verifier accepts ("GRPO for Reasoning-Model Post-Training", 2026:
     rule-based verifiers missed 14%), precision = share of accepted rows that are correct."""
     tp = fp = fn = tn = 0
     disagree = []
@@ -204,7 +205,7 @@ def summarize(task, examples: list, scores: list, n: int, ks: list, boot: bool =
 
 
 def probability_predictions(scores, examples, n):
-    """One prediction per question: the mean of its n sampled probabilities (seed 000's protocol),
+    """One prediction per question: the mean of its n sampled probabilities (Bereket & Leskovec's protocol),
     skipping invalid samples; a question with no valid sample predicts 0.5."""
     probs, labels = [], []
     for i, ex in enumerate(examples):

@@ -2,8 +2,8 @@
 
 A task is a train split and a held-out test split of examples (a dict with at least "prompt" and
 "answer") plus a `score(completion, example, finished)` that returns correctness and format
-separately (seed 002: report them apart). Synthetic tasks are generated in-process from a seed, so
-everything runs offline; gsm8k and math read the real datasets through `datasets`, or local files.
+separately ("GRPO for Reasoning-Model Post-Training", 2026: report them apart). Synthetic tasks are
+generated in-process from a seed, so everything runs offline; gsm8k and math read the real datasets through `datasets`, or local files.
 
 Prompt styles: "tiny" is the terse format the built-in random-initialised model can learn from
 scratch (a character-level tokenizer covering the task's alphabet); "chat" is the natural-language
@@ -18,7 +18,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Callable
 
-LOG_FLOOR = math.log(0.01)  # seed 000 App. A.7: unparseable prediction = worst in-range log-likelihood
+LOG_FLOOR = math.log(0.01)  # Bereket & Leskovec 2025, App. A.7: unparseable prediction = worst in-range log-likelihood
 
 
 @dataclass
@@ -37,7 +37,7 @@ class Task:
     train: list
     test: list
     score: Callable            # (completion_text, example, finished) -> Score
-    pass_threshold: float      # reward >= this counts as passed (seed 004: R_min_correct)
+    pass_threshold: float      # reward >= this counts as passed (Garg & Venkatesh 2025: R_min_correct)
     alphabet: list = field(default_factory=list)  # tokens the tiny model's tokenizer must cover
     max_new_tokens: int = 512  # default generation budget for this task and style
 
@@ -136,7 +136,7 @@ def addition_task(style: str, seed: int, max_operand: int = 9, n_test: int = 20)
 
 
 def mixed_task(style: str, seed: int, hard_frac: float = 0.5, size: int = 1000) -> Task:
-    """Single-digit sums with a controlled share of hard prompts (for HA-DW, seed 001): easy = one
+    """Single-digit sums with a controlled share of hard prompts (for HA-DW, arXiv 2601.08521): easy = one
     operand is 0 (the answer is a copy of the other digit), hard = both operands >= 1 (a real sum),
     a + b <= 9 either way. The train split draws `size` prompts with `hard_frac` of them hard; the
     test split is all 55 pairs once, each tagged with its difficulty."""
@@ -191,7 +191,7 @@ def calibration_task(style: str, seed: int, n_categories: int = 20, n_questions:
     def score(completion: str, example: dict, finished: bool) -> Score:
         m = (_TINY_PROB_RE if style == "tiny" else _ANSWER_RE).search(completion)
         k = int(m.group(1)) if m else 0
-        q = k / 100 if 1 <= k <= 99 else None  # out-of-range counts as invalid (seed 000 A.7)
+        q = k / 100 if 1 <= k <= 99 else None  # out-of-range counts as invalid (Bereket & Leskovec 2025, A.7)
         a = example["answer"]
         reward = calibration_reward(q, a, brier)
         if q is None:
@@ -217,7 +217,7 @@ def ordinal_task(style: str, seed: int, n_test: int = 10) -> Task:
     """Partial-credit single-digit addition: a+b= with a + b <= 9, answered by one digit.
 
     Ordinal reward: exact 1.0, off by one 0.5, off by two 0.0, farther -0.5, invalid -1.
-    Pass threshold 0.5 (seed 004's R_min_correct): an answer off by two is a failure, yet it
+    Pass threshold 0.5 (Garg & Venkatesh's R_min_correct): an answer off by two is a failure, yet it
     beats a group of worse failures, which is where GRPO gives failures a positive advantage.
     """
     pairs = [(a, b) for a in range(10) for b in range(10) if a + b <= 9]
@@ -376,7 +376,7 @@ def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False
 
 
 # ----------------------------------------------------------------------------------------------
-# contamination: word n-gram overlap between training and held-out prompts (seed 002)
+# contamination: word n-gram overlap between training and held-out prompts ("GRPO for Reasoning-Model Post-Training", 2026)
 
 
 def _ngrams(text: str, n: int) -> set:

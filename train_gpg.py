@@ -24,7 +24,7 @@ class Args(common.Args):
     adv_eps: float = arg(1e-6, "epsilon added to the group std (verl 1e-6; Bereket & Leskovec's code 1e-5)")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = arg(
         "token-mean", "loss aggregation: GPG eq. 5 | GRPO | Dr. GRPO")
-    beta_th: float = arg(0.5, "resample until valid groups >= beta_th * prompts_per_step (code 0.5, paper 0.6; 0 = off)")
+    beta_th: float = arg(0.5, "resample until valid groups >= beta_th * prompts_per_step (code 0.5, paper 0.6)")
     max_rounds: int = arg(20, "most sampling rounds per step for the beta_th rule (authors' code: 20)")
     hadw: bool = arg(False, "HA-DW difficulty reweighting of the advantages (arXiv 2601.08521; binary rewards)")
     hadw_eta: float = arg(0.1, "HA-DW forgetting rate eta (eta_t = eta * std of recent anchors)")
