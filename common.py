@@ -266,12 +266,17 @@ def build_tiny_model(alphabet: list, seed: int = 0, cache_dir: str = CACHE_DIR) 
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
                                      unk_token="<unk>", model_max_length=TINY_CONFIG["max_position_embeddings"])
     config = Qwen3Config(vocab_size=len(vocab), bos_token_id=None, eos_token_id=1, pad_token_id=0, **TINY_CONFIG)
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
+    with torch.random.fork_rng(devices=[]):  # the caller's RNG stream is the same whether the cache was warm or not
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = tempfile.mkdtemp(dir=os.path.dirname(path), prefix=f".{key}-")
     model.save_pretrained(tmp)
     hf_tok.save_pretrained(tmp)
+    if not os.path.exists(os.path.join(tmp, "config.json")):  # transformers writes models on global rank 0 only
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RuntimeError(f"rank {rank()}: transformers wrote no model into {tmp}; build the tiny model "
+                           "(common.model_path) before torch.distributed is initialised")
     try:
         os.rename(tmp, path)  # atomic: a concurrent builder either wins or finds it done
     except OSError:
@@ -287,11 +292,18 @@ def prompt_style(model: str) -> str:
     return "chat"
 
 
+def model_path(model: str, task) -> str:
+    """The folder the policy is read from: --model, or the built-in tiny model for the task's alphabet,
+    built on first use (call it before torch.distributed starts: under torchrun transformers saves a
+    model on rank 0 only, so the other ranks could not build it)."""
+    return build_tiny_model(task.alphabet) if model == "tiny" else model
+
+
 def load_model(args, task, device, dtype):
     """(policy, tokenizer, path on disk). The policy keeps fp32 master weights; compute runs in
     `dtype` through autocast."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    path = build_tiny_model(task.alphabet) if args.model == "tiny" else args.model
+    path = model_path(args.model, task)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -860,7 +872,6 @@ def lr_lambda(warmup: int):
 
 def setup(args, algo: str) -> Run:
     """Seeds, device, task, model, engine, optimizer, logging; restores a checkpoint on --resume."""
-    device, dtype = setup_device(args)
     seed_everything(args.seed)
     if not args.run_name:
         model_tag = os.path.basename(args.model.rstrip("/"))
@@ -874,6 +885,8 @@ def setup(args, algo: str) -> Run:
         if not task.train:
             raise SystemExit(f"--decontaminate {args.decontaminate}: every training prompt overlaps the held-out split")
         print(f"decontaminate: dropped {dropped} training prompts sharing a {args.decontaminate}-gram with the test split")
+    model_path(args.model, task)  # builds the tiny model on first use, before torch.distributed starts
+    device, dtype = setup_device(args)
     model, tokenizer, path = load_model(args, task, device, dtype)
     args.push_check_tol = args.push_check_tol or default_push_tol(dtype)
     args.sampler_diff_tol = args.sampler_diff_tol or default_sampler_diff_tol(dtype)

@@ -300,9 +300,10 @@ def cmd_evaluate(argv) -> dict:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     args = common.Args(model=a.model, task=a.task, engine=a.engine, temperature=a.temperature, seed=a.seed,
                        max_new_tokens=a.max_new_tokens, dtype=a.dtype)
-    device, dtype = common.setup_device(args)
     style = common.prompt_style(a.model)
     task = rewards.load_task(a.task, style=style, seed=a.seed)
+    common.model_path(a.model, task)  # builds the tiny model on first use, before torch.distributed starts
+    device, dtype = common.setup_device(args)
     model, tok, path = common.load_model(args, task, device, dtype)
     model.eval()
     max_new = a.max_new_tokens or task.max_new_tokens

@@ -7,6 +7,7 @@ import torch
 
 import common
 import train_grpo
+from conftest import ROOT
 
 
 def _naive_logprobs(model, batch, temperature):
@@ -168,3 +169,34 @@ def test_interrupted_checkpoint_save_leaves_the_previous_one_intact(tmp_path, mo
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="no checkpoint at"):
         common.load_checkpoint(str(tmp_path / "missing" / "checkpoint.pt"))
+
+
+def test_building_the_tiny_model_leaves_the_callers_rng_alone(tmp_path):
+    """A fresh cache used to reseed the global torch RNG (to 0), so a run's draws depended on whether the
+    tiny model was already built."""
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    path = common.build_tiny_model(["1", "2", "+"], cache_dir=str(tmp_path))
+    assert torch.equal(torch.rand(3), expected)
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(path))
+
+
+def test_two_rank_torchrun_builds_the_tiny_model_on_every_node(tmp_path):
+    """Under torchrun transformers saves a model on global rank 0 only. Each rank here has its own cache
+    (as each node of a multi-node run has): when the tiny model was built after the process group
+    started, rank 1 wrote a folder without weights into its cache and failed to load it."""
+    import subprocess
+    import sys
+    per_rank_cache = 'RLMINI_CACHE="$0/rank$RANK" exec "$1" train_grpo.py "${@:2}"'
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--no-python",
+                           "bash", "-c", per_rank_cache, str(tmp_path / "cache"), sys.executable,
+                           "--engine", "hf", "--steps", "1", "--prompts_per_step", "4", "--group_size", "2",
+                           "--out_dir", str(tmp_path), "--run_name", "fresh", "--wandb", "false"],
+                          cwd=ROOT, env={**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for r in (0, 1):
+        (built,) = os.listdir(tmp_path / "cache" / f"rank{r}" / "tiny")
+        assert {"config.json", "model.safetensors"} <= set(os.listdir(tmp_path / "cache" / f"rank{r}" / "tiny" / built))
+    assert [r["step"] for r in common.read_metrics(str(tmp_path / "fresh" / "metrics.jsonl"))] == [1]
