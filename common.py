@@ -7,6 +7,7 @@ scripts, not here.
 """
 import contextlib
 import dataclasses
+import datetime
 import hashlib
 import inspect
 import json
@@ -84,6 +85,7 @@ class Args:
     push_check_every: int = arg(1, "verify vLLM against the trainer on a probe every N steps (0 = off)")
     push_check_tol: float = arg(0.0, "mean |logprob diff| allowed on the probe; 0 = by dtype (fp32 2e-3, bf16 5e-2)")
     config: str = arg("", "YAML or JSON file of options; command-line flags override it")
+    dist_timeout: int = arg(1800, "torchrun: seconds a rank waits in a collective before the run stops with an error")
     min_group_size: ClassVar[int] = 1  # scripts with a group baseline raise it to 2
 
     def __post_init__(self):
@@ -100,6 +102,7 @@ RANGES = {
     "warmup": NON_NEGATIVE, "weight_decay": NON_NEGATIVE, "max_new_tokens": NON_NEGATIVE, "grad_clip": NON_NEGATIVE,
     "eval_every": NON_NEGATIVE, "eval_limit": NON_NEGATIVE, "save_every": NON_NEGATIVE, "decontaminate": NON_NEGATIVE,
     "push_check_every": NON_NEGATIVE, "push_check_tol": NON_NEGATIVE, "sampler_diff_tol": NON_NEGATIVE,
+    "dist_timeout": ONE_OR_MORE,
     "is_low": NON_NEGATIVE, "vllm_gpu_memory_utilization": ("in (0, 1]", lambda v: 0 < v <= 1),
     # options of some scripts only
     "clip_eps": POSITIVE, "clip_eps_high": NON_NEGATIVE, "beta": NON_NEGATIVE, "adv_eps": NON_NEGATIVE,
@@ -125,9 +128,16 @@ def validate(args) -> None:
     if args.group_size < args.min_group_size:
         why = " (the group baseline needs two completions of each prompt)" if args.min_group_size > 1 else ""
         raise ValueError(f"--group_size {args.group_size}: must be >= {args.min_group_size}{why}")
-    if (args.prompts_per_step * args.group_size) % args.minibatches:
-        raise ValueError(f"--minibatches {args.minibatches} must divide prompts_per_step * group_size "
-                         f"= {args.prompts_per_step * args.group_size}")
+    # torchrun: every rank must do the same work (the same number of forwards, backwards and optimizer
+    # steps), or a collective waits for a rank that never comes
+    ranks = world_size()
+    if args.prompts_per_step % ranks:
+        raise ValueError(f"--prompts_per_step {args.prompts_per_step} must be a multiple of the number of ranks "
+                         f"({ranks}, torchrun): each rank samples the same share of the prompts")
+    per_rank = args.prompts_per_step // ranks * args.group_size
+    if per_rank % args.minibatches:
+        raise ValueError(f"--minibatches {args.minibatches} must divide each rank's completions per step, "
+                         f"prompts_per_step / ranks * group_size = {per_rank}")
     if args.is_low > args.is_high:
         raise ValueError(f"--is_low {args.is_low} must not exceed --is_high {args.is_high}")
 
@@ -208,33 +218,97 @@ def world_size() -> int:
 
 
 def setup_device(args) -> tuple[torch.device, torch.dtype]:
+    """This rank's device and the compute dtype; under torchrun, starts the process group (NCCL on
+    CUDA, gloo on CPU) with a bounded wait: a rank stuck in a collective stops the run with an error
+    after --dist_timeout seconds instead of hanging it."""
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     if world_size() > 1 and not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        timeout = datetime.timedelta(seconds=getattr(args, "dist_timeout", 1800))
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     return device, getattr(torch, name)
 
 
-def all_mean(values: dict) -> dict:
-    """Average a dict of floats across ranks (identity on one process)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _comm_device() -> torch.device:
+    """Where collective buffers live: NCCL needs CUDA tensors, gloo CPU ones."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" else \
+        torch.device("cpu")
+
+
+def all_sum(values):
+    """Sum over ranks, in float64, of a number or of each value of a dict of numbers (identity on
+    one process). Batch statistics are built from global sums and counts, never averaged per rank."""
+    if not _distributed():
         return values
-    keys = sorted(values)
-    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
-    if torch.distributed.get_backend() == "nccl":
-        t = t.cuda()
+    keys = sorted(values) if isinstance(values, dict) else [None]
+    t = torch.tensor([float(values[k] if k is not None else values) for k in keys], dtype=torch.float64,
+                     device=_comm_device())
     torch.distributed.all_reduce(t)
-    t /= torch.distributed.get_world_size()
-    return dict(zip(keys, t.tolist()))
+    out = dict(zip(keys, t.tolist()))
+    return out if isinstance(values, dict) else out[None]
 
 
-def all_sum(x: float) -> float:
-    """Sum a float over ranks (identity on one process)."""
-    return all_mean({"x": x})["x"] * world_size()
+def all_gather(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's tensor concatenated along dim 0 in rank order: the global batch, in the order of
+    one process (shard() gives each rank a contiguous block). Every rank passes the same shape."""
+    if not _distributed():
+        return x
+    local = x.to(_comm_device())
+    parts = [torch.empty_like(local) for _ in range(world_size())]
+    torch.distributed.all_gather(parts, local)
+    return torch.cat(parts).to(x.device)
+
+
+def all_gather_objects(items: list) -> list:
+    """Every rank's list of picklable objects, concatenated in rank order (lengths may differ)."""
+    if not _distributed():
+        return items
+    parts = [None] * world_size()
+    torch.distributed.all_gather_object(parts, items)
+    return [x for part in parts for x in part]
+
+
+def all_mean_var(x: torch.Tensor) -> tuple[float, float]:
+    """Mean and unbiased variance of the values of x on every rank together, in float64 and in two
+    passes (the mean first), so that a constant batch has exactly its value as mean and 0 variance."""
+    x = x.detach().double().flatten().cpu()
+    n = all_sum({"n": x.numel(), "sum": x.sum().item()})
+    mean = n["sum"] / n["n"] if n["n"] else float("nan")
+    squares = all_sum(((x - mean) ** 2).sum().item())
+    return mean, squares / (n["n"] - 1) if n["n"] > 1 else float("nan")
+
+
+def local_slice(n: int) -> slice:
+    """This rank's rows of a gathered batch in which every rank holds n rows."""
+    return slice(rank() * n, (rank() + 1) * n)
+
+
+def set_grad_sync(model, sync: bool) -> None:
+    """Gradient accumulation under DDP: gradients are all-reduced only in the backward of the
+    micro-batch that closes a minibatch (sync=True), not once per micro-batch (what no_sync does)."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model.require_backward_grad_sync = sync
+
+
+def all_average_grads(module) -> None:
+    """Average the gradients of a module that DDP does not wrap over ranks, in one flat buffer (a
+    parameter without a gradient counts as zero, so every rank sends the same shape)."""
+    if not _distributed():
+        return
+    params = list(module.parameters())
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
+    torch.distributed.all_reduce(flat)
+    flat /= world_size()
+    for p, g in zip(params, flat.split([p.numel() for p in params])):
+        p.grad = g.view_as(p).clone()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -369,6 +443,8 @@ def make_engine(args, model_path: str, tokenizer, device, dtype, max_len: int) -
                   enable_prefix_caching=True)
     if cuda:
         kwargs.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=args.vllm_sleep)
+    if world_size() > 1:  # torchrun: one engine per rank, on this rank's device (LOCAL_RANK), sampling its own
+        kwargs.update(distributed_executor_backend="external_launcher")  # prompts; the default lands all on cuda:0
     llm = LLM(**kwargs)
     set_rng_state(saved)
     tied = llm.apply_model(_tied_groups)[0]
@@ -718,8 +794,10 @@ def prompt_batch(examples: list, pos: int, n: int, seed: int) -> tuple[list, int
 
 
 def shard(items: list) -> list:
-    """This rank's share of a list (torchrun)."""
-    return items[rank()::world_size()]
+    """This rank's contiguous block of a list (torchrun): rank r of W takes items [r n / W, (r + 1) n / W),
+    so the ranks' blocks concatenated in rank order are the list itself (see all_gather)."""
+    n, ranks, r = len(items), world_size(), rank()
+    return items[r * n // ranks:(r + 1) * n // ranks]
 
 
 def score_rollouts(task, tokenizer, examples: list, rollouts: Rollouts, group_size: int):
@@ -894,7 +972,10 @@ def setup(args, algo: str) -> Run:
     max_prompt = max(len(p) for p in encode_prompts(tokenizer, [e["prompt"] for e in task.train[:256]], style == "chat"))
     max_len = min(getattr(model.config, "max_position_embeddings", 4096), max_prompt * 2 + max_new + 8)
     if world_size() > 1:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        ddp = torch.nn.parallel.DistributedDataParallel
+        quiet = {"forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp).parameters else
+                 "broadcast_buffers": False}  # buffers (rotary tables) never change: no copy before each forward
+        model = ddp(model, device_ids=[device.index] if device.type == "cuda" else None, **quiet)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup))
     # fixed probe for the push self-check: the first train prompt and a deterministic completion

@@ -216,10 +216,16 @@ def probability_predictions(scores, examples, n):
 
 
 def sample_and_score(run, examples: list, n: int, seed: int) -> list:
-    prompt_ids = common.encode_prompts(run.tokenizer, [e["prompt"] for e in examples], run.style == "chat")
-    rollouts = common.generate(run.engine, run.model, prompt_ids, n, run.max_new_tokens, run.args.temperature,
-                               seed=seed, device=run.device, dtype=run.dtype)
-    return common.score_rollouts(run.task, run.tokenizer, examples, rollouts, n)[3]
+    """The Score of n samples of every example, in order (n per example). Under torchrun each rank samples
+    its block of the examples (`seed` differs per rank) and every rank gets all the scores back: metrics
+    such as ECE cannot be averaged over shards, they are computed once on all predictions."""
+    mine, scores = common.shard(examples), []
+    if mine:  # more ranks than examples leaves a rank with none
+        prompt_ids = common.encode_prompts(run.tokenizer, [e["prompt"] for e in mine], run.style == "chat")
+        rollouts = common.generate(run.engine, run.model, prompt_ids, n, run.max_new_tokens, run.args.temperature,
+                                   seed=seed, device=run.device, dtype=run.dtype)
+        scores = common.score_rollouts(run.task, run.tokenizer, mine, rollouts, n)[3]
+    return common.all_gather_objects(scores)
 
 
 @torch.no_grad()
@@ -229,7 +235,7 @@ def evaluate(run) -> dict:
     <run_dir>/eval.json. The rollout engine is left as it was found: awake, with the policy's
     weights (the training loop pushed them just before); it is never put to sleep here."""
     args = run.args
-    examples = common.shard(run.task.test[: args.eval_limit or None])
+    examples = run.task.test[: args.eval_limit or None]
     scores = sample_and_score(run, examples, args.eval_n, seed=common.rollout_seed(args.seed, -1, common.rank()))
     full = summarize(run.task, examples, scores, args.eval_n, sorted({1, args.eval_n}))
     k = args.eval_n
@@ -238,8 +244,7 @@ def evaluate(run) -> dict:
     for key in ("ece", "auroc", "brier", "accuracy", "pass_rate"):
         if key in full:
             metrics[f"eval/{key}"] = full[key]
-    metrics = common.all_mean(metrics)
-    if common.rank() == 0:  # predictions: rank 0's share of the questions under torchrun
+    if common.rank() == 0:  # every prediction: the scores of all ranks were gathered
         extra = {"predictions": full["predictions"]} if "predictions" in full else {}
         write_out(run.run_dir, "eval.json", {"step": run.step, "k": k, **metrics, **extra})
     return metrics
@@ -316,6 +321,8 @@ def cmd_evaluate(argv) -> dict:
     scores = sample_and_score(run, examples, a.n, seed=common.rollout_seed(a.seed, -1, common.rank()))
     result = {"model": a.model, "task": a.task, "split": a.split, "temperature": a.temperature,
               **summarize(task, examples, scores, a.n, ks, boot=True)}
+    if common.rank() != 0:  # torchrun: every rank holds the same result (scores were gathered); rank 0 writes it
+        return result
     out = a.out or os.path.join("runs", f"eval-{_model_name(a.model)}-{a.task.split(':')[0]}")
     write_out(out, "eval.json", result)
     rows = [{"k": k, **{m: result[f"{m}@{k}"] for m in ("pass", "maj", "mean")},

@@ -199,15 +199,18 @@ def main(argv=None):
                     batch, logp, _ = common.rollout_logprobs(ref_model, rollouts, idx, args.temperature, device, dtype)
                     ref_logp[s:s + len(idx)] = common.to_ragged(logp, batch["mask"])
 
-        # ---- advantages
-        advantages, alpha = compute_advantages(rewards, args.group_size, args.std_norm, args.adv_eps)
+        # ---- advantages, over the global batch (every rank's completions, in one process's order); then this rank's
+        rewards_all = common.all_gather(rewards)
+        advantages_all, alpha = compute_advantages(rewards_all, args.group_size, args.std_norm, args.adv_eps)
         if args.hadw:  # HA-DW (arXiv 2601.08521): reweight by difficulty against the cross-batch anchor
-            advantages, hadw_info = hadw_reweight(rewards, advantages, args.group_size, run.algo_state.setdefault(
-                "hadw", {}), args.hadw_eta, args.hadw_window, args.hadw_lambda, args.hadw_anchor)
+            advantages_all, hadw_info = hadw_reweight(rewards_all, advantages_all, args.group_size, run.algo_state.
+                                                      setdefault("hadw", {}), args.hadw_eta, args.hadw_window,
+                                                      args.hadw_lambda, args.hadw_anchor)
+        advantages = advantages_all[common.local_slice(B)]
 
         sums = {"loss/policy": 0.0, "clip_frac": 0.0, "kl": 0.0, "kl/old": 0.0, "entropy": 0.0,
-                "logprob/sampler_diff": 0.0, "grad_norm": 0.0, "is/mean": 0.0, "is/clip_frac": 0.0, "is/kl": 0.0}
-        n_opt_steps, tokens_seen = 0, 0.0
+                "logprob/sampler_diff": 0.0, "is/mean": 0.0, "is/clip_frac": 0.0, "is/kl": 0.0}
+        n_opt_steps, tokens_seen, grad_norm_sum = 0, 0.0, 0.0
         shuffle = torch.Generator().manual_seed(args.seed * 1_000_003 + run.step)  # a function of the step: resumable
         for epoch in range(args.updates_per_rollout):
             perm = torch.randperm(B, generator=shuffle)
@@ -217,6 +220,7 @@ def main(argv=None):
                 n_tokens = common.all_sum(float(lengths[mb].sum())) / common.world_size()
                 for s in range(0, len(mb), micro):
                     idx = mb[s:s + micro]
+                    common.set_grad_sync(model, s + micro >= len(mb))  # one all-reduce per optimizer step
                     batch, logp, entropy = common.rollout_logprobs(model, rollouts, idx, args.temperature, device,
                                                                    dtype, with_entropy=epoch == 0)
                     mask = batch["mask"]
@@ -229,7 +233,7 @@ def main(argv=None):
                     loss.backward()
                     # diagnostics, token-weighted
                     tokens_seen += mask.sum().item()
-                    sums["loss/policy"] += loss.item()
+                    sums["loss/policy"] += loss.item() / common.world_size()  # this rank's share (DDP averages)
                     sums["clip_frac"] += (stats["clipped"] * mask).sum().item()
                     sums["kl"] += (stats["kl"] * mask).sum().item() if "kl" in stats else 0.0
                     log_r = torch.log(stats["ratio"].clamp(min=1e-30))
@@ -243,13 +247,13 @@ def main(argv=None):
                 run.optimizer.step()
                 run.scheduler.step()
                 run.optimizer.zero_grad(set_to_none=True)
-                sums["grad_norm"] += grad_norm.item()
+                grad_norm_sum += grad_norm.item()
                 n_opt_steps += 1
         time_update = time.perf_counter() - t0
 
         # ---- guard: the trainer must reproduce the sampler's log-probs (stale or discarded engine weights)
-        first_pass_tokens = float(lengths.sum())
-        sampler_diff = common.all_sum(sums["logprob/sampler_diff"]) / common.all_sum(first_pass_tokens)
+        totals = common.all_sum({**sums, "tokens": tokens_seen, "first_pass_tokens": float(lengths.sum())})  # all ranks
+        sampler_diff = totals["logprob/sampler_diff"] / totals["first_pass_tokens"]
         common.check_sampler_diff(sampler_diff, run.step + 1, args.sampler_diff_tol)
 
         # ---- push: the updated weights into vLLM (wakes it; no-op for the HF engine), checked on a probe
@@ -260,27 +264,33 @@ def main(argv=None):
         time_push = time.perf_counter() - t0
         run.step += 1
 
-        # ---- log (metric names shared by every train_*.py)
-        failed = rewards < run.task.pass_threshold
+        # ---- log (metric names shared by every train_*.py), over the global batch: per-completion values gathered
+        # from every rank and token sums over ranks, so that each metric is its 1-rank value on the same batch
+        first_all = [common.all_gather(x) for x in first_round]  # reward/* logs the first sampling round
+        lengths_all = common.all_gather(lengths)
+        finished_all = common.all_gather(torch.tensor(rollouts.finished, dtype=torch.float32))
+        failed = rewards_all < run.task.pass_threshold
         metrics = {
-            "reward/mean": first_round[0].mean().item(), "reward/std": first_round[0].std().item() if B > 1 else 0.0,
-            "reward/correct": first_round[1].mean().item(), "reward/format": first_round[2].mean().item(),
-            "adv/mean": advantages.mean().item(), "adv/abs_mean": advantages.abs().mean().item(),
-            "adv/failed_pos_frac": (advantages[failed] > 0).float().mean().item() if failed.any() else float("nan"),
-            "loss/policy": sums["loss/policy"] / n_opt_steps,
-            "kl": sums["kl"] / tokens_seen if ref_model is not None else float("nan"),
-            "kl/old": sums["kl/old"] / tokens_seen, "clip_frac": sums["clip_frac"] / tokens_seen,
-            "entropy": sums["entropy"] / first_pass_tokens,
-            "is/mean": sums["is/mean"] / first_pass_tokens, "is/clip_frac": sums["is/clip_frac"] / first_pass_tokens,
-            "is/kl": sums["is/kl"] / first_pass_tokens,
-            "grad_norm": sums["grad_norm"] / n_opt_steps, "lr": run.scheduler.get_last_lr()[0],
-            "len/mean": lengths.mean().item(), "len/truncated": 1.0 - sum(rollouts.finished) / B,
-            "time/rollout": time_rollout, "time/update": time_update, "time/push": time_push,
-            "perf/tokens_per_s": first_pass_tokens / (time.perf_counter() - step_start),
-            "gpg/alpha": alpha, "gpg/valid_frac": 1 / alpha, "gpg/rounds": rounds, "gpg/extra_rollouts": generated - B,
+            "reward/mean": first_all[0].mean().item(),
+            "reward/std": first_all[0].std().item() if len(first_all[0]) > 1 else 0.0,
+            "reward/correct": first_all[1].mean().item(), "reward/format": first_all[2].mean().item(),
+            "adv/mean": advantages_all.mean().item(), "adv/abs_mean": advantages_all.abs().mean().item(),
+            "adv/failed_pos_frac": (advantages_all[failed] > 0).float().mean().item() if failed.any() else float("nan"),
+            "loss/policy": totals["loss/policy"] / n_opt_steps,
+            "kl": totals["kl"] / totals["tokens"] if ref_model is not None else float("nan"),
+            "kl/old": totals["kl/old"] / totals["tokens"], "clip_frac": totals["clip_frac"] / totals["tokens"],
+            "entropy": totals["entropy"] / totals["first_pass_tokens"], "logprob/sampler_diff": sampler_diff,
+            "is/mean": totals["is/mean"] / totals["first_pass_tokens"],
+            "is/clip_frac": totals["is/clip_frac"] / totals["first_pass_tokens"],
+            "is/kl": totals["is/kl"] / totals["first_pass_tokens"],
+            "grad_norm": grad_norm_sum / n_opt_steps, "lr": run.scheduler.get_last_lr()[0],
+            "len/mean": lengths_all.mean().item(), "len/truncated": 1.0 - finished_all.mean().item(),
+            "time/rollout": time_rollout, "time/update": time_update, "time/push": time_push,  # this rank's (rank 0 logs)
+            "perf/tokens_per_s": totals["first_pass_tokens"] / (time.perf_counter() - step_start),  # all ranks
+            "gpg/alpha": alpha, "gpg/valid_frac": 1 / alpha, "gpg/rounds": rounds,
+            "gpg/extra_rollouts": common.all_sum(generated - B),
         }
         metrics.update(hadw_info if args.hadw else {})
-        metrics = {**common.all_mean(metrics), "logprob/sampler_diff": sampler_diff}
         # ---- evaluation (the engine holds the weights just pushed and stays awake for the next rollout)
         if args.eval_every and (run.step % args.eval_every == 0 or run.step == args.steps):
             metrics.update(evaluate(run))

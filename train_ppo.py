@@ -55,11 +55,11 @@ def compute_advantages(rewards, values, mask, gamma=1.0, lam=1.0):
 
 
 def whiten(advantages, mask, eps=1e-8):
-    """(A - mean) / sqrt(var + eps) over the batch's tokens, in float64: a constant batch gives exactly
-    0 (its mean is exact), and a tiny variance is not blown up into unit advantages."""
+    """(A - mean) / sqrt(var + eps) over the tokens of the global batch (every rank's), in float64: a
+    constant batch gives exactly 0 (its mean is exact), and a tiny variance is not blown up into unit advantages."""
     a = advantages.double()
-    valid = a[mask > 0]
-    return ((a - valid.mean()) * torch.rsqrt(valid.var() + eps) * mask).to(advantages.dtype)
+    mean, var = common.all_mean_var(a[mask > 0])
+    return ((a - mean) * (var + eps) ** -0.5 * mask).to(advantages.dtype)
 
 
 def load_critic(path, device, gradient_checkpointing):
@@ -147,8 +147,10 @@ def aggregate(token_loss, mask, loss_agg, n_seqs, n_tokens, max_len):
 
 
 def explained_variance(values, returns):
-    v, r = torch.cat(values).cpu(), torch.cat(returns).cpu()
-    return (1 - (r - v).var() / r.var()).item() if r.var() > 0 else float("nan")
+    """1 - Var(R - V) / Var(R) over the tokens of the global batch (every rank's)."""
+    v, r = torch.cat(values).cpu().double(), torch.cat(returns).cpu().double()
+    var_r, var_residual = common.all_mean_var(r)[1], common.all_mean_var(r - v)[1]
+    return 1 - var_residual / var_r if var_r > 0 else float("nan")
 
 
 # ---------------------------------------------------------------------------------------------- training
@@ -207,15 +209,16 @@ def main(argv=None):
         lengths_mask = (torch.arange(padded_values.shape[1]) < lengths[:, None]).float()
         token_adv, returns = compute_advantages(rewards, padded_values, lengths_mask, args.gamma, args.lam)
         if args.whiten_advantages:
-            token_adv = whiten(token_adv, lengths_mask)
+            token_adv = whiten(token_adv, lengths_mask)  # over every rank's tokens
         adv_seq = common.to_ragged(token_adv, lengths_mask)
         ret_seq = common.to_ragged(returns, lengths_mask)
         advantages = (token_adv.sum(1) / lengths)  # per completion, for the shared adv/* metrics
+        rewards_all, advantages_all = common.all_gather(rewards), common.all_gather(advantages)
 
         sums = {"loss/policy": 0.0, "clip_frac": 0.0, "kl": 0.0, "kl/old": 0.0, "entropy": 0.0,
-                "logprob/sampler_diff": 0.0, "grad_norm": 0.0, "is/mean": 0.0, "is/clip_frac": 0.0, "is/kl": 0.0,
+                "logprob/sampler_diff": 0.0, "is/mean": 0.0, "is/clip_frac": 0.0, "is/kl": 0.0,
                 "value/loss": 0.0, "value/clip_frac": 0.0}
-        n_opt_steps, tokens_seen = 0, 0.0
+        n_opt_steps, tokens_seen, grad_norm_sum = 0, 0.0, 0.0
         shuffle = torch.Generator().manual_seed(args.seed * 1_000_003 + run.step)  # a function of the step: resumable
         for epoch in range(args.updates_per_rollout):
             perm = torch.randperm(B, generator=shuffle)
@@ -225,6 +228,7 @@ def main(argv=None):
                 n_tokens = common.all_sum(float(lengths[mb].sum())) / common.world_size()
                 for s in range(0, len(mb), micro):
                     idx = mb[s:s + micro]
+                    common.set_grad_sync(model, s + micro >= len(mb))  # one all-reduce per optimizer step
                     batch, logp, entropy = common.rollout_logprobs(model, rollouts, idx, args.temperature, device,
                                                                    dtype, with_entropy=epoch == 0)
                     mask = batch["mask"]
@@ -242,12 +246,12 @@ def main(argv=None):
                     v_old = common.to_padded(old_values, idx, mask)
                     v_loss = value_loss(values, v_old, common.to_padded(ret_seq, idx, mask), mask, args.vf_clip, n_tokens)
                     v_loss.backward()
-                    sums["value/loss"] += v_loss.item()
+                    sums["value/loss"] += v_loss.item() / common.world_size()  # as loss/policy
                     v_clipped = ((values - v_old).abs() > args.vf_clip).float() * mask
                     sums["value/clip_frac"] += v_clipped.sum().item() if args.vf_clip else 0.0
                     # diagnostics, token-weighted
                     tokens_seen += mask.sum().item()
-                    sums["loss/policy"] += loss.item()
+                    sums["loss/policy"] += loss.item() / common.world_size()  # this rank's share (DDP averages)
                     sums["clip_frac"] += (stats["clipped"] * mask).sum().item()
                     sums["kl"] += (stats["kl"] * mask).sum().item() if "kl" in stats else 0.0
                     log_r = torch.log(stats["ratio"].clamp(min=1e-30))
@@ -258,22 +262,20 @@ def main(argv=None):
                         for key, name in (("w", "is/mean"), ("changed", "is/clip_frac"), ("kl", "is/kl")):
                             sums[name] += (is_stats[key] * mask).sum().item()
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
-                for p in critic.parameters() if common.world_size() > 1 else []:  # not DDP-wrapped: average by hand
-                    torch.distributed.all_reduce(p.grad)
-                    p.grad /= common.world_size()
+                common.all_average_grads(critic)  # the critic is not DDP-wrapped: one all-reduce of its gradients
                 torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip or float("inf"))
                 run.optimizer.step()
                 run.scheduler.step()
                 critic_opt.step()
                 run.optimizer.zero_grad(set_to_none=True)
                 critic_opt.zero_grad(set_to_none=True)
-                sums["grad_norm"] += grad_norm.item()
+                grad_norm_sum += grad_norm.item()
                 n_opt_steps += 1
         time_update = time.perf_counter() - t0
 
         # ---- guard: the trainer must reproduce the sampler's log-probs (stale or discarded engine weights)
-        first_pass_tokens = float(lengths.sum())
-        sampler_diff = common.all_sum(sums["logprob/sampler_diff"]) / common.all_sum(first_pass_tokens)
+        totals = common.all_sum({**sums, "tokens": tokens_seen, "first_pass_tokens": float(lengths.sum())})  # all ranks
+        sampler_diff = totals["logprob/sampler_diff"] / totals["first_pass_tokens"]
         common.check_sampler_diff(sampler_diff, run.step + 1, args.sampler_diff_tol)
 
         # ---- push: the updated weights into vLLM (wakes it; no-op for the HF engine), checked on a probe
@@ -284,27 +286,31 @@ def main(argv=None):
         time_push = time.perf_counter() - t0
         run.step += 1
 
-        # ---- log (metric names shared by every train_*.py)
-        failed = rewards < run.task.pass_threshold
+        # ---- log (metric names shared by every train_*.py), over the global batch: per-completion values gathered
+        # from every rank and token sums over ranks, so that each metric is its 1-rank value on the same batch
+        correct_all, fmt_all, lengths_all = common.all_gather(correct), common.all_gather(fmt), common.all_gather(lengths)
+        finished_all = common.all_gather(torch.tensor(rollouts.finished, dtype=torch.float32))
+        failed = rewards_all < run.task.pass_threshold
         metrics = {
-            "reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if B > 1 else 0.0,
-            "reward/correct": correct.mean().item(), "reward/format": fmt.mean().item(),
-            "adv/mean": advantages.mean().item(), "adv/abs_mean": advantages.abs().mean().item(),
-            "adv/failed_pos_frac": (advantages[failed] > 0).float().mean().item() if failed.any() else float("nan"),
-            "loss/policy": sums["loss/policy"] / n_opt_steps,
-            "kl": sums["kl"] / tokens_seen if ref_model is not None else float("nan"),
-            "kl/old": sums["kl/old"] / tokens_seen, "clip_frac": sums["clip_frac"] / tokens_seen,
-            "entropy": sums["entropy"] / first_pass_tokens,
-            "is/mean": sums["is/mean"] / first_pass_tokens, "is/clip_frac": sums["is/clip_frac"] / first_pass_tokens,
-            "is/kl": sums["is/kl"] / first_pass_tokens,
-            "grad_norm": sums["grad_norm"] / n_opt_steps, "lr": run.scheduler.get_last_lr()[0],
-            "len/mean": lengths.mean().item(), "len/truncated": 1.0 - sum(rollouts.finished) / B,
-            "time/rollout": time_rollout, "time/update": time_update, "time/push": time_push,
-            "value/loss": sums["value/loss"] / n_opt_steps, "value/clip_frac": sums["value/clip_frac"] / tokens_seen,
-            "value/mean": torch.cat(old_values).mean().item(), "value/explained_var": explained_variance(old_values, ret_seq),
-            "perf/tokens_per_s": first_pass_tokens / (time.perf_counter() - step_start),
+            "reward/mean": rewards_all.mean().item(), "reward/std": rewards_all.std().item() if len(rewards_all) > 1 else 0.0,
+            "reward/correct": correct_all.mean().item(), "reward/format": fmt_all.mean().item(),
+            "adv/mean": advantages_all.mean().item(), "adv/abs_mean": advantages_all.abs().mean().item(),
+            "adv/failed_pos_frac": (advantages_all[failed] > 0).float().mean().item() if failed.any() else float("nan"),
+            "loss/policy": totals["loss/policy"] / n_opt_steps,
+            "kl": totals["kl"] / totals["tokens"] if ref_model is not None else float("nan"),
+            "kl/old": totals["kl/old"] / totals["tokens"], "clip_frac": totals["clip_frac"] / totals["tokens"],
+            "entropy": totals["entropy"] / totals["first_pass_tokens"], "logprob/sampler_diff": sampler_diff,
+            "is/mean": totals["is/mean"] / totals["first_pass_tokens"],
+            "is/clip_frac": totals["is/clip_frac"] / totals["first_pass_tokens"],
+            "is/kl": totals["is/kl"] / totals["first_pass_tokens"],
+            "grad_norm": grad_norm_sum / n_opt_steps, "lr": run.scheduler.get_last_lr()[0],
+            "len/mean": lengths_all.mean().item(), "len/truncated": 1.0 - finished_all.mean().item(),
+            "time/rollout": time_rollout, "time/update": time_update, "time/push": time_push,  # this rank's (rank 0 logs)
+            "value/loss": totals["value/loss"] / n_opt_steps, "value/clip_frac": totals["value/clip_frac"] / totals["tokens"],
+            "value/mean": common.all_mean_var(torch.cat(old_values))[0],
+            "value/explained_var": explained_variance(old_values, ret_seq),
+            "perf/tokens_per_s": totals["first_pass_tokens"] / (time.perf_counter() - step_start),  # all ranks
         }
-        metrics = {**common.all_mean(metrics), "logprob/sampler_diff": sampler_diff}
         # ---- evaluation (the engine holds the weights just pushed and stays awake for the next rollout)
         if args.eval_every and (run.step % args.eval_every == 0 or run.step == args.steps):
             metrics.update(evaluate(run))

@@ -1,0 +1,155 @@
+"""torchrun with 2 gloo ranks against one process, on identical rollouts (tests/dist_worker.py): every
+trainer's gradients, every logged metric (evaluation included) and resume; unequal work stops at
+start-up. Every launch is bounded by a timeout, so a hang fails the test instead of the CI job."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import common
+import train_grpo
+import train_ppo
+from conftest import ROOT
+from test_train_grpo import _rows_without_timing, _same
+
+BATCH = ["--steps", "2", "--prompts_per_step", "4", "--group_size", "4", "--micro_batch_size", "4"]
+RUNS = [  # each exercises a statistic defined over the batch, or a path that synchronises ranks
+    ("grpo", "train_grpo", BATCH + ["--hadw", "true", "--beta", "0.05", "--loss_agg", "token-mean",
+                                    "--eval_every", "2", "--eval_limit", "5", "--eval_n", "2"]),  # 5 questions: 3 + 2
+    ("rloo", "train_rloo", BATCH + ["--beta", "0.05", "--kl_in_reward", "true"]),
+    ("corpo", "train_corpo", BATCH + ["--task", "ordinal"]),
+    ("gpg", "train_gpg", BATCH + ["--beta_th", "0"]),  # alpha = B / (B - M) over the global batch
+    ("ppo", "train_ppo", BATCH + ["--whiten_advantages", "true", "--updates_per_rollout", "2", "--group_size", "2"]),
+]
+RESUME = [  # on 2 ranks: 4 steps straight, and 2 steps + resume to 4 (HA-DW's anchor, PPO's critic)
+    (f"{name}-{part}", script, BATCH[2:] + ["--steps", steps, "--save_every", "2", *resume, *extra])
+    for name, script, extra in (("grpo", "train_grpo", ["--hadw", "true"]), ("ppo", "train_ppo", ["--minibatches", "2"]))
+    for part, steps, resume in (("straight", "4", []), ("half", "2", []), ("half", "4", ["--resume", "true"]))
+]
+
+
+def launch(out, runs, ranks, timeout=600):
+    path = os.path.join(out, "runs.json")
+    json.dump([{"name": n, "script": s, "argv": a} for n, s, a in runs], open(path, "w"))
+    worker = os.path.join(ROOT, "tests", "dist_worker.py")
+    cmd = [sys.executable, worker, out, path] if ranks == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks), worker,
+         out, path]
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+
+
+@pytest.fixture(scope="module")
+def one_and_two_ranks(tmp_path_factory):
+    one, two = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("two")
+    launch(str(one), RUNS, 1)
+    launch(str(two), RUNS + RESUME, 2)
+    return one, two
+
+
+def relative_difference(a, b):
+    return ((a - b).norm() / a.norm()).item()
+
+
+@pytest.mark.parametrize("name", [r[0] for r in RUNS])
+def test_two_ranks_give_the_one_rank_gradient(one_and_two_ranks, name):
+    one, two = one_and_two_ranks
+    g1, g2 = torch.load(one / f"{name}.rank0.pt"), torch.load(two / f"{name}.rank0.pt")
+    assert len(g1) == len(g2) >= 2  # 2 steps (PPO: policy and critic, twice per step)
+    for step, (a, b) in enumerate(zip(g1, g2)):
+        assert a.norm() > 0, f"{name}: a zero gradient proves nothing"
+        assert relative_difference(a, b) < 1e-5, (name, step, relative_difference(a, b))
+    for b, c in zip(g2, torch.load(two / f"{name}.rank1.pt")):  # the ranks hold the same, all-reduced gradient
+        assert torch.equal(b, c)
+
+
+@pytest.mark.parametrize("name", [r[0] for r in RUNS])
+def test_two_ranks_log_the_one_rank_metrics(one_and_two_ranks, name):
+    one, two = one_and_two_ranks
+    rows1, rows2 = _rows_without_timing(one / name), _rows_without_timing(two / name)
+    assert len(rows1) == len(rows2) == 2 and rows1[0].keys() == rows2[0].keys()
+    for r1, r2 in zip(rows1, rows2):
+        for k in r1:
+            assert (math.isnan(r1[k]) and math.isnan(r2[k])) or r2[k] == pytest.approx(r1[k], rel=1e-5, abs=1e-6), \
+                (name, r1["step"], k, r1[k], r2[k])
+    if name == "grpo":  # evaluation: every prediction of the 5 questions, computed once, on both
+        assert "eval/pass@1" in rows2[-1]
+        e1, e2 = json.load(open(one / name / "eval.json")), json.load(open(two / name / "eval.json"))
+        assert {k: v for k, v in e1.items()} == pytest.approx(e2)
+
+
+@pytest.mark.parametrize("name", ["grpo", "ppo"])
+def test_resume_under_torchrun_is_exact(one_and_two_ranks, name):
+    _, two = one_and_two_ranks
+    _same(_rows_without_timing(two / f"{name}-straight"), _rows_without_timing(two / f"{name}-half"))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompts_per_step", "7"], "--prompts_per_step 7 must be a multiple of the number of ranks"),
+    (["--prompts_per_step", "1"], "--prompts_per_step 1 must be a multiple of the number of ranks"),
+    (["--prompts_per_step", "4", "--group_size", "3", "--minibatches", "4"], "--minibatches 4 must divide each rank's"),
+])
+def test_unequal_work_per_rank_is_refused_at_start_up(tmp_path, monkeypatch, argv, message):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's view; validation runs before any process group starts
+    with pytest.raises(SystemExit, match=message):
+        train_grpo.main(["--out_dir", str(tmp_path), "--wandb", "false", *argv])
+
+
+def test_unequal_work_under_torchrun_stops_every_rank_with_the_message(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(ROOT, "train_rloo.py"), "--prompts_per_step", "3", "--minibatches", "3", "--out_dir",
+           str(tmp_path), "--wandb", "false", "--engine", "hf"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "--prompts_per_step 3 must be a multiple of the number of ranks (2" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def test_shard_blocks_concatenate_to_the_list(monkeypatch):
+    items = list(range(7))
+    blocks = []
+    for r in range(3):
+        monkeypatch.setenv("RANK", str(r)), monkeypatch.setenv("WORLD_SIZE", "3")
+        blocks.append(common.shard(items))
+    assert [len(b) for b in blocks] == [2, 2, 3] and sum(blocks, []) == items
+    for r in range(8):  # more ranks than items: some ranks get an empty block
+        monkeypatch.setenv("RANK", str(r)), monkeypatch.setenv("WORLD_SIZE", "8")
+        assert len(common.shard(items)) in (0, 1)
+
+
+def test_whiten_of_a_constant_batch_is_exactly_zero_and_matches_the_textbook():
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    assert torch.equal(train_ppo.whiten(torch.full((2, 3), 0.1) * mask, mask), torch.zeros(2, 3))
+    a = torch.tensor([[1.0, 2.0, 9.0], [4.0, 9.0, 9.0]])
+    valid = torch.tensor([1.0, 2.0, 4.0])
+    expected = (a - valid.mean()) / valid.std() * mask  # unbiased std, eps negligible
+    torch.testing.assert_close(train_ppo.whiten(a, mask), expected)
+
+
+def test_each_rank_builds_its_vllm_engine_with_the_external_launcher(monkeypatch, tiny_addition):
+    """Under torchrun vLLM's default executor puts every rank's engine on cuda:0; the external launcher
+    takes the device from LOCAL_RANK (vllm/v1/executor/uniproc_executor.py, ExecutorWithExternalLauncher)."""
+    import vllm
+    seen = {}
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            seen.update(kwargs)
+
+        def apply_model(self, fn):
+            return [[]]
+
+    monkeypatch.setattr(vllm, "LLM", FakeLLM)
+    _, tok, path = tiny_addition
+    args = train_grpo.Args()
+    for ranks, backend in (("1", None), ("2", "external_launcher")):
+        monkeypatch.setenv("WORLD_SIZE", ranks)
+        seen.clear()
+        common.make_engine(args, path, tok, torch.device("cpu"), torch.float32, 64)
+        assert seen.get("distributed_executor_backend") == backend
