@@ -218,15 +218,15 @@ def world_size() -> int:
 
 
 def setup_device(args) -> tuple[torch.device, torch.dtype]:
-    """This rank's device and the compute dtype; under torchrun, starts the process group (NCCL on
-    CUDA, gloo on CPU) with a bounded wait: a rank stuck in a collective stops the run with an error
-    after --dist_timeout seconds instead of hanging it."""
+    """This rank's device and the compute dtype; under torchrun (any number of ranks), starts the
+    process group (NCCL on CUDA, gloo on CPU) with a bounded wait: a rank stuck in a collective stops
+    the run with an error after --dist_timeout seconds instead of hanging it."""
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if world_size() > 1 and not torch.distributed.is_initialized():
+    if (world_size() > 1 or "TORCHELASTIC_RUN_ID" in os.environ) and not torch.distributed.is_initialized():
         timeout = datetime.timedelta(seconds=getattr(args, "dist_timeout", 1800))
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
@@ -291,24 +291,41 @@ def local_slice(n: int) -> slice:
     return slice(rank() * n, (rank() + 1) * n)
 
 
-def set_grad_sync(model, sync: bool) -> None:
-    """Gradient accumulation under DDP: gradients are all-reduced only in the backward of the
-    micro-batch that closes a minibatch (sync=True), not once per micro-batch (what no_sync does)."""
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        model.require_backward_grad_sync = sync
-
-
-def all_average_grads(module) -> None:
-    """Average the gradients of a module that DDP does not wrap over ranks, in one flat buffer (a
-    parameter without a gradient counts as zero, so every rank sends the same shape)."""
+def shard_model(model, dtype):
+    """FSDP2 (torch's fully_shard) under torchrun, the identity in a plain process. Each decoder layer
+    (the model's `_no_split_modules`) and then the whole model become units whose parameters, gradients
+    and optimizer state live sharded over the ranks: a unit all-gathers its parameters for its forward
+    and backward and reduce-scatters (averages) the gradients. Mixed precision: the sharded master
+    weights stay fp32, compute runs in `dtype`, gradients are reduced in fp32. The root unit keeps its
+    parameters gathered from forward to backward (reshard_after_forward=False; FSDP2's own default for
+    the root), so token_logprobs' chunked projection, which runs after the forward, reads the whole
+    output embedding, and its gradient is reduce-scattered with the root's."""
     if not _distributed():
-        return
-    params = list(module.parameters())
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
-    torch.distributed.all_reduce(flat)
-    flat /= world_size()
-    for p, g in zip(params, flat.split([p.numel() for p in params])):
-        p.grad = g.view_as(p).clone()
+        return model
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(f"FSDP2: {type(model).__name__} names no decoder layer class in _no_split_modules")
+    for layer in layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=False)
+    return model
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a sharded (DTensor) parameter or value, gathered from every rank (a
+    collective: every rank calls it, in the same order); a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def clip_grad_norm(model, max_norm: float) -> float:
+    """Clip the global gradient norm (over every rank's shard) to max_norm (0 = off); returns the norm
+    before clipping."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf"))
+    return full_tensor(norm).item()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -386,6 +403,14 @@ def load_model(args, task, device, dtype):
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
     return model, tokenizer, path
+
+
+def load_reference(args, task, device, dtype):
+    """The frozen reference policy of a KL term: the base model in the compute dtype (no fp32 master
+    copy, no gradients, no optimizer state), sharded like the policy under torchrun."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_path(args.model, task), dtype=dtype).to(device)
+    return shard_model(model.eval().requires_grad_(False), dtype)
 
 
 def autocast(device, dtype):
@@ -489,7 +514,6 @@ def _generate_vllm(engine, prompt_ids, n, max_new_tokens, temperature, seed) -> 
 @torch.no_grad()
 def _generate_hf(engine, model, prompt_ids, n, max_new_tokens, temperature, seed, device, dtype) -> Rollouts:
     from transformers import GenerationConfig
-    model = getattr(model, "module", model)  # DDP wraps the policy; generate lives on the module
     was_training = model.training
     model.eval()
     gen = GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
@@ -506,7 +530,9 @@ def _generate_hf(engine, model, prompt_ids, n, max_new_tokens, temperature, seed
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)  # batched HF sampling: one seed for the whole batch
         with autocast(device, dtype):
-            out = model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device), generation_config=gen)
+            # FSDP2: each forward all-gathers, so every rank steps until all ranks' sequences have ended
+            out = model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device), generation_config=gen,
+                                 synced_gpus=_distributed())
     model.train(was_training)
     seqs = out.sequences[:, width:].cpu()
     logps = torch.stack([s.float().log_softmax(-1) for s in out.scores], 1).cpu()  # scores: after temperature
@@ -555,11 +581,12 @@ class _CaptureWarnings(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def named_weights(model):
-    """HF parameter names and tensors, unfused (vLLM fuses q/k/v, gate/up itself); tied
-    embeddings come once, as named_parameters yields them."""
-    model = getattr(model, "module", model)  # DDP
-    return list(model.named_parameters())
+def named_weights(model, dtype):
+    """HF parameter names and whole tensors in `dtype`, one at a time, in a fixed order: unfused (vLLM
+    fuses q/k/v, gate/up itself), tied embeddings once, as named_parameters yields them. A sharded
+    (FSDP2) parameter is gathered when its turn comes, so the extra memory is one parameter, not a model."""
+    for name, p in model.named_parameters():
+        yield name, full_tensor(p.detach()).to(dtype)
 
 
 def push_weights(engine: Engine, model, dtype) -> None:
@@ -568,13 +595,13 @@ def push_weights(engine: Engine, model, dtype) -> None:
     if engine.kind != "vllm":
         return
     _wake(engine, tags=["weights"])
-    load_into_vllm(engine, [(n, p.detach().to(dtype)) for n, p in named_weights(model)])
+    load_into_vllm(engine, named_weights(model, dtype))
     _wake(engine, tags=["kv_cache"])
     engine.asleep = False
 
 
-def load_into_vllm(engine: Engine, weights: list) -> None:
-    """Load (HF name, tensor) pairs into vLLM in place; fails if vLLM reports a layer it did not fill."""
+def load_into_vllm(engine: Engine, weights) -> None:
+    """Load (HF name, tensor) pairs (any iterable) into vLLM in place; fails if vLLM reports a layer it did not fill."""
     llm = engine.llm
     capture = _CaptureWarnings()
     vlog = logging.getLogger("vllm")
@@ -716,9 +743,8 @@ def token_logprobs(model, batch: dict, temperature: float, chunk_tokens: int = 4
     recomputed in the backward pass (checkpointed), so a full-vocabulary fp32 log-softmax never
     exists for the whole batch at once.
     """
-    inner = getattr(model, "module", model)
-    # through the (possibly DDP-wrapped) model's forward; logits only for one position there,
-    # the last hidden state (after the final norm) feeds the chunked projection below
+    # the model's forward computes logits for one position only; the last hidden state (after the
+    # final norm) feeds the chunked projection below
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True,
                 logits_to_keep=1, use_cache=False)
     hidden = out.hidden_states[-1][:, :-1]  # position t predicts token t+1
@@ -726,7 +752,7 @@ def token_logprobs(model, batch: dict, temperature: float, chunk_tokens: int = 4
     mask = batch["mask"]
     idx = mask.nonzero(as_tuple=True)
     h, tg = hidden[idx], targets[idx]
-    weight = inner.get_output_embeddings().weight
+    weight = model.get_output_embeddings().weight  # FSDP2: gathered until backward (see shard_model)
     lp_parts, ent_parts = [], []
     for s in range(0, h.shape[0], chunk_tokens):
         hs, ts = h[s:s + chunk_tokens], tg[s:s + chunk_tokens]
@@ -901,12 +927,44 @@ def load_checkpoint(path: str) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
+def save_sharded_checkpoint(path: str, state: dict, meta: dict) -> None:
+    """torchrun: every rank writes its own shards of `state` (torch.distributed.checkpoint) into
+    path.tmp, rank 0 adds `meta` (meta.pt) and swaps the folder in for `path`: an interrupted save
+    leaves the previous checkpoint intact. Across nodes, path must be on storage every node sees."""
+    import torch.distributed.checkpoint as dcp
+    tmp, old = f"{path}.tmp", f"{path}.old"
+    if rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    torch.distributed.barrier()
+    dcp.save(state, checkpoint_id=tmp)
+    if rank() == 0:
+        save_checkpoint(os.path.join(tmp, "meta.pt"), meta)
+        if os.path.exists(path):
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    torch.distributed.barrier()
+
+
+def sharded_checkpoint_dir(run_dir: str) -> str:
+    """The torchrun checkpoint folder; after a save cut off between its two renames, the previous one."""
+    path = os.path.join(run_dir, "checkpoint")
+    return path if os.path.exists(path) or not os.path.exists(f"{path}.old") else f"{path}.old"
+
+
 def save_final(model, tokenizer, path: str, style: str = "chat") -> None:
-    """The final policy in HF format (loadable by transformers and vLLM), written atomically."""
-    inner = getattr(model, "module", model)
+    """The final policy in HF format (loadable by transformers and vLLM), written atomically by rank 0.
+    Under FSDP2 the whole weights are gathered once, into rank 0's CPU memory (every rank calls this)."""
+    state = None
+    if _distributed():
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank() != 0:
+        return
     tmp = f"{path}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    inner.save_pretrained(tmp)
+    model.save_pretrained(tmp, state_dict=state)
     tokenizer.save_pretrained(tmp)
     with open(os.path.join(tmp, "rlmini.json"), "w") as f:
         json.dump({"prompt_style": style}, f)
@@ -942,6 +1000,7 @@ class Run:
     step: int = 0
     data_pos: int = 0
     algo_state: dict = field(default_factory=dict)
+    resumed: dict = field(default_factory=dict)  # after --resume: the checkpoint (torchrun: its meta.pt)
 
 
 def lr_lambda(warmup: int):
@@ -971,11 +1030,7 @@ def setup(args, algo: str) -> Run:
     max_new = args.max_new_tokens or task.max_new_tokens
     max_prompt = max(len(p) for p in encode_prompts(tokenizer, [e["prompt"] for e in task.train[:256]], style == "chat"))
     max_len = min(getattr(model.config, "max_position_embeddings", 4096), max_prompt * 2 + max_new + 8)
-    if world_size() > 1:
-        ddp = torch.nn.parallel.DistributedDataParallel
-        quiet = {"forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp).parameters else
-                 "broadcast_buffers": False}  # buffers (rotary tables) never change: no copy before each forward
-        model = ddp(model, device_ids=[device.index] if device.type == "cuda" else None, **quiet)
+    model = shard_model(model, dtype)  # torchrun: FSDP2 over the ranks
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup))
     # fixed probe for the push self-check: the first train prompt and a deterministic completion
@@ -984,34 +1039,55 @@ def setup(args, algo: str) -> Run:
     engine = make_engine(args, path, tokenizer, device, dtype, max_len)
     run = Run(args, run_dir, device, dtype, task, model, tokenizer, path, engine, optimizer, scheduler, None,
               max_new, probe, style)
-    ckpt_path = os.path.join(run_dir, "checkpoint.pt")
     if args.resume:
-        state = load_checkpoint(ckpt_path)
-        getattr(model, "module", model).load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        run.step, run.data_pos, run.algo_state = state["step"], state["data_pos"], state["algo_state"]
-        set_rng_state(state["rng"])
+        run.resumed = load_checkpoint(os.path.join(sharded_checkpoint_dir(run_dir), "meta.pt") if _distributed()
+                                      else os.path.join(run_dir, "checkpoint.pt"))
+        restore(run, "policy", model, optimizer)
+        scheduler.load_state_dict(run.resumed["scheduler"])
+        run.step, run.data_pos, run.algo_state = run.resumed["step"], run.resumed["data_pos"], run.resumed["algo_state"]
+        set_rng_state(run.resumed["rng"])
         push_weights(engine, model, dtype)
     run.log = RunLog(args, run_dir, run.step, args.steps)
     return run
 
 
 def checkpoint(run: Run) -> None:
-    """Everything needed to continue: model, optimizer, scheduler, RNGs, step, data position and
-    the algorithm's state (`run.algo_state`: plain values, or modules/optimizers whose state_dict
-    is saved; after --resume a script finds those state dicts there and loads them)."""
-    if rank() != 0:
+    """Everything needed to continue: model, optimizer, scheduler, RNGs, step, data position and the
+    algorithm's state (`run.algo_state`: plain values, and (module, optimizer) pairs such as PPO's
+    critic, which a script restores with restore()). One process: checkpoint.pt, written by rank 0.
+    torchrun: checkpoint/, each rank writing its shards (torch.distributed.checkpoint)."""
+    pairs = {k: v for k, v in run.algo_state.items() if isinstance(v, tuple)}
+    meta = {"scheduler": run.scheduler.state_dict(), "rng": rng_state(), "step": run.step, "data_pos": run.data_pos,
+            "algo_state": {k: v for k, v in run.algo_state.items() if k not in pairs},
+            "args": dataclasses.asdict(run.args)}
+    if _distributed():
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        state = {}
+        for key, (module, optimizer) in {"policy": (run.model, run.optimizer), **pairs}.items():
+            state[key] = dict(zip(("model", "optimizer"), get_state_dict(module, optimizer)))
+        save_sharded_checkpoint(os.path.join(run.run_dir, "checkpoint"), state, meta)
+    elif rank() == 0:
+        meta["algo_state"].update({k: {"model": m.state_dict(), "optimizer": o.state_dict()} for k, (m, o) in pairs.items()})
+        save_checkpoint(os.path.join(run.run_dir, "checkpoint.pt"),
+                        {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), **meta})
+
+
+def restore(run: Run, key: str, module, optimizer) -> None:
+    """Load the (module, optimizer) pair saved under `key` ("policy", or an algorithm's pair such as
+    "critic") from the checkpoint of a --resume run, in place; under torchrun each rank reads its shards."""
+    if not _distributed():
+        state = run.resumed if key == "policy" else run.resumed["algo_state"][key]
+        module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
         return
-    algo = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in run.algo_state.items()}
-    state = {"model": getattr(run.model, "module", run.model).state_dict(), "optimizer": run.optimizer.state_dict(),
-             "scheduler": run.scheduler.state_dict(), "rng": rng_state(), "step": run.step,
-             "data_pos": run.data_pos, "algo_state": algo, "args": dataclasses.asdict(run.args)}
-    save_checkpoint(os.path.join(run.run_dir, "checkpoint.pt"), state)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    state = {key: dict(zip(("model", "optimizer"), get_state_dict(module, optimizer)))}
+    dcp.load(state, checkpoint_id=sharded_checkpoint_dir(run.run_dir))
+    set_state_dict(module, optimizer, model_state_dict=state[key]["model"], optim_state_dict=state[key]["optimizer"])
 
 
 def finish(run: Run) -> None:
     checkpoint(run)
-    if rank() == 0:
-        save_final(run.model, run.tokenizer, os.path.join(run.run_dir, "final"), run.style)
+    save_final(run.model, run.tokenizer, os.path.join(run.run_dir, "final"), run.style)
     run.log.close()

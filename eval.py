@@ -219,12 +219,14 @@ def sample_and_score(run, examples: list, n: int, seed: int) -> list:
     """The Score of n samples of every example, in order (n per example). Under torchrun each rank samples
     its block of the examples (`seed` differs per rank) and every rank gets all the scores back: metrics
     such as ECE cannot be averaged over shards, they are computed once on all predictions."""
-    mine, scores = common.shard(examples), []
-    if mine:  # more ranks than examples leaves a rank with none
-        prompt_ids = common.encode_prompts(run.tokenizer, [e["prompt"] for e in mine], run.style == "chat")
-        rollouts = common.generate(run.engine, run.model, prompt_ids, n, run.max_new_tokens, run.args.temperature,
-                                   seed=seed, device=run.device, dtype=run.dtype)
-        scores = common.score_rollouts(run.task, run.tokenizer, mine, rollouts, n)[3]
+    mine = common.shard(examples)
+    # a rank with no example (more ranks than examples) still generates, on a stand-in it then drops:
+    # under FSDP2 every forward of the HF engine is a collective that all ranks must join
+    batch = mine or examples[:1]
+    prompt_ids = common.encode_prompts(run.tokenizer, [e["prompt"] for e in batch], run.style == "chat")
+    rollouts = common.generate(run.engine, run.model, prompt_ids, n, run.max_new_tokens, run.args.temperature,
+                               seed=seed, device=run.device, dtype=run.dtype)
+    scores = common.score_rollouts(run.task, run.tokenizer, batch, rollouts, n)[3][:len(mine) * n]
     return common.all_gather_objects(scores)
 
 

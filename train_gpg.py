@@ -216,11 +216,10 @@ def main(argv=None):
             perm = torch.randperm(B, generator=shuffle)
             for mb in perm.chunk(args.minibatches):
                 mb = mb.tolist()
-                n_seqs = common.all_sum(len(mb)) / common.world_size()  # DDP averages gradients over ranks
+                n_seqs = common.all_sum(len(mb)) / common.world_size()  # FSDP2 averages gradients over ranks
                 n_tokens = common.all_sum(float(lengths[mb].sum())) / common.world_size()
                 for s in range(0, len(mb), micro):
                     idx = mb[s:s + micro]
-                    common.set_grad_sync(model, s + micro >= len(mb))  # one all-reduce per optimizer step
                     batch, logp, entropy = common.rollout_logprobs(model, rollouts, idx, args.temperature, device,
                                                                    dtype, with_entropy=epoch == 0)
                     mask = batch["mask"]
@@ -233,7 +232,7 @@ def main(argv=None):
                     loss.backward()
                     # diagnostics, token-weighted
                     tokens_seen += mask.sum().item()
-                    sums["loss/policy"] += loss.item() / common.world_size()  # this rank's share (DDP averages)
+                    sums["loss/policy"] += loss.item() / common.world_size()  # this rank's share (FSDP2 averages)
                     sums["clip_frac"] += (stats["clipped"] * mask).sum().item()
                     sums["kl"] += (stats["kl"] * mask).sum().item() if "kl" in stats else 0.0
                     log_r = torch.log(stats["ratio"].clamp(min=1e-30))
@@ -243,11 +242,11 @@ def main(argv=None):
                         sums["logprob/sampler_diff"] += ((sampler - old).abs() * mask).sum().item()
                         for key, name in (("w", "is/mean"), ("changed", "is/clip_frac"), ("kl", "is/kl")):
                             sums[name] += (is_stats[key] * mask).sum().item()
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
+                grad_norm = common.clip_grad_norm(model, args.grad_clip)  # over every rank's shard
                 run.optimizer.step()
                 run.scheduler.step()
                 run.optimizer.zero_grad(set_to_none=True)
-                grad_norm_sum += grad_norm.item()
+                grad_norm_sum += grad_norm
                 n_opt_steps += 1
         time_update = time.perf_counter() - t0
 

@@ -63,20 +63,24 @@ def whiten(advantages, mask, eps=1e-8):
 
 
 def load_critic(path, device, gradient_checkpointing):
-    """Value model: a transformers backbone with a scalar head (zero-initialised: V = 0 at start)."""
-    from transformers import AutoModel
-    backbone = AutoModel.from_pretrained(path, dtype=torch.float32)
+    """Value model: a transformers backbone with a scalar head on every position (token classification
+    with one label; the head zero-initialised, V = 0 at start, and no dropout: it regresses)."""
+    from transformers import AutoModelForTokenClassification
+    critic = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+    for m in critic.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    head = [m for m in critic.modules() if isinstance(m, torch.nn.Linear) and m.out_features == 1][-1]
+    torch.nn.init.zeros_(head.weight), head.bias is not None and torch.nn.init.zeros_(head.bias)
     if gradient_checkpointing:
-        backbone.gradient_checkpointing_enable()
-    head = torch.nn.Linear(backbone.config.hidden_size, 1)
-    torch.nn.init.zeros_(head.weight), torch.nn.init.zeros_(head.bias)
-    return torch.nn.ModuleDict({"backbone": backbone, "head": head}).to(device)
+        critic.gradient_checkpointing_enable()
+    return critic.to(device)
 
 
 def critic_values(critic, batch):
     """V(s_t) for every position, [B, T-1] aligned with batch["mask"] (state before token t+1)."""
-    hidden = critic["backbone"](input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-    return critic["head"](hidden[:, :-1]).squeeze(-1).float() * batch["mask"]
+    out = critic(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    return out.logits[:, :-1, 0].float() * batch["mask"]
 
 
 def value_loss(values, old_values, returns, mask, vf_clip, n_tokens):
@@ -160,14 +164,15 @@ def main(argv=None):
     args = common.parse_args(Args, argv)
     run = common.setup(args, algo="ppo")
     model, tok, device, dtype = run.model, run.tokenizer, run.device, run.dtype
-    critic = load_critic(args.critic_model or run.model_path, device, args.gradient_checkpointing)
+    critic = common.shard_model(load_critic(args.critic_model or run.model_path, device, args.gradient_checkpointing),
+                                dtype)  # torchrun: FSDP2, as the policy
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr or 10 * args.lr, weight_decay=args.weight_decay)
     if args.resume:  # the value model and its optimizer come back from the checkpoint
-        critic.load_state_dict(run.algo_state["critic"]), critic_opt.load_state_dict(run.algo_state["critic_opt"])
-    run.algo_state = {"critic": critic, "critic_opt": critic_opt}
+        common.restore(run, "critic", critic, critic_opt)
+    run.algo_state["critic"] = (critic, critic_opt)  # checkpointed with the policy
     ref_model = None
     if args.beta > 0:  # frozen copy of the initial policy (after --resume: of the base model)
-        ref_model = common.load_model(args, run.task, device, dtype)[0].eval().requires_grad_(False)
+        ref_model = common.load_reference(args, run.task, device, dtype)
 
     while run.step < args.steps:
         step_start = time.perf_counter()
@@ -224,11 +229,10 @@ def main(argv=None):
             perm = torch.randperm(B, generator=shuffle)
             for mb in perm.chunk(args.minibatches):
                 mb = mb.tolist()
-                n_seqs = common.all_sum(len(mb)) / common.world_size()  # DDP averages gradients over ranks
+                n_seqs = common.all_sum(len(mb)) / common.world_size()  # FSDP2 averages gradients over ranks
                 n_tokens = common.all_sum(float(lengths[mb].sum())) / common.world_size()
                 for s in range(0, len(mb), micro):
                     idx = mb[s:s + micro]
-                    common.set_grad_sync(model, s + micro >= len(mb))  # one all-reduce per optimizer step
                     batch, logp, entropy = common.rollout_logprobs(model, rollouts, idx, args.temperature, device,
                                                                    dtype, with_entropy=epoch == 0)
                     mask = batch["mask"]
@@ -251,7 +255,7 @@ def main(argv=None):
                     sums["value/clip_frac"] += v_clipped.sum().item() if args.vf_clip else 0.0
                     # diagnostics, token-weighted
                     tokens_seen += mask.sum().item()
-                    sums["loss/policy"] += loss.item() / common.world_size()  # this rank's share (DDP averages)
+                    sums["loss/policy"] += loss.item() / common.world_size()  # this rank's share (FSDP2 averages)
                     sums["clip_frac"] += (stats["clipped"] * mask).sum().item()
                     sums["kl"] += (stats["kl"] * mask).sum().item() if "kl" in stats else 0.0
                     log_r = torch.log(stats["ratio"].clamp(min=1e-30))
@@ -261,15 +265,14 @@ def main(argv=None):
                         sums["logprob/sampler_diff"] += ((sampler - old).abs() * mask).sum().item()
                         for key, name in (("w", "is/mean"), ("changed", "is/clip_frac"), ("kl", "is/kl")):
                             sums[name] += (is_stats[key] * mask).sum().item()
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
-                common.all_average_grads(critic)  # the critic is not DDP-wrapped: one all-reduce of its gradients
-                torch.nn.utils.clip_grad_norm_(critic.parameters(), args.grad_clip or float("inf"))
+                grad_norm = common.clip_grad_norm(model, args.grad_clip)  # over every rank's shard
+                common.clip_grad_norm(critic, args.grad_clip)
                 run.optimizer.step()
                 run.scheduler.step()
                 critic_opt.step()
                 run.optimizer.zero_grad(set_to_none=True)
                 critic_opt.zero_grad(set_to_none=True)
-                grad_norm_sum += grad_norm.item()
+                grad_norm_sum += grad_norm
                 n_opt_steps += 1
         time_update = time.perf_counter() - t0
 

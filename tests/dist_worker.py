@@ -53,8 +53,8 @@ clip = torch.nn.utils.clip_grad_norm_
 
 def recording_clip(parameters, *a, **k):
     params = list(parameters)
-    recorded.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().cpu()
-                               for p in params]))
+    recorded.append(torch.cat([common.full_tensor(p.grad if p.grad is not None else torch.zeros_like(p)).detach()
+                               .flatten().cpu() for p in params]))  # FSDP2: each rank's shards, gathered
     return clip(params, *a, **k)
 
 

@@ -189,7 +189,7 @@ def test_two_rank_torchrun_builds_the_tiny_model_on_every_node(tmp_path):
     import subprocess
     import sys
     per_rank_cache = 'RLMINI_CACHE="$0/rank$RANK" exec "$1" train_grpo.py "${@:2}"'
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--no-python",
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--no-python",
                            "bash", "-c", per_rank_cache, str(tmp_path / "cache"), sys.executable,
                            "--engine", "hf", "--steps", "1", "--prompts_per_step", "4", "--group_size", "2",
                            "--out_dir", str(tmp_path), "--run_name", "fresh", "--wandb", "false"],

@@ -1,6 +1,7 @@
-"""torchrun with 2 gloo ranks against one process, on identical rollouts (tests/dist_worker.py): every
-trainer's gradients, every logged metric (evaluation included) and resume; unequal work stops at
-start-up. Every launch is bounded by a timeout, so a hang fails the test instead of the CI job."""
+"""torchrun with 2 gloo ranks (FSDP2) against one process (a plain module), on identical rollouts
+(tests/dist_worker.py): every trainer's gradients, every logged metric (evaluation included), sharded
+checkpoints and exact resume, the gathered final policy; unequal work stops at start-up. Every launch is
+bounded by a timeout, so a hang fails the test instead of the CI job."""
 import json
 import math
 import os
@@ -61,9 +62,12 @@ def test_two_ranks_give_the_one_rank_gradient(one_and_two_ranks, name):
     one, two = one_and_two_ranks
     g1, g2 = torch.load(one / f"{name}.rank0.pt"), torch.load(two / f"{name}.rank0.pt")
     assert len(g1) == len(g2) >= 2  # 2 steps (PPO: policy and critic, twice per step)
-    for step, (a, b) in enumerate(zip(g1, g2)):
+    first = 2 if name == "ppo" else 1  # the gradients taken before any optimizer step
+    for k, (a, b) in enumerate(zip(g1, g2)):
         assert a.norm() > 0, f"{name}: a zero gradient proves nothing"
-        assert relative_difference(a, b) < 1e-5, (name, step, relative_difference(a, b))
+        # later ones start from weights that AdamW moved: it rescales the float rounding of tiny gradient
+        # entries to steps of size ~lr, so they differ by up to ~1e-5 (PPO, measured), not ~1e-7
+        assert relative_difference(a, b) < (1e-5 if k < first else 1e-4), (name, k, relative_difference(a, b))
     for b, c in zip(g2, torch.load(two / f"{name}.rank1.pt")):  # the ranks hold the same, all-reduced gradient
         assert torch.equal(b, c)
 
@@ -86,7 +90,19 @@ def test_two_ranks_log_the_one_rank_metrics(one_and_two_ranks, name):
 @pytest.mark.parametrize("name", ["grpo", "ppo"])
 def test_resume_under_torchrun_is_exact(one_and_two_ranks, name):
     _, two = one_and_two_ranks
+    assert sorted(os.listdir(two / f"{name}-half" / "checkpoint")) == [  # each rank wrote its own shards
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
     _same(_rows_without_timing(two / f"{name}-straight"), _rows_without_timing(two / f"{name}-half"))
+
+
+def test_the_final_policy_is_gathered_whole(one_and_two_ranks):
+    from transformers import AutoModelForCausalLM
+    one, two = one_and_two_ranks
+    a = dict(AutoModelForCausalLM.from_pretrained(one / "grpo" / "final").named_parameters())
+    b = dict(AutoModelForCausalLM.from_pretrained(two / "grpo" / "final").named_parameters())
+    assert a.keys() == b.keys()
+    for k in a:  # two AdamW steps from the same gradients (to float rounding): the same weights, to ~lr/100
+        assert a[k].shape == b[k].shape and (a[k] - b[k]).abs().max() < 1e-5, k
 
 
 @pytest.mark.parametrize("argv, message", [

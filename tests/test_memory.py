@@ -1,0 +1,50 @@
+"""The memory model of benchmarks/memory.py: parameter counts against transformers' own models, and the
+per-GPU figures by hand."""
+import os
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import memory  # noqa: E402
+
+SMALL = dict(hidden=64, layers=3, intermediate=96, heads=4, kv_heads=2, vocab=100)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_parameter_count_equals_the_transformers_model(tied):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+    s = {**SMALL, "tied": tied}
+    cfg = Qwen2Config(hidden_size=64, num_hidden_layers=3, intermediate_size=96, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=100, tie_word_embeddings=tied)
+    model = AutoModelForCausalLM.from_config(cfg)
+    assert memory.parameters(s)["total"] == sum(p.numel() for p in model.parameters())
+    layer = model.model.layers[0]
+    assert memory.parameters(s)["layer"] == sum(p.numel() for p in layer.parameters())
+
+
+def test_qwen25_sizes_are_the_published_ones():
+    counts = {k: memory.parameters(s)["total"] / 1e9 for k, s in memory.SHAPES.items()}
+    assert counts == pytest.approx({"0.5B": 0.494, "1.5B": 1.544, "7B": 7.616, "14B": 14.770}, abs=0.001)
+
+
+def test_memory_by_hand():
+    s = {**SMALL, "tied": False}
+    p = memory.parameters(s)
+    one = memory.memory(s, 1, sharded=False, compute_bytes=4, tokens=10, logit_tokens=5, checkpointing=False)
+    gb = 1e9
+    assert one["weights"] == pytest.approx(4 * p["total"] / gb) and one["adam"] == pytest.approx(8 * p["total"] / gb)
+    assert one["working"] == 0  # fp32 compute: no cast copies
+    per_token_layer = 4 * (10 * 64 + 4 * 32 + 4 * 96)
+    assert one["activations"] == pytest.approx((10 * 3 * per_token_layer + 3 * 5 * 100 * 4) / gb)
+    four = memory.memory(s, 4, sharded=True, compute_bytes=4, tokens=10, logit_tokens=5, checkpointing=False)
+    for k in ("weights", "grads", "adam"):  # FSDP2 splits the states over the ranks
+        assert four[k] == pytest.approx(one[k] / 4)
+    assert four["working"] == pytest.approx((2 * 4 * (p["root"] + 2 * p["layer"]) + 8 * (p["root"] + p["layer"])) / gb)
+    ckpt = memory.memory(s, 1, sharded=False, compute_bytes=4, tokens=10, logit_tokens=5, checkpointing=True)
+    assert ckpt["activations"] == pytest.approx((10 * (3 * 4 * 64 + per_token_layer) + 3 * 5 * 100 * 4) / gb)
+    awake = memory.memory(s, 1, sharded=False, vllm_gb=50.0)
+    assert awake["peak"] == pytest.approx(awake["rollout"]) and awake["rollout"] > awake["update"]
