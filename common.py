@@ -77,6 +77,9 @@ class Args:
     save_every: int = arg(50, "checkpoint every N steps (and at the end; 0 = only at the end)")
     resume: bool = arg(False, "continue from out_dir/run_name/checkpoint.pt")
     format_weight: float = arg(0.0, "add this times the format score to the reward")
+    overlong_buffer: int = arg(0, "DAPO soft overlong punishment: linear penalty in the last N tokens before the limit")
+    overlong_penalty: float = arg(1.0, "DAPO soft overlong punishment: the penalty at the limit (DAPO: 1)")
+    mask_truncated: bool = arg(False, "DAPO overlong filtering: completions cut by the limit leave the loss")
     decontaminate: int = arg(0, "drop training prompts sharing a word n-gram of this size with a test prompt (0 = off)")
     brier: bool = arg(False, "calibration task: Brier reward instead of log-likelihood")
     jsonl_reward: Literal["math", "exact"] = arg("math", "reward for jsonl:PATH tasks")
@@ -102,7 +105,7 @@ RANGES = {
     "warmup": NON_NEGATIVE, "weight_decay": NON_NEGATIVE, "max_new_tokens": NON_NEGATIVE, "grad_clip": NON_NEGATIVE,
     "eval_every": NON_NEGATIVE, "eval_limit": NON_NEGATIVE, "save_every": NON_NEGATIVE, "decontaminate": NON_NEGATIVE,
     "push_check_every": NON_NEGATIVE, "push_check_tol": NON_NEGATIVE, "sampler_diff_tol": NON_NEGATIVE,
-    "dist_timeout": ONE_OR_MORE,
+    "dist_timeout": ONE_OR_MORE, "overlong_buffer": NON_NEGATIVE, "overlong_penalty": NON_NEGATIVE,
     "is_low": NON_NEGATIVE, "vllm_gpu_memory_utilization": ("in (0, 1]", lambda v: 0 < v <= 1),
     # options of some scripts only
     "clip_eps": POSITIVE, "clip_eps_high": NON_NEGATIVE, "beta": NON_NEGATIVE, "adv_eps": NON_NEGATIVE,
@@ -824,6 +827,16 @@ def shard(items: list) -> list:
     so the ranks' blocks concatenated in rank order are the list itself (see all_gather)."""
     n, ranks, r = len(items), world_size(), rank()
     return items[r * n // ranks:(r + 1) * n // ranks]
+
+
+def overlong_penalty(rollouts: Rollouts, limit: int, buffer: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), scaled by `penalty`, one value per
+    completion: 0 up to limit - buffer tokens, then falling linearly to -penalty at the limit (longer is
+    impossible here: generation stops at the limit). For the reward only, never for correctness."""
+    length = torch.tensor([len(c) for c in rollouts.completion_ids], dtype=torch.float32)
+    if buffer == 0:
+        return torch.zeros_like(length)
+    return penalty * ((limit - buffer - length) / buffer).clamp(-1.0, 0.0)
 
 
 def score_rollouts(task, tokenizer, examples: list, rollouts: Rollouts, group_size: int):

@@ -27,6 +27,7 @@ class Args(common.Args):
     clip_eps: float = arg(0.2, "PPO clip range below 1 (and above, unless clip_eps_high is set)")
     clip_eps_high: float = arg(0.0, "clip range above 1; DAPO clip-higher uses 0.28 (0 = clip_eps)")
     ratio_level: Literal["token", "sequence"] = arg("token", "importance ratio per token, or GSPO's per sequence")
+    surrogate: Literal["clip", "cispo"] = arg("clip", "PPO's clipped ratio, or CISPO's clipped detached weight x log pi")
     beta: float = arg(0.0, "k3 KL penalty to the initial policy (0 = no reference model is loaded)")
     hadw: bool = arg(False, "HA-DW difficulty reweighting of the advantages (arXiv 2601.08521; binary rewards)")
     hadw_eta: float = arg(0.1, "HA-DW forgetting rate eta (eta_t = eta * std of recent anchors)")
@@ -106,8 +107,8 @@ def rollout_correction(old_logp, sampler_logp, mask, args):
 
 
 def policy_loss(logp, old_logp, ref_logp, advantages, mask, args, is_weight=None):
-    """Per-token clipped surrogate (Schulman et al. 2017, eq. 7), optionally with GSPO's sequence ratio
-    and a k3 KL; `is_weight` (rollout correction) multiplies the policy-gradient term, not the KL."""
+    """Per-token clipped surrogate (Schulman et al. 2017, eq. 7) or CISPO's, optionally with GSPO's sequence
+    ratio and a k3 KL; `is_weight` (rollout correction) multiplies the policy-gradient term, not the KL."""
     log_ratio = (logp - old_logp) * mask
     if args.ratio_level == "sequence":  # GSPO-token (Zheng et al. 2025): the value of s_i = exp(mean_t log ratio),
         seq = log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # the gradient of each token
@@ -118,6 +119,10 @@ def policy_loss(logp, old_logp, ref_logp, advantages, mask, args, is_weight=None
     clipped_ratio = torch.clamp(ratio, 1 - args.clip_eps, 1 + eps_high)
     token_loss = -torch.min(ratio * adv, clipped_ratio * adv)
     stats = {"clipped": ((ratio * adv) > (clipped_ratio * adv)).float(), "ratio": ratio.detach()}
+    if args.surrogate == "cispo":  # CISPO (MiniMax 2025, eq. 4-5): sg(min(r, 1 + eps_high)) A log pi; no lower bound
+        weight = torch.clamp(ratio, max=1 + eps_high).detach()  # (the paper sets eps_low^IS large), so a clipped
+        token_loss = -weight * adv * logp  # token keeps its gradient, with a truncated weight
+        stats["clipped"] = (ratio > 1 + eps_high).float()
     if is_weight is not None:
         token_loss = token_loss * is_weight
     if ref_logp is not None:  # k3 estimator of KL(pi || ref), unbiased and positive (Schulman 2020)
@@ -163,11 +168,14 @@ def main(argv=None):
         time_rollout = time.perf_counter() - t0
         rewards, correct, fmt, _ = common.score_rollouts(run.task, tok, examples, rollouts, args.group_size)
         rewards = rewards + args.format_weight * fmt  # optional format bonus, in the reward only
+        rewards = rewards + common.overlong_penalty(rollouts, run.max_new_tokens, args.overlong_buffer,
+                                                   args.overlong_penalty)  # DAPO eq. 13, reward only
 
         # ---- update: updates_per_rollout passes, each split into `minibatches` optimizer steps
         t0 = time.perf_counter()
         B = len(rollouts.completion_ids)
         lengths = torch.tensor([len(c) for c in rollouts.completion_ids], dtype=torch.float32)
+        keep = torch.tensor(rollouts.finished, dtype=torch.float32) if args.mask_truncated else torch.ones(B)
         micro = args.micro_batch_size
         sampler_logp = [torch.tensor(lp, dtype=torch.float32) for lp in rollouts.sampler_logprobs]
         on_policy = args.updates_per_rollout == 1 and args.minibatches == 1
@@ -199,19 +207,22 @@ def main(argv=None):
             perm = torch.randperm(B, generator=shuffle)
             for mb in perm.chunk(args.minibatches):
                 mb = mb.tolist()
-                n_seqs = common.all_sum(len(mb)) / common.world_size()  # FSDP2 averages gradients over ranks
-                n_tokens = common.all_sum(float(lengths[mb].sum())) / common.world_size()
+                # normalisers: the completions in the loss (DAPO overlong filtering drops truncated ones), all ranks,
+                # divided by the number of ranks since FSDP2 averages gradients over ranks
+                n_seqs = max(common.all_sum(float(keep[mb].sum())), 1.0) / common.world_size()
+                n_tokens = max(common.all_sum(float((lengths[mb] * keep[mb]).sum())), 1.0) / common.world_size()
                 for s in range(0, len(mb), micro):
                     idx = mb[s:s + micro]
                     batch, logp, entropy = common.rollout_logprobs(model, rollouts, idx, args.temperature, device,
                                                                    dtype, with_entropy=epoch == 0)
                     mask = batch["mask"]
+                    loss_mask = mask * keep[idx].unsqueeze(1).to(device)  # --mask_truncated
                     old = logp.detach() if on_policy else common.to_padded(old_logp, idx, mask)
                     ref = common.to_padded(ref_logp, idx, mask) if ref_model is not None else None
                     sampler = common.to_padded(sampler_logp, idx, mask)
                     is_weight, is_stats = rollout_correction(old, sampler, mask, args)  # Yao et al. 2025
-                    token_loss, stats = policy_loss(logp, old, ref, advantages[idx].to(device), mask, args, is_weight)
-                    loss = aggregate(token_loss, mask, args.loss_agg, n_seqs, n_tokens, run.max_new_tokens)
+                    token_loss, stats = policy_loss(logp, old, ref, advantages[idx].to(device), loss_mask, args, is_weight)
+                    loss = aggregate(token_loss, loss_mask, args.loss_agg, n_seqs, n_tokens, run.max_new_tokens)
                     loss.backward()
                     # diagnostics, token-weighted
                     tokens_seen += mask.sum().item()

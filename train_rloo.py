@@ -123,11 +123,14 @@ def main(argv=None):
         time_rollout = time.perf_counter() - t0
         rewards, correct, fmt, _ = common.score_rollouts(run.task, tok, examples, rollouts, args.group_size)
         rewards = rewards + args.format_weight * fmt  # optional format bonus, in the reward only
+        rewards = rewards + common.overlong_penalty(rollouts, run.max_new_tokens, args.overlong_buffer,
+                                                   args.overlong_penalty)  # DAPO eq. 13, reward only
 
         # ---- update: updates_per_rollout passes, each split into `minibatches` optimizer steps
         t0 = time.perf_counter()
         B = len(rollouts.completion_ids)
         lengths = torch.tensor([len(c) for c in rollouts.completion_ids], dtype=torch.float32)
+        keep = torch.tensor(rollouts.finished, dtype=torch.float32) if args.mask_truncated else torch.ones(B)
         micro = args.micro_batch_size
         sampler_logp = [torch.tensor(lp, dtype=torch.float32) for lp in rollouts.sampler_logprobs]
         on_policy = args.updates_per_rollout == 1 and args.minibatches == 1 and not args.kl_in_reward
@@ -159,19 +162,22 @@ def main(argv=None):
             perm = torch.randperm(B, generator=shuffle)
             for mb in perm.chunk(args.minibatches):
                 mb = mb.tolist()
-                n_seqs = common.all_sum(len(mb)) / common.world_size()  # FSDP2 averages gradients over ranks
-                n_tokens = common.all_sum(float(lengths[mb].sum())) / common.world_size()
+                # normalisers: the completions in the loss (DAPO overlong filtering drops truncated ones), all ranks,
+                # divided by the number of ranks since FSDP2 averages gradients over ranks
+                n_seqs = max(common.all_sum(float(keep[mb].sum())), 1.0) / common.world_size()
+                n_tokens = max(common.all_sum(float((lengths[mb] * keep[mb]).sum())), 1.0) / common.world_size()
                 for s in range(0, len(mb), micro):
                     idx = mb[s:s + micro]
                     batch, logp, entropy = common.rollout_logprobs(model, rollouts, idx, args.temperature, device,
                                                                    dtype, with_entropy=epoch == 0)
                     mask = batch["mask"]
+                    loss_mask = mask * keep[idx].unsqueeze(1).to(device)  # --mask_truncated
                     old = logp.detach() if on_policy else common.to_padded(old_logp, idx, mask)
                     ref = common.to_padded(ref_logp, idx, mask) if ref_model is not None else None
                     sampler = common.to_padded(sampler_logp, idx, mask)
                     is_weight, is_stats = rollout_correction(old, sampler, mask, args)  # Yao et al. 2025
-                    token_loss, stats = policy_loss(logp, old, ref, advantages[idx].to(device), mask, args, is_weight)
-                    loss = aggregate(token_loss, mask, args.loss_agg, n_seqs, n_tokens, run.max_new_tokens)
+                    token_loss, stats = policy_loss(logp, old, ref, advantages[idx].to(device), loss_mask, args, is_weight)
+                    loss = aggregate(token_loss, loss_mask, args.loss_agg, n_seqs, n_tokens, run.max_new_tokens)
                     loss.backward()
                     # diagnostics, token-weighted
                     tokens_seen += mask.sum().item()

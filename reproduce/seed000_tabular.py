@@ -104,7 +104,7 @@ def surrogate_loss(module, logits, old_logp, cell, adv, n_samples, clip_eps):
     """The trainer's policy_loss and aggregate ('token-mean' over the n_samples one-token answers)."""
     logp = torch.log_softmax(logits, -1).flatten()[cell].unsqueeze(1)
     mask = torch.ones_like(logp)
-    hp = types.SimpleNamespace(ratio_level="token", clip_eps=clip_eps, clip_eps_high=0.0)
+    hp = types.SimpleNamespace(ratio_level="token", clip_eps=clip_eps, clip_eps_high=0.0, surrogate="clip")
     adv = adv.unsqueeze(1) if module is train_ppo else adv  # PPO's advantages are per token
     token_loss, stats = module.policy_loss(logp, old_logp[cell].unsqueeze(1), None, adv, mask, hp)
     return module.aggregate(token_loss, mask, "token-mean", n_samples, n_samples, 1), stats

@@ -21,7 +21,8 @@ BATCH = ["--steps", "2", "--prompts_per_step", "4", "--group_size", "4", "--micr
 RUNS = [  # each exercises a statistic defined over the batch, or a path that synchronises ranks
     ("grpo", "train_grpo", BATCH + ["--hadw", "true", "--beta", "0.05", "--loss_agg", "token-mean",
                                     "--eval_every", "2", "--eval_limit", "5", "--eval_n", "2"]),  # 5 questions: 3 + 2
-    ("rloo", "train_rloo", BATCH + ["--beta", "0.05", "--kl_in_reward", "true"]),
+    ("rloo", "train_rloo", BATCH + ["--beta", "0.05", "--kl_in_reward", "true", "--mask_truncated", "true",
+                                    "--overlong_buffer", "2"]),
     ("corpo", "train_corpo", BATCH + ["--task", "ordinal"]),
     ("gpg", "train_gpg", BATCH + ["--beta_th", "0"]),  # alpha = B / (B - M) over the global batch
     ("ppo", "train_ppo", BATCH + ["--whiten_advantages", "true", "--updates_per_rollout", "2", "--group_size", "2",

@@ -10,7 +10,7 @@ import train_grpo as grpo
 
 
 def loss_args(**kw):
-    base = dict(clip_eps=0.2, clip_eps_high=0.0, ratio_level="token", beta=0.0)
+    base = dict(clip_eps=0.2, clip_eps_high=0.0, ratio_level="token", beta=0.0, surrogate="clip")
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -280,3 +280,33 @@ def test_the_correction_does_not_weight_the_kl_term():
     ref = OLD - 0.3
     token_loss, stats = grpo.policy_loss(logp, OLD, ref, torch.zeros(2), CMASK, args, torch.full_like(OLD, 5.0))
     assert torch.allclose(token_loss, 0.1 * stats["kl"])  # advantage 0: only the unweighted KL remains
+
+
+def test_cispo_gradient_is_the_truncated_detached_weight_times_the_advantage():
+    """CISPO (MiniMax 2025, eq. 4-5): d loss / d log pi = -sg(min(r, 1 + eps_high)) A per token; a token
+    whose ratio is clipped keeps that gradient (PPO's clipped surrogate gives it none)."""
+    old = torch.tensor([[-1.0, -1.0, -1.0], [-2.0, -2.0, -2.0]])
+    logp = (old + torch.tensor([[0.0, 0.5, -0.5], [0.1, 1.0, -2.0]])).requires_grad_()
+    adv = torch.tensor([1.0, -2.0])
+    mask = torch.ones(2, 3)
+    args = SimpleNamespace(clip_eps=0.2, clip_eps_high=0.28, ratio_level="token", beta=0.0, surrogate="cispo")
+    token_loss, stats = grpo.policy_loss(logp, old, None, adv, mask, args)
+    token_loss.sum().backward()
+    r = torch.exp(logp.detach() - old)
+    expected = -torch.clamp(r, max=1.28) * adv.unsqueeze(1)
+    torch.testing.assert_close(logp.grad, expected)
+    assert stats["clipped"].tolist() == [[0.0, 1.0, 0.0], [0.0, 1.0, 0.0]]
+    assert logp.grad[0, 1] != 0  # clipped (r = e^0.5 > 1.28), still a gradient
+    ppo = logp.detach().clone().requires_grad_()
+    grpo.policy_loss(ppo, old, None, adv, mask, SimpleNamespace(**{**vars(args), "surrogate": "clip"}))[0].sum().backward()
+    assert ppo.grad[0, 1] == 0  # PPO: the clipped token of a positive advantage gets none
+
+
+def test_cispo_on_policy_is_reinforce():
+    """One on-policy update without rollout correction: r = 1, so CISPO's gradient is -A grad log pi (REINFORCE
+    with the group advantage), the same as the clipped surrogate's."""
+    logp = torch.tensor([[-1.0, -0.3], [-2.0, -0.7]], requires_grad=True)
+    adv = torch.tensor([0.5, -1.5])
+    args = SimpleNamespace(clip_eps=0.2, clip_eps_high=0.0, ratio_level="token", beta=0.0, surrogate="cispo")
+    grpo.policy_loss(logp, logp.detach(), None, adv, torch.ones(2, 2), args)[0].sum().backward()
+    torch.testing.assert_close(logp.grad, -adv.unsqueeze(1).expand(2, 2))
