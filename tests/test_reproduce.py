@@ -78,7 +78,7 @@ def test_cell_aggregation_gives_the_per_sample_gradient(module, clip_eps):
 
     logp = torch.log_softmax(logits, -1).flatten()[cells].unsqueeze(1)
     mask = torch.ones_like(logp)
-    hp = type("hp", (), {"ratio_level": "token", "clip_eps": clip_eps, "clip_eps_high": 0.0})
+    hp = type("hp", (), {"ratio_level": "token", "clip_eps": clip_eps, "clip_eps_high": 0.0, "surrogate": "clip"})
     a = adv.unsqueeze(1) if module is train_ppo else adv
     token_loss, per_sample = module.policy_loss(logp, old_logp[cells].unsqueeze(1), None, a, mask, hp)
     ref = token_loss.mean()
