@@ -131,18 +131,25 @@ def validate(args) -> None:
     if args.group_size < args.min_group_size:
         why = " (the group baseline needs two completions of each prompt)" if args.min_group_size > 1 else ""
         raise ValueError(f"--group_size {args.group_size}: must be >= {args.min_group_size}{why}")
-    # torchrun: every rank must do the same work (the same number of forwards, backwards and optimizer
-    # steps), or a collective waits for a rank that never comes
+    if (args.prompts_per_step * args.group_size) % args.minibatches:
+        raise ValueError(f"--minibatches {args.minibatches} must divide prompts_per_step * group_size "
+                         f"= {args.prompts_per_step * args.group_size}")
+    if args.is_low > args.is_high:
+        raise ValueError(f"--is_low {args.is_low} must not exceed --is_high {args.is_high}")
+
+
+def check_ranks(args) -> None:
+    """torchrun: every rank must do the same work (the same number of forwards, backwards and optimizer
+    steps), or a collective waits for a rank that never comes. Checked when a training run starts (the
+    evaluation command has no such batch)."""
     ranks = world_size()
     if args.prompts_per_step % ranks:
-        raise ValueError(f"--prompts_per_step {args.prompts_per_step} must be a multiple of the number of ranks "
+        raise SystemExit(f"--prompts_per_step {args.prompts_per_step} must be a multiple of the number of ranks "
                          f"({ranks}, torchrun): each rank samples the same share of the prompts")
     per_rank = args.prompts_per_step // ranks * args.group_size
     if per_rank % args.minibatches:
-        raise ValueError(f"--minibatches {args.minibatches} must divide each rank's completions per step, "
+        raise SystemExit(f"--minibatches {args.minibatches} must divide each rank's completions per step, "
                          f"prompts_per_step / ranks * group_size = {per_rank}")
-    if args.is_low > args.is_high:
-        raise ValueError(f"--is_low {args.is_low} must not exceed --is_high {args.is_high}")
 
 
 def parse_args(cls, argv=None):
@@ -604,7 +611,8 @@ def push_weights(engine: Engine, model, dtype) -> None:
 
 
 def load_into_vllm(engine: Engine, weights) -> None:
-    """Load (HF name, tensor) pairs (any iterable) into vLLM in place; fails if vLLM reports a layer it did not fill."""
+    """Load (HF name, tensor) pairs (any iterable) into vLLM in place; fails if vLLM reports a layer it
+    did not fill."""
     llm = engine.llm
     capture = _CaptureWarnings()
     vlog = logging.getLogger("vllm")
@@ -945,19 +953,26 @@ def save_sharded_checkpoint(path: str, state: dict, meta: dict) -> None:
     path.tmp, rank 0 adds `meta` (meta.pt) and swaps the folder in for `path`: an interrupted save
     leaves the previous checkpoint intact. Across nodes, path must be on storage every node sees."""
     import torch.distributed.checkpoint as dcp
-    tmp, old = f"{path}.tmp", f"{path}.old"
+    tmp = f"{path}.tmp"
     if rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     torch.distributed.barrier()
     dcp.save(state, checkpoint_id=tmp)
     if rank() == 0:
         save_checkpoint(os.path.join(tmp, "meta.pt"), meta)
-        if os.path.exists(path):
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(path, old)
-        os.rename(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+        _swap_in(tmp, path)
     torch.distributed.barrier()
+
+
+def _swap_in(tmp: str, path: str) -> None:
+    """Replace folder `path` by the finished folder `tmp`: the old one is renamed aside first and removed
+    last, so a crash in between leaves path.old (sharded_checkpoint_dir falls back to it)."""
+    old = f"{path}.old"
+    if os.path.exists(path):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(path, old)
+    os.rename(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def sharded_checkpoint_dir(run_dir: str) -> str:
@@ -981,12 +996,7 @@ def save_final(model, tokenizer, path: str, style: str = "chat") -> None:
     tokenizer.save_pretrained(tmp)
     with open(os.path.join(tmp, "rlmini.json"), "w") as f:
         json.dump({"prompt_style": style}, f)
-    old = f"{path}.old"
-    if os.path.exists(path):
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(path, old)
-    os.rename(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
+    _swap_in(tmp, path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1022,6 +1032,7 @@ def lr_lambda(warmup: int):
 
 def setup(args, algo: str) -> Run:
     """Seeds, device, task, model, engine, optimizer, logging; restores a checkpoint on --resume."""
+    check_ranks(args)
     seed_everything(args.seed)
     if not args.run_name:
         model_tag = os.path.basename(args.model.rstrip("/"))
@@ -1088,10 +1099,10 @@ def checkpoint(run: Run) -> None:
 def restore(run: Run, key: str, module, optimizer) -> None:
     """Load the (module, optimizer) pair saved under `key` ("policy", or an algorithm's pair such as
     "critic") from the checkpoint of a --resume run, in place; under torchrun each rank reads its shards."""
-    if not _distributed():
-        state = run.resumed if key == "policy" else run.resumed["algo_state"][key]
-        module.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+    if not _distributed():  # taken out of run.resumed: the run keeps no second copy of the weights
+        state = run.resumed if key == "policy" else run.resumed["algo_state"].pop(key)
+        module.load_state_dict(state.pop("model"))
+        optimizer.load_state_dict(state.pop("optimizer"))
         return
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
