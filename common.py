@@ -12,6 +12,7 @@ import hashlib
 import inspect
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -80,6 +81,9 @@ class Args:
     overlong_buffer: int = arg(0, "DAPO soft overlong punishment: linear penalty in the last N tokens before the limit")
     overlong_penalty: float = arg(1.0, "DAPO soft overlong punishment: the penalty at the limit (DAPO: 1)")
     mask_truncated: bool = arg(False, "DAPO overlong filtering: completions cut by the limit leave the loss")
+    entropy_coef: float = arg(0.0, "entropy bonus: subtract this times the policy entropy from the loss (0 = off)")
+    top_entropy_quantile: float = arg(1.0, "train on the top rho share of tokens by entropy (Wang et al. 2025: 0.2)")
+    log_completions: int = arg(0, "write this many sampled completions per step to rollouts.jsonl (and wandb)")
     decontaminate: int = arg(0, "drop training prompts sharing a word n-gram of this size with a test prompt (0 = off)")
     brier: bool = arg(False, "calibration task: Brier reward instead of log-likelihood")
     jsonl_reward: Literal["math", "exact"] = arg("math", "reward for jsonl:PATH tasks")
@@ -107,9 +111,12 @@ RANGES = {
     "push_check_every": NON_NEGATIVE, "push_check_tol": NON_NEGATIVE, "sampler_diff_tol": NON_NEGATIVE,
     "dist_timeout": ONE_OR_MORE, "overlong_buffer": NON_NEGATIVE, "overlong_penalty": NON_NEGATIVE,
     "is_low": NON_NEGATIVE, "vllm_gpu_memory_utilization": ("in (0, 1]", lambda v: 0 < v <= 1),
+    "entropy_coef": NON_NEGATIVE, "top_entropy_quantile": ("in (0, 1]", lambda v: 0 < v <= 1),
+    "log_completions": NON_NEGATIVE,
     # options of some scripts only
     "clip_eps": POSITIVE, "clip_eps_high": NON_NEGATIVE, "beta": NON_NEGATIVE, "adv_eps": NON_NEGATIVE,
-    "hadw_eta": UNIT, "hadw_window": ONE_OR_MORE, "hadw_lambda": POSITIVE, "beta_th": UNIT, "max_rounds": ONE_OR_MORE,
+    "hadw_eta": UNIT, "hadw_window": ONE_OR_MORE, "hadw_lambda": POSITIVE, "beta_th": UNIT,
+    "max_sampling_rounds": ONE_OR_MORE,
     "gamma": UNIT, "lam": UNIT, "critic_lr": NON_NEGATIVE, "vf_clip": NON_NEGATIVE, "critic_warmup": NON_NEGATIVE,
 }
 
@@ -134,6 +141,8 @@ def validate(args) -> None:
     if (args.prompts_per_step * args.group_size) % args.minibatches:
         raise ValueError(f"--minibatches {args.minibatches} must divide prompts_per_step * group_size "
                          f"= {args.prompts_per_step * args.group_size}")
+    if getattr(args, "std_level", "group") == "batch" and not args.std_norm:
+        raise ValueError("--std_level batch sets the level of the std division: it needs --std_norm true")
     if args.is_low > args.is_high:
         raise ValueError(f"--is_low {args.is_low} must not exceed --is_high {args.is_high}")
 
@@ -739,16 +748,18 @@ def make_batch(prompt_ids: list, completion_ids: list, pad_id: int, device) -> d
     return {"input_ids": input_ids.to(device), "attention_mask": attn.to(device), "mask": mask.to(device)}
 
 
-def _chunk_logprobs(hidden, weight, targets, temperature):
+def _chunk_logprobs(hidden, weight, targets, temperature, with_entropy=False):
+    """log pi(target) and, if asked, the entropy H = logsumexp(z) - sum_v softmax(z)_v z_v of one chunk."""
     logits = F.linear(hidden, weight).float() / temperature
     lse = torch.logsumexp(logits, -1)
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse, lse, logits
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    return logp, (lse - (logits.softmax(-1) * logits).sum(-1)) if with_entropy else None
 
 
 def token_logprobs(model, batch: dict, temperature: float, chunk_tokens: int = 4096,
                    with_entropy: bool = False) -> tuple:
     """log pi(token) for every target position, [B, T-1] in fp32 (zero where mask is 0), and the
-    policy entropy per position (detached) if asked.
+    policy entropy per position if asked (with its gradient when grad is on: an entropy bonus).
 
     The vocabulary projection runs over chunks of `chunk_tokens` completion positions, each
     recomputed in the backward pass (checkpointed), so a full-vocabulary fp32 log-softmax never
@@ -768,15 +779,12 @@ def token_logprobs(model, batch: dict, temperature: float, chunk_tokens: int = 4
     for s in range(0, h.shape[0], chunk_tokens):
         hs, ts = h[s:s + chunk_tokens], tg[s:s + chunk_tokens]
         if torch.is_grad_enabled() and hs.requires_grad:
-            lp = torch.utils.checkpoint.checkpoint(lambda a, b: _chunk_logprobs(a, weight, b, temperature)[0],
-                                                   hs, ts, use_reentrant=False)
+            lp, ent = torch.utils.checkpoint.checkpoint(_chunk_logprobs, hs, weight, ts, temperature, with_entropy,
+                                                        use_reentrant=False)
         else:
-            lp = _chunk_logprobs(hs, weight, ts, temperature)[0]
+            lp, ent = _chunk_logprobs(hs, weight, ts, temperature, with_entropy)
         lp_parts.append(lp)
-        if with_entropy:
-            with torch.no_grad():
-                _, lse, logits = _chunk_logprobs(hs.detach(), weight.detach(), ts, temperature)
-                ent_parts.append(lse - (logits.softmax(-1) * logits).sum(-1))
+        ent_parts.append(ent)
     logp = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
     logp = logp.index_put(idx, torch.cat(lp_parts) if lp_parts else logp.new_zeros(0))
     entropy = None
@@ -847,6 +855,46 @@ def overlong_penalty(rollouts: Rollouts, limit: int, buffer: int, penalty: float
     return penalty * ((limit - buffer - length) / buffer).clamp(-1.0, 0.0)
 
 
+class Group(typing.NamedTuple):
+    """One prompt's G completions and their scores: the unit that resampling keeps or drops."""
+    example: dict
+    rollouts: Rollouts
+    rewards: torch.Tensor
+    correct: torch.Tensor
+    fmt: torch.Tensor
+
+
+def split_groups(examples, rollouts, rewards, correct, fmt, group_size) -> list:
+    """One Group per prompt of a rollout batch (completions are grouped by prompt)."""
+    out = []
+    for g, ex in enumerate(examples):
+        k = slice(g * group_size, (g + 1) * group_size)
+        part = Rollouts(rollouts.prompt_ids[k], rollouts.completion_ids[k], rollouts.sampler_logprobs[k],
+                        rollouts.finished[k], rollouts.pad_id)
+        out.append(Group(ex, part, rewards[k], correct[k], fmt[k]))
+    return out
+
+
+def join_groups(groups: list) -> tuple:
+    """The inverse: (examples, rollouts, rewards, correct, fmt) of a list of Groups, in order."""
+    rollouts = Rollouts(*[[x for g in groups for x in getattr(g.rollouts, f)] for f in
+                          ("prompt_ids", "completion_ids", "sampler_logprobs", "finished")], groups[0].rollouts.pad_id)
+    return ([g.example for g in groups], rollouts, *[torch.cat([getattr(g, f) for g in groups])
+                                                      for f in ("rewards", "correct", "fmt")])
+
+
+def top_share_threshold(values: list, share: float) -> float:
+    """The smallest of the largest ceil(share * N) of the values (a list of tensors, on any device), N counted
+    over every rank (values >= it are the top `share`; ties may add a few). Exact: every rank's values are
+    gathered."""
+    local = torch.cat([v.detach().float().flatten() for v in values]).cpu() if values else torch.zeros(0)
+    x = torch.cat(all_gather_objects([local]))
+    if x.numel() == 0:
+        return float("inf")
+    k = max(1, math.ceil(share * x.numel() - 1e-9))  # 0.2 * 10 is 2.0000000000000004 in floating point
+    return x.kthvalue(x.numel() - k + 1).values.item()
+
+
 def score_rollouts(task, tokenizer, examples: list, rollouts: Rollouts, group_size: int):
     """(reward, correct, format score, Score objects), one per completion (examples are repeated
     group_size times). The task's reward only: any bonus is the training script's business."""
@@ -874,7 +922,8 @@ class RunLog:
         self.bar = None
         if not self.rank0:
             return
-        _truncate_metrics(self.path, start_step)  # a resumed run rewrites the steps after its checkpoint
+        for name in ("metrics.jsonl", "rollouts.jsonl"):  # a resumed run rewrites the steps after its checkpoint
+            _truncate_metrics(os.path.join(run_dir, name), start_step)
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump(dataclasses.asdict(args), f, indent=2)
         if args.wandb:
@@ -898,11 +947,45 @@ class RunLog:
             self.bar.update(1)
             self.bar.set_postfix(reward=f"{row.get('reward/mean', float('nan')):.3f}")
 
+    def completions(self, step: int, rows: list) -> None:
+        """rows (dicts, one per completion) to rollouts.jsonl and, with wandb, a Table keyed by the step."""
+        if not self.rank0 or not rows:
+            return
+        with open(os.path.join(os.path.dirname(self.path), "rollouts.jsonl"), "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        if self.wandb is not None:
+            import wandb
+            columns = list(rows[0])
+            self.wandb.log({"completions": wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])},
+                           step=step)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def log_completions(run, examples: list, rollouts: Rollouts, rewards, correct, fmt, advantages, n: int) -> None:
+    """n completions of this step's global batch, drawn by a generator seeded with (seed, step), written by
+    rank 0 to rollouts.jsonl (and wandb): step, prompt, completion, reward, correct, format, advantage
+    (per completion; PPO: its tokens' mean), length, truncated. Every rank passes its own shard."""
+    if n == 0:
+        return
+    B, G = len(rollouts.completion_ids), run.args.group_size
+    total, first = int(all_sum(B)), rank() * B  # every rank holds B completions, in rank order
+    chosen = torch.randperm(total, generator=torch.Generator().manual_seed(run.args.seed * 1_000_003 + run.step))[:n]
+    rows = []
+    for g in sorted(chosen.tolist()):
+        if first <= g < first + B:
+            k = g - first
+            rows.append({"step": run.step, "index": g, "prompt": examples[k // G]["prompt"],
+                         "answer": str(examples[k // G].get("answer", "")),
+                         "completion": run.tokenizer.decode(rollouts.completion_ids[k], skip_special_tokens=True),
+                         "reward": float(rewards[k]), "correct": float(correct[k]), "format": float(fmt[k]),
+                         "advantage": float(advantages[k]), "length": len(rollouts.completion_ids[k]),
+                         "truncated": not rollouts.finished[k]})
+    run.log.completions(run.step, all_gather_objects(rows))
 
 
 def _truncate_metrics(path: str, start_step: int) -> None:

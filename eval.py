@@ -6,6 +6,7 @@ Post-Training", 2026) and Bereket & Leskovec (2025) ask for, as a library and as
     python eval.py compare runs/grpo-calibration-tiny-s0 runs/rloo-calibration-tiny-s0   # no wandb needed
     python eval.py audit --reward math --file labelled.jsonl  # verifier recall/precision vs human labels
     python eval.py contamination --task gsm8k:data/gsm8k_{split}.jsonl --ngram 13
+    python eval.py completions runs/grpo-addition-tiny-s0 --step 50 --worst 5 --best 5  # from --log_completions
 
 Library: pass_at_k (unbiased, stable), maj_at_k and mean_at_k with bootstrap intervals,
 expected_calibration_error (Bereket & Leskovec's right-closed bins), auroc and brier (scikit-learn),
@@ -449,9 +450,43 @@ def cmd_contamination(argv) -> dict:
                    [f"test {q['eval']} ~ train {q['train']}: {q['ngram']!r}" for q in result["pairs"]])
 
 
+def cmd_completions(argv) -> dict:
+    p = argparse.ArgumentParser(prog="eval.py completions",
+                                description="The worst and best completions of a training step, from the rollouts.jsonl "
+                                            "that --log_completions writes: where reward hacking shows first.")
+    p.add_argument("run", help="run folder (with rollouts.jsonl)")
+    p.add_argument("--step", type=int, default=0, help="the training step (0 = the last one logged)")
+    p.add_argument("--worst", type=int, default=5, help="how many of the lowest-ranked completions")
+    p.add_argument("--best", type=int, default=5, help="how many of the highest-ranked completions")
+    p.add_argument("--by", default="reward", choices=["reward", "advantage", "length"], help="ranking key")
+    a = p.parse_args(argv)
+    path = os.path.join(a.run, "rollouts.jsonl")
+    if not os.path.exists(path):
+        raise SystemExit(f"completions: {path}: file not found (train with --log_completions N to write it)")
+    try:
+        rows = common.read_metrics(path)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"completions: {path}: line {e.lineno}: not JSON ({e.msg})") from None
+    step = a.step or max((r["step"] for r in rows), default=0)
+    chosen = sorted((r for r in rows if r["step"] == step), key=lambda r: r[a.by])
+    if not chosen:
+        steps = sorted({r["step"] for r in rows})
+        raise SystemExit(f"completions: {path}: no completions of step {step} (logged: "
+                         f"{f'steps {steps[0]} to {steps[-1]}' if steps else 'none'})")
+    result = {"step": step, "worst": chosen[:a.worst], "best": chosen[::-1][:a.best]}
+    print(f"{path}: step {step}, {len(chosen)} logged completions, by {a.by}")
+    for name in ("worst", "best"):
+        print(f"{name}:")
+        for r in result[name]:
+            print(f"  reward {r['reward']:+.3f} adv {r['advantage']:+.3f} correct {r['correct']:.0f} len {r['length']}"
+                  f"{' (truncated)' if r['truncated'] else ''}  {r['prompt'][-60:]!r} -> {r['completion'][:200]!r}")
+    return result
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"compare": cmd_compare, "audit": cmd_audit, "contamination": cmd_contamination}
+    commands = {"compare": cmd_compare, "audit": cmd_audit, "contamination": cmd_contamination,
+                "completions": cmd_completions}
     if argv and argv[0] in commands:
         return commands[argv[0]](argv[1:])
     return cmd_evaluate(argv)

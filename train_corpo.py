@@ -27,6 +27,8 @@ class Args(common.Args):
     clip_eps_high: float = arg(0.0, "clip range above 1; DAPO clip-higher uses 0.28 (0 = clip_eps)")
     ratio_level: Literal["token", "sequence"] = arg("token", "importance ratio per token, or GSPO's per sequence")
     beta: float = arg(0.0, "k3 KL penalty to the initial policy (0 = no reference model is loaded)")
+    dynamic_sampling: bool = arg(False, "DAPO: drop groups whose completions all got the same outcome, sample more")
+    max_sampling_rounds: int = arg(20, "dynamic sampling: most sampling rounds per step (then the batch is topped up)")
     min_group_size: ClassVar[int] = 2  # the adaptive baseline's group mean needs two completions
 
 
@@ -115,19 +117,32 @@ def main(argv=None):
 
     while run.step < args.steps:
         step_start = time.perf_counter()
-        # ---- rollout: G completions for each prompt, sampled by the engine from the weights it was last pushed
-        examples, run.data_pos = common.prompt_batch(run.task.train, run.data_pos, args.prompts_per_step, args.seed)
-        examples = common.shard(examples)
-        prompt_ids = common.encode_prompts(tok, [e["prompt"] for e in examples], run.style == "chat")
+        # ---- rollout: G completions for each prompt, sampled by the engine from the weights it was last pushed;
+        # DAPO dynamic sampling (Yu et al. 2025, sec. 3.2): groups whose completions all got the same outcome
+        # carry no advantage, so they are dropped and new prompts sampled until every rank's batch is full
         t0 = time.perf_counter()
-        rollouts = common.generate(run.engine, model, prompt_ids, args.group_size, run.max_new_tokens, args.temperature,
-                                   common.rollout_seed(args.seed, run.step, common.rank()), device, dtype)
+        kept, rounds, generated, first_round = [], 0, 0, None
+        while True:
+            examples, run.data_pos = common.prompt_batch(run.task.train, run.data_pos, args.prompts_per_step, args.seed)
+            examples = common.shard(examples)
+            prompt_ids = common.encode_prompts(tok, [e["prompt"] for e in examples], run.style == "chat")
+            rollouts = common.generate(run.engine, model, prompt_ids, args.group_size, run.max_new_tokens, args.temperature,
+                                       common.rollout_seed(args.seed, run.step, common.rank(), rounds), device, dtype)
+            rewards, correct, fmt, _ = common.score_rollouts(run.task, tok, examples, rollouts, args.group_size)
+            rewards = rewards + args.format_weight * fmt  # optional format bonus, in the reward only
+            rewards = rewards + common.overlong_penalty(rollouts, run.max_new_tokens, args.overlong_buffer,
+                                                       args.overlong_penalty)  # DAPO eq. 13, reward only
+            first_round = first_round if rounds else (rewards, correct, fmt)  # reward/* logs the policy's own rate
+            groups = common.split_groups(examples, rollouts, rewards, correct, fmt, args.group_size)
+            same = [g for g in groups if g.correct.min() == g.correct.max()]  # on the raw outcome, not the reward
+            kept += [g for g in groups if g.correct.min() < g.correct.max()] if args.dynamic_sampling else groups
+            rounds, generated = rounds + 1, generated + len(rollouts.completion_ids)
+            short = common.all_sum(max(len(examples) - len(kept), 0))  # groups still missing, all ranks
+            if short == 0 or rounds >= args.max_sampling_rounds:  # (then topped up with the last round's others)
+                break
+        examples, rollouts, rewards, correct, fmt = common.join_groups((kept + same)[:len(examples)])
         common.engine_sleep(run.engine)  # CUDA vLLM: free its memory for the update (level 2: weights discarded)
         time_rollout = time.perf_counter() - t0
-        rewards, correct, fmt, _ = common.score_rollouts(run.task, tok, examples, rollouts, args.group_size)
-        rewards = rewards + args.format_weight * fmt  # optional format bonus, in the reward only
-        rewards = rewards + common.overlong_penalty(rollouts, run.max_new_tokens, args.overlong_buffer,
-                                                   args.overlong_penalty)  # DAPO eq. 13, reward only
 
         # ---- update: updates_per_rollout passes, each split into `minibatches` optimizer steps
         t0 = time.perf_counter()
@@ -137,13 +152,17 @@ def main(argv=None):
         micro = args.micro_batch_size
         sampler_logp = [torch.tensor(lp, dtype=torch.float32) for lp in rollouts.sampler_logprobs]
         on_policy = args.updates_per_rollout == 1 and args.minibatches == 1
-        old_logp, ref_logp = [None] * B, [None] * B
+        top_entropy = args.top_entropy_quantile < 1
+        old_logp, ref_logp, old_entropy = [None] * B, [None] * B, [None] * B
         with torch.no_grad():
             for s in range(0, B, micro):
                 idx = list(range(s, min(s + micro, B)))
-                if not on_policy:  # pi_old, recomputed by the trainer (not the sampler's values)
-                    batch, logp, _ = common.rollout_logprobs(model, rollouts, idx, args.temperature, device, dtype)
+                if not on_policy or top_entropy:  # pi_old, recomputed by the trainer (not the sampler's values)
+                    batch, logp, entropy = common.rollout_logprobs(model, rollouts, idx, args.temperature, device, dtype,
+                                                                   with_entropy=top_entropy)
                     old_logp[s:s + len(idx)] = common.to_ragged(logp, batch["mask"])
+                    if top_entropy:
+                        old_entropy[s:s + len(idx)] = common.to_ragged(entropy, batch["mask"])
                 if ref_model is not None:
                     batch, logp, _ = common.rollout_logprobs(ref_model, rollouts, idx, args.temperature, device, dtype)
                     ref_logp[s:s + len(idx)] = common.to_ragged(logp, batch["mask"])
@@ -152,6 +171,10 @@ def main(argv=None):
         rewards_all = common.all_gather(rewards)
         advantages_all = compute_advantages(rewards_all, args.group_size, r_min, args.baseline)
         advantages = advantages_all[common.local_slice(B)]
+        # Wang et al. 2025 ("Beyond the 80/20 rule"): the loss keeps only the tokens whose entropy under pi_old is in
+        # the top rho share of the global batch's tokens (of the completions in the loss)
+        tau = common.top_share_threshold([old_entropy[i] for i in range(B) if keep[i]],
+                                         args.top_entropy_quantile) if top_entropy else float("nan")
 
         sums = {"loss/policy": 0.0, "clip_frac": 0.0, "kl": 0.0, "kl/old": 0.0, "entropy": 0.0,
                 "logprob/sampler_diff": 0.0, "is/mean": 0.0, "is/clip_frac": 0.0, "is/kl": 0.0}
@@ -168,7 +191,7 @@ def main(argv=None):
                 for s in range(0, len(mb), micro):
                     idx = mb[s:s + micro]
                     batch, logp, entropy = common.rollout_logprobs(model, rollouts, idx, args.temperature, device,
-                                                                   dtype, with_entropy=epoch == 0)
+                                                                   dtype, with_entropy=epoch == 0 or args.entropy_coef > 0)
                     mask = batch["mask"]
                     loss_mask = mask * keep[idx].unsqueeze(1).to(device)  # --mask_truncated
                     old = logp.detach() if on_policy else common.to_padded(old_logp, idx, mask)
@@ -176,6 +199,10 @@ def main(argv=None):
                     sampler = common.to_padded(sampler_logp, idx, mask)
                     is_weight, is_stats = rollout_correction(old, sampler, mask, args)  # Yao et al. 2025
                     token_loss, stats = policy_loss(logp, old, ref, advantages[idx].to(device), loss_mask, args, is_weight)
+                    if top_entropy:  # only the high-entropy ("forking") tokens; the normalisers stay (Wang et al. 2025)
+                        token_loss = token_loss * (common.to_padded(old_entropy, idx, mask) >= tau)
+                    if args.entropy_coef:  # entropy bonus, its gradient through the chunked projection
+                        token_loss = token_loss - args.entropy_coef * entropy
                     loss = aggregate(token_loss, loss_mask, args.loss_agg, n_seqs, n_tokens, run.max_new_tokens)
                     loss.backward()
                     # diagnostics, token-weighted
@@ -213,12 +240,19 @@ def main(argv=None):
 
         # ---- log (metric names shared by every train_*.py), over the global batch: per-completion values gathered
         # from every rank and token sums over ranks, so that each metric is its 1-rank value on the same batch
-        correct_all, fmt_all, lengths_all = common.all_gather(correct), common.all_gather(fmt), common.all_gather(lengths)
+        first_all = [common.all_gather(x) for x in first_round]  # reward/* logs the first sampling round
+        lengths_all, G = common.all_gather(lengths), args.group_size
+        trained = common.all_gather(correct).view(-1, G)  # outcomes of the trained groups (dynamic sampling's filter)
         finished_all = common.all_gather(torch.tensor(rollouts.finished, dtype=torch.float32))
         failed = rewards_all < run.task.pass_threshold
         metrics = {
-            "reward/mean": rewards_all.mean().item(), "reward/std": rewards_all.std().item() if len(rewards_all) > 1 else 0.0,
-            "reward/correct": correct_all.mean().item(), "reward/format": fmt_all.mean().item(),
+            "reward/mean": first_all[0].mean().item(),
+            "reward/std": first_all[0].std().item() if len(first_all[0]) > 1 else 0.0,
+            "reward/correct": first_all[1].mean().item(), "reward/format": first_all[2].mean().item(),
+            "frac_reward_zero_std":  # TRL's name: the first round's groups whose rewards are all equal
+                (first_all[0].view(-1, G).amax(1) == first_all[0].view(-1, G).amin(1)).float().mean().item(),
+            "sampling/rounds": rounds, "sampling/extra_rollouts": common.all_sum(generated - B),
+            "sampling/kept_zero_std": (trained.amax(1) == trained.amin(1)).float().mean().item(),
             "adv/mean": advantages_all.mean().item(), "adv/abs_mean": advantages_all.abs().mean().item(),
             "adv/failed_pos_frac": (advantages_all[failed] > 0).float().mean().item() if failed.any() else float("nan"),
             "loss/policy": totals["loss/policy"] / n_opt_steps,
@@ -228,11 +262,12 @@ def main(argv=None):
             "is/mean": totals["is/mean"] / totals["first_pass_tokens"],
             "is/clip_frac": totals["is/clip_frac"] / totals["first_pass_tokens"],
             "is/kl": totals["is/kl"] / totals["first_pass_tokens"],
-            "grad_norm": grad_norm_sum / n_opt_steps, "lr": run.scheduler.get_last_lr()[0],
+            "grad_norm": grad_norm_sum / n_opt_steps, "lr": run.scheduler.get_last_lr()[0], "entropy/threshold": tau,
             "len/mean": lengths_all.mean().item(), "len/truncated": 1.0 - finished_all.mean().item(),
             "time/rollout": time_rollout, "time/update": time_update, "time/push": time_push,  # this rank's (rank 0 logs)
             "perf/tokens_per_s": totals["first_pass_tokens"] / (time.perf_counter() - step_start),  # all ranks
         }
+        common.log_completions(run, examples, rollouts, rewards, correct, fmt, advantages, args.log_completions)
         # ---- evaluation (the engine holds the weights just pushed and stays awake for the next rollout)
         if args.eval_every and (run.step % args.eval_every == 0 or run.step == args.steps):
             metrics.update(evaluate(run))

@@ -25,7 +25,7 @@ class Args(common.Args):
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = arg(
         "token-mean", "loss aggregation: GPG eq. 5 | GRPO | Dr. GRPO")
     beta_th: float = arg(0.5, "resample until valid groups >= beta_th * prompts_per_step (code 0.5, paper 0.6)")
-    max_rounds: int = arg(20, "most sampling rounds per step for the beta_th rule (authors' code: 20)")
+    max_sampling_rounds: int = arg(20, "most sampling rounds per step for the beta_th rule (authors' code: 20)")
     hadw: bool = arg(False, "HA-DW difficulty reweighting of the advantages (arXiv 2601.08521; binary rewards)")
     hadw_eta: float = arg(0.1, "HA-DW forgetting rate eta (eta_t = eta * std of recent anchors)")
     hadw_window: int = arg(50, "HA-DW: anchors in the std window (m)")
@@ -128,23 +128,6 @@ def aggregate(token_loss, mask, loss_agg, n_seqs, n_tokens, max_len):
     raise ValueError(f"--loss_agg {loss_agg!r}: choose seq-mean-token-mean, token-mean or seq-mean-token-sum-norm")
 
 
-def split_groups(examples, rollouts, rewards, correct, fmt, group_size):
-    """One tuple (example, rollouts, rewards, correct, format) per prompt's group of completions."""
-    out = []
-    for g, ex in enumerate(examples):
-        k = slice(g * group_size, (g + 1) * group_size)
-        part = common.Rollouts(rollouts.prompt_ids[k], rollouts.completion_ids[k], rollouts.sampler_logprobs[k],
-                               rollouts.finished[k], rollouts.pad_id)
-        out.append((ex, part, rewards[k], correct[k], fmt[k]))
-    return out
-
-
-def join_groups(groups):
-    rollouts = common.Rollouts(*[sum((getattr(g[1], f) for g in groups), []) for f in
-                                 ("prompt_ids", "completion_ids", "sampler_logprobs", "finished")], groups[0][1].pad_id)
-    return ([g[0] for g in groups], rollouts, *[torch.cat([g[i] for g in groups]) for i in (2, 3, 4)])
-
-
 # ---------------------------------------------------------------------------------------------- training
 
 
@@ -156,11 +139,11 @@ def main(argv=None):
 
     while run.step < args.steps:
         step_start = time.perf_counter()
-        # ---- rollout: G completions for each prompt; the beta_th rule (paper Alg. 1, authors' code) keeps
-        # sampling new prompts, accumulating the valid groups, until they fill beta_th of the batch;
-        # the batch is the valid groups first, then the last round's degenerate ones, cut to size
+        # ---- rollout: G completions for each prompt; the beta_th rule (paper Alg. 1, authors' code): groups whose
+        # rewards are all equal carry no advantage, so new prompts are sampled until the valid groups fill beta_th
+        # of the batch; the batch is the valid groups first, then the last round's others, cut to size
         t0 = time.perf_counter()
-        valid_groups, rounds, generated, first_round = [], 0, 0, None
+        kept, rounds, generated, first_round = [], 0, 0, None
         while True:
             examples, run.data_pos = common.prompt_batch(run.task.train, run.data_pos, args.prompts_per_step, args.seed)
             examples = common.shard(examples)
@@ -172,14 +155,14 @@ def main(argv=None):
             rewards = rewards + common.overlong_penalty(rollouts, run.max_new_tokens, args.overlong_buffer,
                                                        args.overlong_penalty)  # DAPO eq. 13, reward only
             first_round = first_round if rounds else (rewards, correct, fmt)  # reward/* logs the policy's own rate
-            groups = split_groups(examples, rollouts, rewards, correct, fmt, args.group_size)
-            valid_groups += [g for g in groups if g[2].max() > g[2].min()]
+            groups = common.split_groups(examples, rollouts, rewards, correct, fmt, args.group_size)
+            same = [g for g in groups if g.rewards.min() == g.rewards.max()]  # on the reward: its advantage is 0
+            kept += [g for g in groups if g.rewards.min() < g.rewards.max()]
             rounds, generated = rounds + 1, generated + len(rollouts.completion_ids)
-            enough = common.all_sum(len(valid_groups)) >= args.beta_th * common.all_sum(len(examples))
-            if enough or rounds >= args.max_rounds:
+            enough = common.all_sum(len(kept)) >= args.beta_th * args.prompts_per_step  # valid groups, all ranks
+            if enough or rounds >= args.max_sampling_rounds:
                 break
-        degenerate = [g for g in groups if not g[2].max() > g[2].min()]
-        examples, rollouts, rewards, correct, fmt = join_groups((valid_groups + degenerate)[:len(examples)])
+        examples, rollouts, rewards, correct, fmt = common.join_groups((kept + same)[:len(examples)])
         common.engine_sleep(run.engine)  # CUDA vLLM: free its memory for the update (level 2: weights discarded)
         time_rollout = time.perf_counter() - t0
 
@@ -191,13 +174,17 @@ def main(argv=None):
         micro = args.micro_batch_size
         sampler_logp = [torch.tensor(lp, dtype=torch.float32) for lp in rollouts.sampler_logprobs]
         on_policy = args.updates_per_rollout == 1 and args.minibatches == 1
-        old_logp, ref_logp = [None] * B, [None] * B
+        top_entropy = args.top_entropy_quantile < 1
+        old_logp, ref_logp, old_entropy = [None] * B, [None] * B, [None] * B
         with torch.no_grad():
             for s in range(0, B, micro):
                 idx = list(range(s, min(s + micro, B)))
-                if not on_policy:  # pi_old, recomputed by the trainer (not the sampler's values)
-                    batch, logp, _ = common.rollout_logprobs(model, rollouts, idx, args.temperature, device, dtype)
+                if not on_policy or top_entropy:  # pi_old, recomputed by the trainer (not the sampler's values)
+                    batch, logp, entropy = common.rollout_logprobs(model, rollouts, idx, args.temperature, device, dtype,
+                                                                   with_entropy=top_entropy)
                     old_logp[s:s + len(idx)] = common.to_ragged(logp, batch["mask"])
+                    if top_entropy:
+                        old_entropy[s:s + len(idx)] = common.to_ragged(entropy, batch["mask"])
                 if ref_model is not None:
                     batch, logp, _ = common.rollout_logprobs(ref_model, rollouts, idx, args.temperature, device, dtype)
                     ref_logp[s:s + len(idx)] = common.to_ragged(logp, batch["mask"])
@@ -210,6 +197,10 @@ def main(argv=None):
                                                       setdefault("hadw", {}), args.hadw_eta, args.hadw_window,
                                                       args.hadw_lambda, args.hadw_anchor)
         advantages = advantages_all[common.local_slice(B)]
+        # Wang et al. 2025 ("Beyond the 80/20 rule"): the loss keeps only the tokens whose entropy under pi_old is in
+        # the top rho share of the global batch's tokens (of the completions in the loss)
+        tau = common.top_share_threshold([old_entropy[i] for i in range(B) if keep[i]],
+                                         args.top_entropy_quantile) if top_entropy else float("nan")
 
         sums = {"loss/policy": 0.0, "clip_frac": 0.0, "kl": 0.0, "kl/old": 0.0, "entropy": 0.0,
                 "logprob/sampler_diff": 0.0, "is/mean": 0.0, "is/clip_frac": 0.0, "is/kl": 0.0}
@@ -226,7 +217,7 @@ def main(argv=None):
                 for s in range(0, len(mb), micro):
                     idx = mb[s:s + micro]
                     batch, logp, entropy = common.rollout_logprobs(model, rollouts, idx, args.temperature, device,
-                                                                   dtype, with_entropy=epoch == 0)
+                                                                   dtype, with_entropy=epoch == 0 or args.entropy_coef > 0)
                     mask = batch["mask"]
                     loss_mask = mask * keep[idx].unsqueeze(1).to(device)  # --mask_truncated
                     old = logp.detach() if on_policy else common.to_padded(old_logp, idx, mask)
@@ -234,6 +225,10 @@ def main(argv=None):
                     sampler = common.to_padded(sampler_logp, idx, mask)
                     is_weight, is_stats = rollout_correction(old, sampler, mask, args)  # Yao et al. 2025
                     token_loss, stats = policy_loss(logp, old, ref, advantages[idx].to(device), loss_mask, args, is_weight)
+                    if top_entropy:  # only the high-entropy ("forking") tokens; the normalisers stay (Wang et al. 2025)
+                        token_loss = token_loss * (common.to_padded(old_entropy, idx, mask) >= tau)
+                    if args.entropy_coef:  # entropy bonus, its gradient through the chunked projection
+                        token_loss = token_loss - args.entropy_coef * entropy
                     loss = aggregate(token_loss, loss_mask, args.loss_agg, n_seqs, n_tokens, run.max_new_tokens)
                     loss.backward()
                     # diagnostics, token-weighted
@@ -272,13 +267,18 @@ def main(argv=None):
         # ---- log (metric names shared by every train_*.py), over the global batch: per-completion values gathered
         # from every rank and token sums over ranks, so that each metric is its 1-rank value on the same batch
         first_all = [common.all_gather(x) for x in first_round]  # reward/* logs the first sampling round
-        lengths_all = common.all_gather(lengths)
+        lengths_all, G = common.all_gather(lengths), args.group_size
+        trained = rewards_all.view(-1, G)  # rewards of the trained groups (the beta_th rule's filter)
         finished_all = common.all_gather(torch.tensor(rollouts.finished, dtype=torch.float32))
         failed = rewards_all < run.task.pass_threshold
         metrics = {
             "reward/mean": first_all[0].mean().item(),
             "reward/std": first_all[0].std().item() if len(first_all[0]) > 1 else 0.0,
             "reward/correct": first_all[1].mean().item(), "reward/format": first_all[2].mean().item(),
+            "frac_reward_zero_std":  # TRL's name: the first round's groups whose rewards are all equal
+                (first_all[0].view(-1, G).amax(1) == first_all[0].view(-1, G).amin(1)).float().mean().item(),
+            "sampling/rounds": rounds, "sampling/extra_rollouts": common.all_sum(generated - B),
+            "sampling/kept_zero_std": (trained.amax(1) == trained.amin(1)).float().mean().item(),
             "adv/mean": advantages_all.mean().item(), "adv/abs_mean": advantages_all.abs().mean().item(),
             "adv/failed_pos_frac": (advantages_all[failed] > 0).float().mean().item() if failed.any() else float("nan"),
             "loss/policy": totals["loss/policy"] / n_opt_steps,
@@ -288,14 +288,14 @@ def main(argv=None):
             "is/mean": totals["is/mean"] / totals["first_pass_tokens"],
             "is/clip_frac": totals["is/clip_frac"] / totals["first_pass_tokens"],
             "is/kl": totals["is/kl"] / totals["first_pass_tokens"],
-            "grad_norm": grad_norm_sum / n_opt_steps, "lr": run.scheduler.get_last_lr()[0],
+            "grad_norm": grad_norm_sum / n_opt_steps, "lr": run.scheduler.get_last_lr()[0], "entropy/threshold": tau,
             "len/mean": lengths_all.mean().item(), "len/truncated": 1.0 - finished_all.mean().item(),
             "time/rollout": time_rollout, "time/update": time_update, "time/push": time_push,  # this rank's (rank 0 logs)
             "perf/tokens_per_s": totals["first_pass_tokens"] / (time.perf_counter() - step_start),  # all ranks
-            "gpg/alpha": alpha, "gpg/valid_frac": 1 / alpha, "gpg/rounds": rounds,
-            "gpg/extra_rollouts": common.all_sum(generated - B),
+            "gpg/alpha": alpha, "gpg/valid_frac": 1 / alpha,
         }
         metrics.update(hadw_info if args.hadw else {})
+        common.log_completions(run, examples, rollouts, rewards, correct, fmt, advantages, args.log_completions)
         # ---- evaluation (the engine holds the weights just pushed and stays awake for the next rollout)
         if args.eval_every and (run.step % args.eval_every == 0 or run.step == args.steps):
             metrics.update(evaluate(run))

@@ -198,16 +198,20 @@ def main(argv=None):
         micro = args.micro_batch_size
         sampler_logp = [torch.tensor(lp, dtype=torch.float32) for lp in rollouts.sampler_logprobs]
         on_policy = args.updates_per_rollout == 1 and args.minibatches == 1
-        old_logp, ref_logp, old_values = [None] * B, [None] * B, [None] * B
+        top_entropy = args.top_entropy_quantile < 1
+        old_logp, ref_logp, old_entropy, old_values = [None] * B, [None] * B, [None] * B, [None] * B
         with torch.no_grad():
             for s in range(0, B, micro):
                 idx = list(range(s, min(s + micro, B)))
                 batch = common.rollout_batch(rollouts, idx, device)
                 with common.autocast(device, dtype):
                     old_values[s:s + len(idx)] = common.to_ragged(critic_values(critic, batch), batch["mask"])
-                if not on_policy:  # pi_old, recomputed by the trainer (not the sampler's values)
-                    batch, logp, _ = common.rollout_logprobs(model, rollouts, idx, args.temperature, device, dtype)
+                if not on_policy or top_entropy:  # pi_old, recomputed by the trainer (not the sampler's values)
+                    batch, logp, entropy = common.rollout_logprobs(model, rollouts, idx, args.temperature, device, dtype,
+                                                                   with_entropy=top_entropy)
                     old_logp[s:s + len(idx)] = common.to_ragged(logp, batch["mask"])
+                    if top_entropy:
+                        old_entropy[s:s + len(idx)] = common.to_ragged(entropy, batch["mask"])
                 if ref_model is not None:
                     batch, logp, _ = common.rollout_logprobs(ref_model, rollouts, idx, args.temperature, device, dtype)
                     ref_logp[s:s + len(idx)] = common.to_ragged(logp, batch["mask"])
@@ -222,6 +226,10 @@ def main(argv=None):
         ret_seq = common.to_ragged(returns, lengths_mask)
         advantages = (token_adv.sum(1) / lengths)  # per completion, for the shared adv/* metrics
         rewards_all, advantages_all = common.all_gather(rewards), common.all_gather(advantages)
+        # Wang et al. 2025 ("Beyond the 80/20 rule"): the loss keeps only the tokens whose entropy under pi_old is in
+        # the top rho share of the global batch's tokens (of the completions in the loss)
+        tau = common.top_share_threshold([old_entropy[i] for i in range(B) if keep[i]],
+                                         args.top_entropy_quantile) if top_entropy else float("nan")
 
         sums = {"loss/policy": 0.0, "clip_frac": 0.0, "kl": 0.0, "kl/old": 0.0, "entropy": 0.0,
                 "logprob/sampler_diff": 0.0, "is/mean": 0.0, "is/clip_frac": 0.0, "is/kl": 0.0,
@@ -239,7 +247,7 @@ def main(argv=None):
                 for s in range(0, len(mb), micro):
                     idx = mb[s:s + micro]
                     batch, logp, entropy = common.rollout_logprobs(model, rollouts, idx, args.temperature, device,
-                                                                   dtype, with_entropy=epoch == 0)
+                                                                   dtype, with_entropy=epoch == 0 or args.entropy_coef > 0)
                     mask = batch["mask"]
                     loss_mask = mask * keep[idx].unsqueeze(1).to(device)  # --mask_truncated
                     old = logp.detach() if on_policy else common.to_padded(old_logp, idx, mask)
@@ -248,6 +256,10 @@ def main(argv=None):
                     is_weight, is_stats = rollout_correction(old, sampler, mask, args)  # Yao et al. 2025
                     token_loss, stats = policy_loss(logp, old, ref, common.to_padded(adv_seq, idx, mask), loss_mask, args,
                                                     is_weight)
+                    if top_entropy:  # only the high-entropy ("forking") tokens; the normalisers stay (Wang et al. 2025)
+                        token_loss = token_loss * (common.to_padded(old_entropy, idx, mask) >= tau)
+                    if args.entropy_coef:  # entropy bonus, its gradient through the chunked projection
+                        token_loss = token_loss - args.entropy_coef * entropy
                     loss = aggregate(token_loss, loss_mask, args.loss_agg, n_seqs, n_tokens, run.max_new_tokens)
                     if run.step >= args.critic_warmup:  # during critic warm-up the policy stays put
                         loss.backward()
@@ -313,7 +325,7 @@ def main(argv=None):
             "is/mean": totals["is/mean"] / totals["first_pass_tokens"],
             "is/clip_frac": totals["is/clip_frac"] / totals["first_pass_tokens"],
             "is/kl": totals["is/kl"] / totals["first_pass_tokens"],
-            "grad_norm": grad_norm_sum / n_opt_steps, "lr": run.scheduler.get_last_lr()[0],
+            "grad_norm": grad_norm_sum / n_opt_steps, "lr": run.scheduler.get_last_lr()[0], "entropy/threshold": tau,
             "len/mean": lengths_all.mean().item(), "len/truncated": 1.0 - finished_all.mean().item(),
             "time/rollout": time_rollout, "time/update": time_update, "time/push": time_push,  # this rank's (rank 0 logs)
             "value/loss": totals["value/loss"] / n_opt_steps, "value/clip_frac": totals["value/clip_frac"] / totals["tokens"],
@@ -321,6 +333,7 @@ def main(argv=None):
             "value/explained_var": explained_variance(old_values, ret_seq),
             "perf/tokens_per_s": totals["first_pass_tokens"] / (time.perf_counter() - step_start),  # all ranks
         }
+        common.log_completions(run, examples, rollouts, rewards, correct, fmt, advantages, args.log_completions)
         # ---- evaluation (the engine holds the weights just pushed and stays awake for the next rollout)
         if args.eval_every and (run.step % args.eval_every == 0 or run.step == args.steps):
             metrics.update(evaluate(run))

@@ -28,3 +28,39 @@ def generate_double(engine, model, prompt_ids, n, max_new_tokens, temperature, s
         logp, _ = common.token_logprobs(model, batch, temperature)
     r.sampler_logprobs = [lp[m > 0].tolist() for lp, m in zip(logp.cpu(), batch["mask"].cpu())]
     return r
+
+
+def record_first_step(monkeypatch, script, argv):
+    """Run one training step of `script` (a train_*.py module) on this double, in this process; returns
+    (run, the rollout batches generated, each policy gradient clip call's gradients before clipping, tokenizer)."""
+    grads, batches, tokenizer = [], [], []
+    load_model, clip = common.load_model, torch.nn.utils.clip_grad_norm_
+
+    def recording_double(engine, model, *a, **k):
+        generate_double.tokenizer = tokenizer[0]
+        batches.append(generate_double(engine, model, *a, **k))
+        return batches[-1]
+
+    def recording_clip(parameters, *a, **k):
+        params = list(parameters)
+        grads.append([p.grad.clone() for p in params])
+        return clip(params, *a, **k)
+
+    def load_model_double(*a, **k):
+        model, tok, path = load_model(*a, **k)
+        tokenizer.append(tok)
+        return model, tok, path
+
+    monkeypatch.setattr(common, "generate", recording_double)
+    monkeypatch.setattr(common, "load_model", load_model_double)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recording_clip)
+    run = script.main(["--wandb", "false", "--engine", "hf", "--steps", "1", "--save_every", "0", *argv])
+    return run, batches, grads, tokenizer[0]
+
+
+def addition_rewards(run, tok, r):
+    """The task's reward of each completion of a rollout batch of the addition task (the answer from the prompt)."""
+    def answer(p):
+        return sum(int(x) for x in tok.decode(p, skip_special_tokens=True).rstrip("=").split("+"))
+    return torch.tensor([run.task.score(tok.decode(c, skip_special_tokens=True), {"answer": answer(p)}, f).reward
+                         for p, c, f in zip(r.prompt_ids, r.completion_ids, r.finished)])

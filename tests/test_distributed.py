@@ -20,10 +20,11 @@ from test_train_grpo import _rows_without_timing, _same
 BATCH = ["--steps", "2", "--prompts_per_step", "4", "--group_size", "4", "--micro_batch_size", "4"]
 RUNS = [  # each exercises a statistic defined over the batch, or a path that synchronises ranks
     ("grpo", "train_grpo", BATCH + ["--hadw", "true", "--beta", "0.05", "--loss_agg", "token-mean",
-                                    "--eval_every", "2", "--eval_limit", "5", "--eval_n", "2"]),  # 5 questions: 3 + 2
+                                    "--eval_every", "2", "--eval_limit", "5", "--eval_n", "2",  # 5 questions: 3 + 2
+                                    "--std_level", "batch", "--log_completions", "6"]),
     ("rloo", "train_rloo", BATCH + ["--beta", "0.05", "--kl_in_reward", "true", "--mask_truncated", "true",
                                     "--overlong_buffer", "2"]),
-    ("corpo", "train_corpo", BATCH + ["--task", "ordinal"]),
+    ("corpo", "train_corpo", BATCH + ["--task", "ordinal", "--top_entropy_quantile", "0.3", "--entropy_coef", "0.01"]),
     ("gpg", "train_gpg", BATCH + ["--beta_th", "0"]),  # alpha = B / (B - M) over the global batch
     ("ppo", "train_ppo", BATCH + ["--whiten_advantages", "true", "--updates_per_rollout", "2", "--group_size", "2",
                                   "--gradient_checkpointing", "true"]),
@@ -32,7 +33,7 @@ RESUME = [  # on 2 ranks: 4 steps straight, and 2 steps + resume to 4 (HA-DW's a
     (f"{name}-{part}", script, BATCH[2:] + ["--steps", steps, "--save_every", "2", *resume, *extra])
     for name, script, extra in (("grpo", "train_grpo", ["--hadw", "true"]), ("ppo", "train_ppo", ["--minibatches", "2"]))
     for part, steps, resume in (("straight", "4", []), ("half", "2", []), ("half", "4", ["--resume", "true"]))
-]
+] + [("rloo-dynamic", "train_rloo", BATCH + ["--dynamic_sampling", "true", "--log_completions", "16"])]
 
 
 def launch(out, runs, ranks, timeout=600):
@@ -95,6 +96,25 @@ def test_resume_under_torchrun_is_exact(one_and_two_ranks, name):
     assert sorted(os.listdir(two / f"{name}-half" / "checkpoint")) == [  # each rank wrote its own shards
         ".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
     _same(_rows_without_timing(two / f"{name}-straight"), _rows_without_timing(two / f"{name}-half"))
+
+
+def test_completion_log_is_the_one_rank_log(one_and_two_ranks):
+    one, two = one_and_two_ranks
+    rows1, rows2 = [open(d / "grpo" / "rollouts.jsonl").read().splitlines() for d in (one, two)]
+    assert len(rows1) == 12 and rows1 == rows2  # 6 per step, drawn from the global batch, written once
+
+
+def test_dynamic_sampling_under_torchrun_fills_every_rank(one_and_two_ranks):
+    """Each rank keeps sampling until its share holds only groups with both outcomes; the ranks sample the
+    same number of rounds (no collective left waiting) and the trained batch has no zero-variance group."""
+    _, two = one_and_two_ranks
+    rows = _rows_without_timing(two / "rloo-dynamic")
+    assert len(rows) == 2 and max(r["sampling/rounds"] for r in rows) > 1
+    assert all(r["sampling/kept_zero_std"] == 0 for r in rows)
+    logged = [json.loads(line) for line in open(two / "rloo-dynamic" / "rollouts.jsonl")]
+    for step in (1, 2):  # the whole trained batch (16 completions) of each step, both ranks' shares
+        batch = [x for x in logged if x["step"] == step]
+        assert len(batch) == 16 and all(0 < sum(x["correct"] for x in batch[g:g + 4]) < 4 for g in range(0, 16, 4))
 
 
 def test_the_final_policy_is_gathered_whole(one_and_two_ranks):

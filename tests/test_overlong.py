@@ -5,7 +5,7 @@ import torch
 
 import common
 import train_grpo
-from rollout_double import generate_double
+from rollout_double import addition_rewards, record_first_step
 
 
 def test_soft_overlong_penalty_by_hand():
@@ -20,39 +20,13 @@ def test_mask_truncated_gives_the_gradient_of_the_finished_completions_only(tmp_
     """On-policy GRPO (ratio 1, clip inactive): the gradient is -sum over kept completions of A_i grad log pi,
     normalised over the kept tokens (token-mean) or kept completions (seq-mean); advantages still use every
     completion of the group."""
-    grads, batches = [], []
-
-    def recording_double(engine, model, *a, **k):
-        generate_double.tokenizer = tokenizer[0]
-        r = generate_double(engine, model, *a, **k)
-        batches.append(r)
-        return r
-
-    def recording_clip(parameters, *a, **k):
-        params = list(parameters)
-        grads.append([p.grad.clone() for p in params])
-        return clip(params, *a, **k)
-
-    tokenizer, load_model, clip = [], common.load_model, torch.nn.utils.clip_grad_norm_
-
-    def load_model_double(*a, **k):
-        model, tok, path = load_model(*a, **k)
-        tokenizer.append(tok)
-        return model, tok, path
-
-    monkeypatch.setattr(common, "generate", recording_double)
-    monkeypatch.setattr(common, "load_model", load_model_double)
-    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recording_clip)
-    run = train_grpo.main(["--out_dir", str(tmp_path), "--wandb", "false", "--engine", "hf", "--steps", "1",
-                           "--prompts_per_step", "4", "--group_size", "4", "--micro_batch_size", "3",
-                           "--loss_agg", loss_agg, "--mask_truncated", "true", "--save_every", "0"])
+    run, batches, grads, tok = record_first_step(monkeypatch, train_grpo, [
+        "--out_dir", str(tmp_path), "--prompts_per_step", "4", "--group_size", "4", "--micro_batch_size", "3",
+        "--loss_agg", loss_agg, "--mask_truncated", "true"])
     r = batches[0]
     assert 0 < sum(r.finished) < len(r.finished)  # the batch has both kinds
-    model = load_model(run.args, run.task, torch.device("cpu"), torch.float32)[0]  # the initial weights again
-    rewards = torch.tensor([run.task.score(tokenizer[0].decode(c, skip_special_tokens=True),
-                                           {"answer": sum(int(x) for x in tokenizer[0].decode(p, skip_special_tokens=True)
-                                                          .rstrip("=").split("+"))}, f).reward
-                            for p, c, f in zip(r.prompt_ids, r.completion_ids, r.finished)])
+    model = common.load_model(run.args, run.task, torch.device("cpu"), torch.float32)[0]  # the initial weights again
+    rewards = addition_rewards(run, tok, r)
     advantages = train_grpo.compute_advantages(rewards, 4)
     kept = [i for i, f in enumerate(r.finished) if f]
     batch = common.make_batch([r.prompt_ids[i] for i in kept], [r.completion_ids[i] for i in kept], r.pad_id,

@@ -90,30 +90,30 @@ def test_gpg_loss_is_the_plain_policy_gradient():
     assert stats["clipped"].sum() == 0
 
 
-def test_gpg_groups_split_and_join_round_trip():
+def test_groups_split_and_join_round_trip():
     r = common.Rollouts([[1], [1], [2], [2]], [[5, 1], [6], [7, 1], [8]], [[-1.0, -2.0], [-3.0], [-4.0, -5.0], [-6.0]],
                         [True, False, True, False])
     rewards, correct, fmt = torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([1.0, 0, 0, 0]), torch.ones(4)
-    groups = train_gpg.split_groups(["a", "b"], r, rewards, correct, fmt, 2)
+    groups = common.split_groups(["a", "b"], r, rewards, correct, fmt, 2)
     assert [g[0] for g in groups] == ["a", "b"] and groups[1][1].completion_ids == [[7, 1], [8]]
-    ex, back, rw, cr, fm = train_gpg.join_groups(groups[::-1])
+    ex, back, rw, cr, fm = common.join_groups(groups[::-1])
     assert ex == ["b", "a"] and back.completion_ids == [[7, 1], [8], [5, 1], [6]]
     assert rw.tolist() == [0.0, 0.0, 1.0, 0.0] and back.finished == [True, False, True, False]
 
 
 def test_gpg_beta_th_keeps_sampling_until_enough_groups_are_valid(tmp_path):
     run = train(train_gpg, tmp_path, "--steps", "4", "--prompts_per_step", "8", "--beta_th", "0.5",
-                "--max_rounds", "4", "--run_name", "bt")
+                "--max_sampling_rounds", "4", "--run_name", "bt")
     rows = read_metrics(run.run_dir)
     B = 8 * 8
     for r in rows:
-        assert 1 <= r["gpg/rounds"] <= 4
-        assert r["gpg/extra_rollouts"] == (r["gpg/rounds"] - 1) * B
+        assert 1 <= r["sampling/rounds"] <= 4
+        assert r["sampling/extra_rollouts"] == (r["sampling/rounds"] - 1) * B
         assert r["gpg/valid_frac"] == pytest.approx(1 / r["gpg/alpha"])
-        if r["gpg/rounds"] < 4:  # stopped because the rule was met
+        if r["sampling/rounds"] < 4:  # stopped because the rule was met
             assert r["gpg/valid_frac"] >= 0.5
-    assert max(r["gpg/rounds"] for r in rows) > 1  # early on most addition groups are all-wrong
-    assert run.data_pos == sum(r["gpg/rounds"] for r in rows) * 8  # extra rounds consume prompts
+    assert max(r["sampling/rounds"] for r in rows) > 1  # early on most addition groups are all-wrong
+    assert run.data_pos == sum(r["sampling/rounds"] for r in rows) * 8  # extra rounds consume prompts
 
 
 # ---------------------------------------------------------------------------------------------- PPO
