@@ -194,3 +194,20 @@ def test_dynamic_sampling_learns_faster_per_optimizer_step(tmp_path):
     assert max(r["sampling/rounds"] for r in with_ds) > 1 and all(r["sampling/rounds"] == 1 for r in without)
     late = lambda rows: sum(r["reward/mean"] for r in rows[30:]) / 10  # the policy's own rate (first round)
     assert late(with_ds) > 1.5 * late(without) and late(with_ds) > late(without) + 0.03, (late(with_ds), late(without))
+
+
+def test_completion_log_goes_to_a_wandb_table_keyed_by_the_step(tmp_path):
+    import wandb
+    logged = []
+    log = common.RunLog.__new__(common.RunLog)  # rank 0's logger, with a stand-in for the wandb run
+    log.rank0, log.path = True, str(tmp_path / "metrics.jsonl")
+    log.wandb = SimpleNamespace(log=lambda data, step: logged.append((data, step)))
+    rows = [{"step": 3, "prompt": "1+2=", "completion": "3", "reward": 1.0, "truncated": False},
+            {"step": 3, "prompt": "2+2=", "completion": "5", "reward": 0.0, "truncated": False}]
+    log.completions(3, rows)
+    (data, step), = logged
+    table = data["completions"]
+    assert step == 3 and isinstance(table, wandb.Table)
+    assert table.columns == ["step", "prompt", "completion", "reward", "truncated"]
+    assert table.data == [[3, "1+2=", "3", 1.0, False], [3, "2+2=", "5", 0.0, False]]
+    assert [json.loads(line) for line in open(tmp_path / "rollouts.jsonl")] == rows
