@@ -4,7 +4,7 @@ PY = "$$(bash scripts/setup_env.sh)/bin/python"
 .PHONY: demo test bench reproduce env
 
 demo:  ## GRPO on the built-in tiny model and the addition task (CPU, offline, vLLM rollouts)
-	$(PY) train_grpo.py --run_name demo --wandb false $(ARGS)
+	$(PY) train_grpo.py --run_name demo --overwrite true --wandb false $(ARGS)
 
 test:  ## the whole test suite (CPU, offline)
 	$(PY) -m pytest -q tests $(ARGS)

@@ -19,6 +19,7 @@ import re
 import shutil
 import sys
 import tempfile
+import time
 import typing
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
@@ -93,6 +94,11 @@ class Args:
     push_check_tol: float = arg(0.0, "mean |logprob diff| allowed on the probe; 0 = by dtype (fp32 2e-3, bf16 5e-2)")
     config: str = arg("", "YAML or JSON file of options; command-line flags override it")
     dist_timeout: int = arg(1800, "torchrun: seconds a rank waits in a collective before the run stops with an error")
+    on_nonfinite: Literal["stop", "skip"] = arg("stop", "a NaN/inf reward, loss or gradient: stop the run, or skip the update")
+    overwrite: bool = arg(False, "replace an existing run of the same out_dir/run_name (default: refuse)")
+    allow_option_changes: bool = arg(False, "--resume with options that change the experiment (each is listed)")
+    print_every: int = arg(10, "without a terminal (cluster job, nohup, CI): a one-line summary every N steps")
+    verbose: bool = arg(False, "show vLLM's warnings (most are hints the user cannot act on)")
     min_group_size: ClassVar[int] = 1  # scripts with a group baseline raise it to 2
 
     def __post_init__(self):
@@ -112,7 +118,7 @@ RANGES = {
     "dist_timeout": ONE_OR_MORE, "overlong_buffer": NON_NEGATIVE, "overlong_penalty": NON_NEGATIVE,
     "is_low": NON_NEGATIVE, "vllm_gpu_memory_utilization": ("in (0, 1]", lambda v: 0 < v <= 1),
     "entropy_coef": NON_NEGATIVE, "top_entropy_quantile": ("in (0, 1]", lambda v: 0 < v <= 1),
-    "log_completions": NON_NEGATIVE,
+    "log_completions": NON_NEGATIVE, "print_every": NON_NEGATIVE,
     # options of some scripts only
     "clip_eps": POSITIVE, "clip_eps_high": NON_NEGATIVE, "beta": NON_NEGATIVE, "adv_eps": NON_NEGATIVE,
     "hadw_eta": UNIT, "hadw_window": ONE_OR_MORE, "hadw_lambda": POSITIVE, "beta_th": UNIT,
@@ -133,6 +139,8 @@ def validate(args) -> None:
         expected = {bool: (bool,), int: (int,), float: (int, float)}.get(f.type)  # YAML may give 1.7 for an int
         if expected and (not isinstance(v, expected) or (f.type is not bool and isinstance(v, bool))):
             raise ValueError(f"{flag} {v!r}: expected {f.type.__name__}")
+        if f.type is float and not math.isfinite(v):  # --lr inf, --beta nan: never meaningful
+            raise ValueError(f"{flag} {v!r}: must be a finite number")
         if f.name in RANGES and not RANGES[f.name][1](v):
             raise ValueError(f"{flag} {v!r}: must be {RANGES[f.name][0]}")
     if args.group_size < args.min_group_size:
@@ -169,15 +177,21 @@ def parse_args(cls, argv=None):
     parser = HfArgumentParser(cls, allow_abbrev=False)
     source = "command line"
     if "--config" in argv:
-        path = argv[argv.index("--config") + 1]
-        if not os.path.exists(path):
+        at = argv.index("--config")
+        if at + 1 == len(argv) or argv[at + 1].startswith("--"):
+            raise SystemExit("--config needs a file: --config run.yaml (YAML or JSON)")
+        path = argv[at + 1]
+        if not os.path.isfile(path):
             raise SystemExit(f"--config {path}: file not found")
+        import yaml
         with open(path) as f:
-            if path.endswith((".yaml", ".yml")):
-                import yaml
-                cfg = yaml.safe_load(f) or {}
-            else:
-                cfg = json.load(f)
+            try:
+                cfg = (yaml.safe_load(f) if path.endswith((".yaml", ".yml")) else json.load(f)) or {}
+            except (yaml.YAMLError, json.JSONDecodeError) as e:
+                raise SystemExit(f"--config {path}: not valid {'YAML' if path.endswith(('.yaml', '.yml')) else 'JSON'}: "
+                                 f"{' '.join(str(e).split())}") from None
+        if not isinstance(cfg, dict):
+            raise SystemExit(f"--config {path}: expected a mapping of option: value, got a {type(cfg).__name__}")
         names = {fl.name for fl in dataclasses.fields(cls)}
         unknown = sorted(set(cfg) - names)
         if unknown:
@@ -187,6 +201,9 @@ def parse_args(cls, argv=None):
     try:
         (args,) = parser.parse_args_into_dataclasses(args=argv)
     except ValueError as e:
+        unused = re.search(r"not used by the HfArgumentParser: (\[.*\])", str(e))
+        if unused:  # flags are never abbreviated: --temp is not --temperature
+            raise SystemExit(f"unknown option(s) {unused.group(1)}: see --help for the options") from None
         raise SystemExit(f"bad option ({source}): {e}") from None
     return args
 
@@ -406,7 +423,30 @@ def model_path(model: str, task) -> str:
     """The folder the policy is read from: --model, or the built-in tiny model for the task's alphabet,
     built on first use (call it before torch.distributed starts: under torchrun transformers saves a
     model on rank 0 only, so the other ranks could not build it)."""
-    return build_tiny_model(task.alphabet) if model == "tiny" else model
+    if model == "tiny":
+        return build_tiny_model(task.alphabet)
+    check_model_folder(model)
+    return model
+
+
+def check_model_folder(model: str) -> None:
+    """--model names a local folder (it exists, or it looks like a path): say what is missing there, rather
+    than transformers' guesses (a bad hub id, a tokenizer backend problem, an OSError). A hub id passes."""
+    looks_local = os.path.exists(model) or model.startswith((".", "/", "~")) or model.count("/") > 1
+    if not looks_local:
+        return
+    if not os.path.isdir(model):
+        raise SystemExit(f"--model {model}: no such folder (a hub id is owner/name, e.g. Qwen/Qwen2.5-0.5B-Instruct)")
+    files = os.listdir(model)
+    missing = [what for what, ok in (
+        ("config.json", "config.json" in files),
+        ("weights (*.safetensors or pytorch_model*.bin)", any(f.endswith((".safetensors", ".bin")) for f in files)),
+        ("a tokenizer (tokenizer.json or tokenizer_config.json)",
+         any(f in files for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))),
+    ) if not ok]
+    if missing:
+        raise SystemExit(f"--model {model}: the folder has no {', no '.join(missing)}: not a Hugging Face model "
+                         f"folder (runs/<run>/final is one)")
 
 
 def load_model(args, task, device, dtype):
@@ -476,7 +516,9 @@ def make_engine(args, model_path: str, tokenizer, device, dtype, max_len: int) -
         return Engine("hf", None, eos, pad)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: weights reachable
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, CPU backend only
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not an INFO line per push; the push check reads warnings
+    # vLLM's console: errors only (its start-up hints, NUMA, LD_PRELOAD, set_num_threads, are not the user's to act
+    # on) unless --verbose; load_into_vllm still reads its warnings during a push
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if args.verbose else "ERROR")
     from vllm import LLM
     cuda = device.type == "cuda"
     saved = rng_state()  # the in-process worker reseeds Python/NumPy/torch RNGs when it starts
@@ -625,10 +667,11 @@ def load_into_vllm(engine: Engine, weights) -> None:
     llm = engine.llm
     capture = _CaptureWarnings()
     vlog = logging.getLogger("vllm")
-    console = [(h, h.level) for h in vlog.handlers]
+    console, level = [(h, h.level) for h in vlog.handlers], vlog.level
     for h, _ in console:  # vLLM's own "Failed to load" lines are read below, not printed every step
         h.setLevel(logging.ERROR)
     vlog.addHandler(capture)
+    vlog.setLevel(logging.WARNING)  # even when its console shows errors only
     try:
         if _has_weights_iterator(llm):  # vLLM >= 0.16: reload in place from an iterator
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
@@ -636,8 +679,9 @@ def load_into_vllm(engine: Engine, weights) -> None:
             llm.apply_model(lambda m: m.load_weights(iter(weights)))
     finally:
         vlog.removeHandler(capture)
-        for h, level in console:
-            h.setLevel(level)
+        vlog.setLevel(level)
+        for h, h_level in console:
+            h.setLevel(h_level)
     if engine.tied:  # re-tie shared tensors (e.g. lm_head = embed_tokens) that the reload split apart
         llm.apply_model(lambda m: _retie(m, engine.tied))
     # vLLM reports layers it could not fill; rotary caches hold no weights and tied heads were re-tied
@@ -716,6 +760,65 @@ def default_sampler_diff_tol(dtype) -> float:
     fp32 engines agree to ~1e-7 (HF and vLLM on CPU); in bf16 vLLM and the trainer differed by 1.4e-3
     here (CPU, tiny model), more with GPU kernels and long completions; stale weights by 0.1 and up."""
     return 1e-3 if dtype == torch.float32 else 0.1
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN or infinite reward, loss or gradient norm, with --on_nonfinite stop."""
+
+
+def check_rewards(rewards, examples: list, group_size: int, step: int, on_nonfinite: str) -> None:
+    """Every reward finite, or the run stops naming the first bad one (its prompt and value); with
+    --on_nonfinite skip a warning names it, and the step's update is skipped by the gradient guard (a NaN
+    reward makes its group's advantages, the loss and the gradient NaN). Every rank decides alike."""
+    bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
+    if not all_sum(len(bad)):
+        return
+    msg = f"step {step}: a non-finite reward on another rank"
+    if bad:
+        k = bad[0]
+        msg = (f"step {step}: {len(bad)} non-finite reward(s), the first {rewards[k].item()} for completion "
+               f"{k % group_size + 1} of prompt {examples[k // group_size]['prompt'][:80]!r} (from the task's reward, "
+               f"--format_weight or the overlong penalty)")
+    if on_nonfinite == "stop":
+        raise NonFiniteError(f"{msg}; stopped (--on_nonfinite skip would skip the update)")
+    print(f"warning: {msg}; the update of this step is skipped", file=sys.stderr)
+
+
+def nonfinite(value: float, what: str, step: int, on_nonfinite: str) -> bool:
+    """True when `value` (the same on every rank: a global norm or sum) is NaN or infinite and --on_nonfinite
+    is skip (the caller skips the update); raises NonFiniteError with --on_nonfinite stop. False if finite."""
+    if math.isfinite(value):
+        return False
+    msg = f"step {step}: the {what} is {value}"
+    if on_nonfinite == "stop":
+        raise NonFiniteError(f"{msg}; stopped before the optimizer step, so the weights and the last checkpoint "
+                             f"are finite (lower --lr, keep --grad_clip on; --on_nonfinite skip skips such updates)")
+    if rank() == 0:
+        print(f"warning: {msg}; this update is skipped (--on_nonfinite skip)", file=sys.stderr)
+    return True
+
+
+def warn_on_collapse(run, metrics: dict, steps: int = 5) -> None:
+    """Warn once per streak when the policy has had no gradient, or an entropy at its floor, for `steps`
+    steps in a row: a collapsed policy (an --lr far too high) or a reward that never varies trains on and
+    learns nothing, silently."""
+    quiet = metrics["grad_norm"] < 1e-12 or metrics["entropy"] < 1e-4
+    run.quiet_steps = run.quiet_steps + 1 if quiet else 0
+    if run.quiet_steps == steps and rank() == 0:
+        print(f"warning: step {run.step}: no learning signal for {steps} steps (grad_norm {metrics['grad_norm']:.3g}, "
+              f"entropy {metrics['entropy']:.3g}, reward/mean {metrics['reward/mean']:.3g}): the policy may have "
+              f"collapsed (--lr {run.args.lr} too high?) or every group's rewards are equal", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def user_errors():
+    """A train_*.py entry point: bad data and non-finite values end in one line naming the problem and
+    exit status 2, not a traceback (a traceback is for our bugs)."""
+    try:
+        yield
+    except (rewards.DataError, NonFiniteError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def check_sampler_diff(diff: float, step: int, tol: float) -> None:
@@ -924,8 +1027,7 @@ class RunLog:
             return
         for name in ("metrics.jsonl", "rollouts.jsonl"):  # a resumed run rewrites the steps after its checkpoint
             _truncate_metrics(os.path.join(run_dir, name), start_step)
-        with open(os.path.join(run_dir, "config.json"), "w") as f:
-            json.dump(dataclasses.asdict(args), f, indent=2)
+        _atomic_write_text(os.path.join(run_dir, "config.json"), json.dumps(dataclasses.asdict(args), indent=2))
         if args.wandb:
             import wandb
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
@@ -934,6 +1036,8 @@ class RunLog:
         from tqdm import tqdm
         self.bar = tqdm(total=total, initial=start_step, dynamic_ncols=True, disable=not sys.stderr.isatty()
                         and not os.environ.get("RLMINI_PROGRESS"))
+        self.print_every = 0 if not self.bar.disable else args.print_every  # no terminal: a line every N steps
+        self.start, self.start_step, self.total = time.perf_counter(), start_step, total
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.rank0:
@@ -946,6 +1050,9 @@ class RunLog:
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(reward=f"{row.get('reward/mean', float('nan')):.3f}")
+        if self.print_every and (step % self.print_every == 0 or step == self.total):
+            print(progress_line(step, self.total, row, (time.perf_counter() - self.start) / (step - self.start_step)),
+                  flush=True)
 
     def completions(self, step: int, rows: list) -> None:
         """rows (dicts, one per completion) to rollouts.jsonl and, with wandb, a Table keyed by the step."""
@@ -988,17 +1095,48 @@ def log_completions(run, examples: list, rollouts: Rollouts, rewards, correct, f
     run.log.completions(run.step, all_gather_objects(rows))
 
 
+def progress_line(step: int, total: int, row: dict, seconds_per_step: float) -> str:
+    """One compact line for logs without a terminal: step, the key metrics, time per step and ETA."""
+    keys = [("reward/mean", "reward"), ("reward/correct", "correct"), ("len/mean", "len"), ("entropy", "entropy"),
+            ("kl", "kl"), ("grad_norm", "grad"), ("eval/pass@1", "eval pass@1")]
+    parts = [f"{name} {row[k]:.3g}" for k, name in keys if k in row and math.isfinite(row[k])]
+    eta = datetime.timedelta(seconds=round(seconds_per_step * (total - step)))
+    return f"step {step}/{total} | " + " | ".join(parts) + f" | {seconds_per_step:.2f} s/step | ETA {eta}"
+
+
 def _truncate_metrics(path: str, start_step: int) -> None:
+    """Keep the rows of steps up to start_step (a resumed run rewrites the later ones). A torn last line
+    (a crash in the middle of a write) is dropped; a bad line before it stops the run, naming it."""
     if not os.path.exists(path):
         return
     with open(path) as f:
-        rows = [line for line in f if line.strip() and json.loads(line)["step"] <= start_step]
+        lines = f.read().splitlines()
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                print(f"{path}: dropped a torn last line (line {i + 1}, a crash during a write)", file=sys.stderr)
+                continue
+            raise SystemExit(f"{path}: line {i + 1} is not JSON: the file was edited or damaged") from None
+        if row["step"] <= start_step:
+            rows.append(line + "\n")
     _atomic_write_text(path, "".join(rows))
 
 
 def read_metrics(path: str) -> list:
+    """The rows of a metrics.jsonl (or rollouts.jsonl); DataError naming the file and line of a bad one."""
+    rows = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for i, line in enumerate(f, 1):
+            try:
+                rows.append(json.loads(line)) if line.strip() else None
+            except json.JSONDecodeError as e:
+                raise rewards.DataError(f"{path}: line {i}: not JSON ({e.msg})") from None
+    return rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1018,10 +1156,15 @@ def save_checkpoint(path: str, state: dict) -> None:
     """Write to a temporary file, fsync, then rename over the old one: an interrupted save
     leaves the previous checkpoint intact."""
     tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:  # disk full, quota, I/O error: say so in one line; the previous file is untouched
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise SystemExit(f"could not write {path} ({e.strerror or e}); the previous checkpoint is intact") from None
     os.replace(tmp, path)
 
 
@@ -1107,10 +1250,92 @@ class Run:
     data_pos: int = 0
     algo_state: dict = field(default_factory=dict)
     resumed: dict = field(default_factory=dict)  # after --resume: the checkpoint (torchrun: its meta.pt)
+    algo: str = ""          # the script's algorithm ("grpo", ...), stored in checkpoints
+    quiet_steps: int = 0    # consecutive steps without entropy or gradient (warn_on_collapse)
 
 
 def lr_lambda(warmup: int):
     return lambda k: min(1.0, (k + 1) / warmup) if warmup > 0 else 1.0
+
+
+# what a finished or running run leaves in its folder; --overwrite removes them
+RUN_FILES = ("metrics.jsonl", "rollouts.jsonl", "config.json", "eval.json", "checkpoint.pt", "checkpoint",
+             "checkpoint.old", "checkpoint.tmp", "final")
+# options a resumed run may change freely: how it is run, logged and checked, not what it learns
+RESUMABLE_CHANGES = {"steps", "resume", "out_dir", "run_name", "config", "overwrite", "allow_option_changes",
+                     "eval_every", "eval_n", "eval_limit", "save_every", "wandb", "wandb_project", "log_completions",
+                     "push_check_every", "push_check_tol", "sampler_diff_tol", "dist_timeout", "on_nonfinite",
+                     "micro_batch_size", "gradient_checkpointing", "engine", "vllm_gpu_memory_utilization",
+                     "vllm_sleep", "print_every", "verbose"}
+
+
+def prepare_run_dir(args, algo: str) -> str:
+    """The run's folder, checked before anything is written: --resume needs a checkpoint there; without it
+    an existing run is refused unless --overwrite (then its files are removed). Rank 0 then takes a lock
+    on the folder for the life of the process (released on exit, a crash included)."""
+    run_dir = os.path.join(args.out_dir, args.run_name)
+    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        raise SystemExit(f"--out_dir {args.out_dir}: is a file, not a folder")
+    found = [f for f in RUN_FILES if os.path.exists(os.path.join(run_dir, f))]
+    checkpoints = [f for f in ("checkpoint.pt", "checkpoint", "checkpoint.old") if f in found]
+    if args.resume and not checkpoints:
+        raise SystemExit(f"--resume true: no checkpoint in {run_dir} (checkpoint.pt, or checkpoint/ under torchrun)")
+    if found and not args.resume and not args.overwrite:
+        raise SystemExit(f"{run_dir} already holds a run ({', '.join(found)}): pass --resume true to continue it, "
+                         f"--overwrite true to replace it, or another --run_name")
+    if _distributed():  # a later run in the same torchrun process: every rank has looked before rank 0 writes
+        torch.distributed.barrier()
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+    except OSError as e:  # --out_dir under a file, no permission, ...
+        raise SystemExit(f"--out_dir {args.out_dir}: cannot create {run_dir} ({e.strerror})") from None
+    if rank() == 0:
+        lock_run_dir(run_dir)
+        if args.overwrite and not args.resume:
+            for f in found:
+                path = os.path.join(run_dir, f)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    return run_dir
+
+
+_LOCKS = {}  # run folder -> the open lock file this process holds
+
+
+def lock_run_dir(run_dir: str) -> None:
+    """An exclusive POSIX lock on run_dir/.lock: a second process training into the same folder stops at
+    once. POSIX locks belong to the process (a resumed run in the same process takes it again) and the
+    system drops them when the process ends, however it ends: a crash leaves no stale lock."""
+    import fcntl
+    path = os.path.join(os.path.abspath(run_dir), ".lock")
+    if path in _LOCKS:
+        return
+    f = open(path, "a+")
+    try:
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise SystemExit(f"{run_dir} is in use by another training process (pid {holder}, lock {path}): "
+                         f"wait for it to finish or choose another --run_name") from None
+    f.seek(0), f.truncate(), f.write(str(os.getpid())), f.flush()
+    _LOCKS[path] = f
+
+
+def check_resumed_options(saved: dict, args, algo: str, run_dir: str) -> None:
+    """A resumed run continues the same experiment: the same algorithm, and the same options but for those
+    in RESUMABLE_CHANGES (unless --allow_option_changes; the changes are printed either way)."""
+    if saved.get("algo", algo) != algo:
+        raise SystemExit(f"--resume: {run_dir} was trained by train_{saved['algo']}.py, not train_{algo}.py; "
+                         f"resume it with train_{saved['algo']}.py or start a new run (another --run_name)")
+    now = dataclasses.asdict(args)
+    changed = [f"--{k} {saved['args'][k]!r} -> {now[k]!r}" for k in sorted(now)
+               if k in saved.get("args", {}) and k not in RESUMABLE_CHANGES and saved["args"][k] != now[k]]
+    if changed and not args.allow_option_changes:
+        raise SystemExit(f"--resume: options differ from the checkpoint's in {run_dir}: {'; '.join(changed)}. "
+                         f"Pass --allow_option_changes true to continue with them anyway")
+    if changed:
+        print(f"--resume with changed options (--allow_option_changes): {'; '.join(changed)}", file=sys.stderr)
 
 
 def setup(args, algo: str) -> Run:
@@ -1120,8 +1345,6 @@ def setup(args, algo: str) -> Run:
     if not args.run_name:
         model_tag = os.path.basename(args.model.rstrip("/"))
         args.run_name = f"{algo}-{args.task.split(':')[0]}-{model_tag}-s{args.seed}"
-    run_dir = os.path.join(args.out_dir, args.run_name)
-    os.makedirs(run_dir, exist_ok=True)
     style = prompt_style(args.model)
     task = rewards.load_task(args.task, style=style, seed=args.seed, brier=args.brier, jsonl_reward=args.jsonl_reward)
     if args.decontaminate:
@@ -1129,14 +1352,30 @@ def setup(args, algo: str) -> Run:
         if not task.train:
             raise SystemExit(f"--decontaminate {args.decontaminate}: every training prompt overlaps the held-out split")
         print(f"decontaminate: dropped {dropped} training prompts sharing a {args.decontaminate}-gram with the test split")
+    run_dir = prepare_run_dir(args, algo)  # after the data loaded: a bad --task leaves no folder behind
     model_path(args.model, task)  # builds the tiny model on first use, before torch.distributed starts
     device, dtype = setup_device(args)
     model, tokenizer, path = load_model(args, task, device, dtype)
     args.push_check_tol = args.push_check_tol or default_push_tol(dtype)
     args.sampler_diff_tol = args.sampler_diff_tol or default_sampler_diff_tol(dtype)
     max_new = args.max_new_tokens or task.max_new_tokens
-    max_prompt = max(len(p) for p in encode_prompts(tokenizer, [e["prompt"] for e in task.train[:256]], style == "chat"))
-    max_len = min(getattr(model.config, "max_position_embeddings", 4096), max_prompt * 2 + max_new + 8)
+    context = getattr(model.config, "max_position_embeddings", 4096)
+    max_prompt = 0
+    for split in ("train", "test"):  # a prompt that leaves no room for the completion is dropped, and counted
+        examples = getattr(task, split)
+        lengths = [len(p) for p in encode_prompts(tokenizer, [e["prompt"] for e in examples], style == "chat")]
+        fits = [n + max_new <= context for n in lengths]
+        if not any(fits):
+            raise SystemExit(f"--task {args.task}: every {split} prompt is longer than the model's context ({context} "
+                             f"tokens) less --max_new_tokens {max_new}")
+        if not all(fits):
+            first = fits.index(False)
+            print(f"--task {args.task}: dropped {fits.count(False)} of {len(fits)} {split} prompts longer than the "
+                  f"model's context ({context} tokens) less --max_new_tokens {max_new}; the first, #{first + 1} "
+                  f"({lengths[first]} tokens): {examples[first]['prompt'][:60]!r}", file=sys.stderr)
+            setattr(task, split, [e for e, ok in zip(examples, fits) if ok])
+        max_prompt = max(max_prompt, max(n for n, ok in zip(lengths, fits) if ok))
+    max_len = min(context, max_prompt * 2 + max_new + 8)
     model = shard_model(model, dtype)  # torchrun: FSDP2 over the ranks
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup))
@@ -1145,10 +1384,11 @@ def setup(args, algo: str) -> Run:
     probe = (probe_prompt, [3 + (7 * i) % max(1, len(tokenizer) - 3) for i in range(min(8, max_new))])
     engine = make_engine(args, path, tokenizer, device, dtype, max_len)
     run = Run(args, run_dir, device, dtype, task, model, tokenizer, path, engine, optimizer, scheduler, None,
-              max_new, probe, style)
+              max_new, probe, style, algo=algo)
     if args.resume:
         run.resumed = load_checkpoint(os.path.join(sharded_checkpoint_dir(run_dir), "meta.pt") if _distributed()
                                       else os.path.join(run_dir, "checkpoint.pt"))
+        check_resumed_options(run.resumed, args, algo, run_dir)
         restore(run, "policy", model, optimizer)
         scheduler.load_state_dict(run.resumed["scheduler"])
         run.step, run.data_pos, run.algo_state = run.resumed["step"], run.resumed["data_pos"], run.resumed["algo_state"]
@@ -1166,7 +1406,12 @@ def checkpoint(run: Run) -> None:
     pairs = {k: v for k, v in run.algo_state.items() if isinstance(v, tuple)}
     meta = {"scheduler": run.scheduler.state_dict(), "rng": rng_state(), "step": run.step, "data_pos": run.data_pos,
             "algo_state": {k: v for k, v in run.algo_state.items() if k not in pairs},
-            "args": dataclasses.asdict(run.args)}
+            "args": dataclasses.asdict(run.args), "algo": run.algo}
+    shards = [p.to_local() if hasattr(p, "to_local") else p for p in run.model.parameters()]  # FSDP2: this rank's
+    bad = all_sum(sum(int((~torch.isfinite(p.detach())).sum()) for p in shards))  # over every rank's shards
+    if bad:
+        raise NonFiniteError(f"step {run.step}: the policy holds {int(bad)} non-finite weights; no checkpoint was "
+                             f"written (the last one is intact)")
     if _distributed():
         from torch.distributed.checkpoint.state_dict import get_state_dict
         state = {}

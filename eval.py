@@ -153,7 +153,7 @@ def reliability_diagram(curves: dict, path: str, n_bins: int = 10) -> None:
 # ---------------------------------------------------------------------------------------------- verifier audit (contamination: rewards.py)
 
 
-def verifier_audit(score, rows: list, source: str = "audit") -> dict:
+def verifier_audit(score, rows: list, source: str = "audit", lines=None) -> dict:
     """A reward function `score(completion, example, finished)` against human labels. rows: {completion, answer, label}; label 1 =
     the completion is correct. Recall = share of human-correct rows the verifier accepts ("GRPO for Reasoning-Model Post-Training", 2026:
     rule-based verifiers missed 14%), precision = share of accepted rows that are correct."""
@@ -162,9 +162,9 @@ def verifier_audit(score, rows: list, source: str = "audit") -> dict:
     for i, row in enumerate(rows):
         for key in ("completion", "answer", "label"):
             if key not in row:
-                raise rewards.DataError(f"{source}: row {i}: missing field '{key}' (has: {sorted(row)})")
+                raise rewards.DataError(f"{source}: {rewards.where(lines, i)}: missing field '{key}' (has: {sorted(row)})")
         if row["label"] not in (0, 1, True, False):
-            raise rewards.DataError(f"{source}: row {i}: label must be 0 or 1 (got {row['label']!r})")
+            raise rewards.DataError(f"{source}: {rewards.where(lines, i)}: label must be 0 or 1 (got {row['label']!r})")
         verdict = score(str(row["completion"]), {"answer": row["answer"]}, True).correct >= 1.0
         human = bool(row["label"])
         tp += verdict and human
@@ -172,7 +172,7 @@ def verifier_audit(score, rows: list, source: str = "audit") -> dict:
         fn += (not verdict) and human
         tn += (not verdict) and not human
         if verdict != human:
-            disagree.append({"row": i, "verifier": int(verdict), "human": int(human), **row})
+            disagree.append({"row": rewards.where(lines, i), "verifier": int(verdict), "human": int(human), **row})
     return {"rows": len(rows), "recall": tp / (tp + fn) if tp + fn else float("nan"),
             "precision": tp / (tp + fp) if tp + fp else float("nan"), "tp": tp, "fp": fp, "fn": fn, "tn": tn,
             "disagreements": disagree}
@@ -301,7 +301,15 @@ def cmd_evaluate(argv) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="output folder (default runs/eval-<model>-<task>)")
     a = p.parse_args(argv)
-    ks = sorted({int(k) for k in a.k.split(",")})
+    for flag, value, low in (("--n", a.n, 1), ("--limit", a.limit, 0), ("--max_new_tokens", a.max_new_tokens, 0)):
+        if value < low:
+            raise SystemExit(f"{flag} {value}: must be >= {low}")
+    if not a.temperature > 0:
+        raise SystemExit(f"--temperature {a.temperature}: must be > 0")
+    try:
+        ks = sorted({int(k) for k in a.k.split(",")})
+    except ValueError:
+        raise SystemExit(f"--k {a.k}: a comma-separated list of integers, e.g. 1,4,16") from None
     if not ks or min(ks) < 1 or max(ks) > a.n:
         raise SystemExit(f"--k {a.k}: every k must lie in 1..--n ({a.n})")
     if a.engine == "vllm":
@@ -371,10 +379,11 @@ def cmd_compare(argv) -> dict:
         path = os.path.join(r, "metrics.jsonl")
         if not os.path.exists(path):
             raise SystemExit(f"compare: {path}: file not found")
-        try:
-            data[os.path.basename(r.rstrip("/"))] = common.read_metrics(path)
-        except (json.JSONDecodeError, KeyError) as e:
-            raise SystemExit(f"compare: {path}: not a metrics.jsonl ({e})") from None
+        rows = common.read_metrics(path)  # DataError naming a bad line
+        missing = next((i + 1 for i, row in enumerate(rows) if not isinstance(row, dict) or "step" not in row), None)
+        if missing:
+            raise SystemExit(f"compare: {path}: row {missing} has no 'step': not a metrics.jsonl")
+        data[os.path.basename(r.rstrip("/"))] = rows
     rows = []
     for name, m in data.items():
         row = {"run": name, "steps": m[-1]["step"] if m else 0}
@@ -428,11 +437,12 @@ def cmd_audit(argv) -> dict:
     p.add_argument("--file", required=True, help="JSONL: {completion, answer, label (1 = correct)} per line")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
-    result = verifier_audit(rewards.JSONL_REWARDS[a.reward], rewards.read_jsonl(a.file), a.file)
+    rows, lines = rewards.read_jsonl_numbered(a.file)
+    result = verifier_audit(rewards.JSONL_REWARDS[a.reward], rows, a.file, lines)
     return _report(a.out, "audit.json", result,
                    f"{a.file}: {result['rows']} rows, recall {result['recall']:.3f}, precision {result['precision']:.3f}, "
                    f"{len(result['disagreements'])} disagreements",
-                   [f"row {d['row']}: verifier {d['verifier']} human {d['human']}: {str(d['completion'])[:100]!r}"
+                   [f"{d['row']}: verifier {d['verifier']} human {d['human']}: {str(d['completion'])[:100]!r}"
                     for d in result["disagreements"]])
 
 
@@ -442,6 +452,8 @@ def cmd_contamination(argv) -> dict:
     p.add_argument("--ngram", type=int, default=13)
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
+    if a.ngram < 1:
+        raise SystemExit(f"--ngram {a.ngram}: must be >= 1 (a 0-gram is in every prompt)")
     task = rewards.load_task(a.task, style="chat")
     result = rewards.ngram_overlap([e["prompt"] for e in task.train], [e["prompt"] for e in task.test], a.ngram)
     return _report(a.out, "contamination.json", result,
@@ -463,10 +475,7 @@ def cmd_completions(argv) -> dict:
     path = os.path.join(a.run, "rollouts.jsonl")
     if not os.path.exists(path):
         raise SystemExit(f"completions: {path}: file not found (train with --log_completions N to write it)")
-    try:
-        rows = common.read_metrics(path)
-    except json.JSONDecodeError as e:
-        raise SystemExit(f"completions: {path}: line {e.lineno}: not JSON ({e.msg})") from None
+    rows = common.read_metrics(path)  # DataError naming a bad line
     step = a.step or max((r["step"] for r in rows), default=0)
     chosen = sorted((r for r in rows if r["step"] == step), key=lambda r: r[a.by])
     if not chosen:

@@ -248,69 +248,89 @@ def ordinal_task(style: str, seed: int, n_test: int = 10) -> Task:
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 
-def _require(row: dict, keys: tuple, source: str, i: int) -> None:
+def where(lines, i: int) -> str:
+    """Where row i came from: its 1-based line in the file (`lines` from read_jsonl_numbered), else its
+    1-based position (hub datasets)."""
+    return f"line {lines[i]}" if lines else f"row {i + 1}"
+
+
+def _require(row: dict, keys: tuple, source: str, at: str) -> None:
     if not isinstance(row, dict):
-        raise DataError(f"{source}: row {i}: expected an object, got {type(row).__name__}")
+        raise DataError(f"{source}: {at}: expected an object, got {type(row).__name__}")
     for k in keys:
         if k not in row:
-            raise DataError(f"{source}: row {i}: missing field '{k}' (has: {sorted(row)})")
+            raise DataError(f"{source}: {at}: missing field '{k}' (has: {sorted(row)})")
         if not isinstance(row[k], (str, int, float)) or str(row[k]).strip() == "":
-            raise DataError(f"{source}: row {i}: field '{k}' is empty or not text")
+            raise DataError(f"{source}: {at}: field '{k}' is empty or not text")
 
 
-def parse_gsm8k_rows(rows, source: str) -> list:
+def parse_gsm8k_rows(rows, source: str, lines=None) -> list:
     """GSM8K rows {question, answer: '... #### 72'} -> examples with the final number."""
     out = []
     for i, row in enumerate(rows):
-        _require(row, ("question", "answer"), source, i)
+        _require(row, ("question", "answer"), source, where(lines, i))
         if "####" not in row["answer"]:
-            raise DataError(f"{source}: row {i}: answer has no '#### <number>' final line")
+            raise DataError(f"{source}: {where(lines, i)}: answer has no '#### <number>' final line")
         final = row["answer"].split("####")[-1].strip().replace(",", "")
         if not final:
-            raise DataError(f"{source}: row {i}: empty final answer after '####'")
+            raise DataError(f"{source}: {where(lines, i)}: empty final answer after '####'")
         out.append({"prompt": f"{row['question']}\n{MATH_INSTRUCTION}", "answer": final})
     return out
 
 
-def parse_math_rows(rows, source: str) -> list:
+def parse_math_rows(rows, source: str, lines=None) -> list:
     """MATH rows {problem, solution with \\boxed{}} (or an explicit 'answer' field)."""
     out = []
     for i, row in enumerate(rows):
-        _require(row, ("problem",), source, i)
+        _require(row, ("problem",), source, where(lines, i))
         answer = row.get("answer")
         if answer is None:
-            _require(row, ("solution",), source, i)
+            _require(row, ("solution",), source, where(lines, i))
             answer = last_boxed(row["solution"])
             if answer is None:
-                raise DataError(f"{source}: row {i}: solution has no \\boxed{{}} answer")
+                raise DataError(f"{source}: {where(lines, i)}: solution has no \\boxed{{}} answer")
         out.append({"prompt": f"{row['problem']}\n{MATH_INSTRUCTION}", "answer": str(answer)})
     return out
 
 
-def parse_jsonl_rows(rows, source: str) -> list:
+def parse_jsonl_rows(rows, source: str, lines=None) -> list:
     """A user's own file: one {"prompt": ..., "answer": ...} object per line."""
     out = []
     for i, row in enumerate(rows):
-        _require(row, ("prompt", "answer"), source, i)
+        _require(row, ("prompt", "answer"), source, where(lines, i))
         out.append({"prompt": str(row["prompt"]), "answer": row["answer"]})
     return out
 
 
-def read_jsonl(path: str) -> list:
+def read_jsonl_numbered(path: str) -> tuple[list, list]:
+    """(objects, their 1-based line numbers) of the non-blank lines of a UTF-8 JSONL file; DataError naming
+    the file and the line on any problem."""
+    if os.path.isdir(path):
+        raise DataError(f"{path}: is a folder, not a JSONL file")
     if not os.path.exists(path):
         raise DataError(f"{path}: file not found")
-    rows = []
-    with open(path) as f:
-        for i, line in enumerate(f):
+    rows, lines = [], []
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}: line {i}: not UTF-8 text (byte {e.start} of the line, "
+                                f"{raw[e.start:e.start + 1]!r})") from None
             if not line.strip():
                 continue
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}: row {i}: not valid JSON ({e.msg})") from None
+                raise DataError(f"{path}: line {i}: not valid JSON ({e.msg})") from None
+            lines.append(i)
     if not rows:
         raise DataError(f"{path}: no rows")
-    return rows
+    return rows, lines
+
+
+def read_jsonl(path: str) -> list:
+    return read_jsonl_numbered(path)[0]
 
 
 def _hub_rows(path: str, name: str | None, split: str) -> list:
@@ -318,13 +338,14 @@ def _hub_rows(path: str, name: str | None, split: str) -> list:
     return list(load_dataset(path, name, split=split))
 
 
-def _rows(local: str | None, hub: tuple, split: str) -> tuple[list, str]:
-    """Rows from a local file (offline) or from the hub (the real thing users run)."""
+def _rows(local: str | None, hub: tuple, split: str) -> tuple[list, str, list | None]:
+    """(rows, source, line numbers or None) from a local file (offline) or from the hub (the real thing users run)."""
     if local:
         path = local.replace("{split}", split)
-        return read_jsonl(path), path
+        rows, lines = read_jsonl_numbered(path)
+        return rows, path, lines
     path, name, hub_split = hub
-    return _hub_rows(path, name, hub_split[split]), f"{path}[{hub_split[split]}]"
+    return _hub_rows(path, name, hub_split[split]), f"{path}[{hub_split[split]}]", None
 
 
 GSM8K_HUB = ("openai/gsm8k", "main", {"train": "train", "test": "test"})
@@ -348,12 +369,15 @@ def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False
         return ordinal_task(style, seed)
     if name == "mixed":  # mixed[:HARD_FRAC]
         try:
-            return mixed_task(style, seed, float(local) if local else 0.5)
+            frac = float(local) if local else 0.5
         except ValueError:
-            raise DataError(f"--task {spec!r}: mixed takes the share of hard prompts, e.g. mixed:0.5") from None
+            frac = float("nan")
+        if not 0 <= frac <= 1:
+            raise DataError(f"--task {spec!r}: mixed takes the share of hard prompts in [0, 1], e.g. mixed:0.5")
+        return mixed_task(style, seed, frac)
     if name in ("gsm8k", "math"):
         hub, parse = (GSM8K_HUB, parse_gsm8k_rows) if name == "gsm8k" else (MATH_HUB, parse_math_rows)
-        splits = [parse(*_rows(local or None, hub, s)) for s in ("train", "test")]
+        splits = [parse(*_rows(local or None, hub, s)) for s in ("train", "test")]  # (rows, source, lines)
         return Task(name, "binary", splits[0], splits[1], score_boxed_math, pass_threshold=1.0,
                     alphabet=list(string.printable), max_new_tokens=512)
     if name == "jsonl":
@@ -361,11 +385,11 @@ def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False
             raise DataError("--task jsonl:PATH needs a path, e.g. jsonl:data/train.jsonl")
         if jsonl_reward not in JSONL_REWARDS:
             raise DataError(f"--jsonl_reward {jsonl_reward!r}: choose one of {sorted(JSONL_REWARDS)}")
-        rows = parse_jsonl_rows(read_jsonl(local), local)
+        rows = parse_jsonl_rows(*_rows(local, None, "train"))
         root, ext = os.path.splitext(local)
         test_path = f"{root}.test{ext}"
         if os.path.exists(test_path):
-            train, test = rows, parse_jsonl_rows(read_jsonl(test_path), test_path)
+            train, test = rows, parse_jsonl_rows(*_rows(test_path, None, "test"))
         else:
             n_test = max(1, len(rows) // 10)
             train, test = rows[:-n_test] or rows, rows[-n_test:]

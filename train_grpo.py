@@ -179,6 +179,7 @@ def main(argv=None):
             rewards = rewards + args.format_weight * fmt  # optional format bonus, in the reward only
             rewards = rewards + common.overlong_penalty(rollouts, run.max_new_tokens, args.overlong_buffer,
                                                        args.overlong_penalty)  # DAPO eq. 13, reward only
+            common.check_rewards(rewards, examples, args.group_size, run.step + 1, args.on_nonfinite)  # NaN/inf: stop or skip
             first_round = first_round if rounds else (rewards, correct, fmt)  # reward/* logs the policy's own rate
             groups = common.split_groups(examples, rollouts, rewards, correct, fmt, args.group_size)
             same = [g for g in groups if g.correct.min() == g.correct.max()]  # on the raw outcome, not the reward
@@ -230,7 +231,7 @@ def main(argv=None):
 
         sums = {"loss/policy": 0.0, "clip_frac": 0.0, "kl": 0.0, "kl/old": 0.0, "entropy": 0.0,
                 "logprob/sampler_diff": 0.0, "is/mean": 0.0, "is/clip_frac": 0.0, "is/kl": 0.0}
-        n_opt_steps, tokens_seen, grad_norm_sum = 0, 0.0, 0.0
+        n_opt_steps, n_skipped, tokens_seen, grad_norm_sum = 0, 0, 0.0, 0.0
         shuffle = torch.Generator().manual_seed(args.seed * 1_000_003 + run.step)  # a function of the step: resumable
         for epoch in range(args.updates_per_rollout):
             perm = torch.randperm(B, generator=shuffle)
@@ -270,6 +271,10 @@ def main(argv=None):
                         for key, name in (("w", "is/mean"), ("changed", "is/clip_frac"), ("kl", "is/kl")):
                             sums[name] += (is_stats[key] * mask).sum().item()
                 grad_norm = common.clip_grad_norm(model, args.grad_clip)  # over every rank's shard
+                if common.nonfinite(grad_norm, "gradient norm", run.step + 1, args.on_nonfinite):  # stop, or skip
+                    run.optimizer.zero_grad(set_to_none=True)
+                    n_skipped += 1
+                    continue
                 run.optimizer.step()
                 run.scheduler.step()
                 run.optimizer.zero_grad(set_to_none=True)
@@ -281,6 +286,7 @@ def main(argv=None):
         totals = common.all_sum({**sums, "tokens": tokens_seen, "first_pass_tokens": float(lengths.sum())})  # all ranks
         sampler_diff = totals["logprob/sampler_diff"] / totals["first_pass_tokens"]
         common.check_sampler_diff(sampler_diff, run.step + 1, args.sampler_diff_tol)
+        common.nonfinite(totals["loss/policy"], "loss", run.step + 1, args.on_nonfinite)
 
         # ---- push: the updated weights into vLLM (wakes it; no-op for the HF engine), checked on a probe
         t0 = time.perf_counter()
@@ -307,19 +313,21 @@ def main(argv=None):
             "sampling/kept_zero_std": (trained.amax(1) == trained.amin(1)).float().mean().item(),
             "adv/mean": advantages_all.mean().item(), "adv/abs_mean": advantages_all.abs().mean().item(),
             "adv/failed_pos_frac": (advantages_all[failed] > 0).float().mean().item() if failed.any() else float("nan"),
-            "loss/policy": totals["loss/policy"] / n_opt_steps,
+            "loss/policy": totals["loss/policy"] / (n_opt_steps + n_skipped), "nonfinite/skipped": n_skipped,
             "kl": totals["kl"] / totals["tokens"] if ref_model is not None else float("nan"),
             "kl/old": totals["kl/old"] / totals["tokens"], "clip_frac": totals["clip_frac"] / totals["tokens"],
             "entropy": totals["entropy"] / totals["first_pass_tokens"], "logprob/sampler_diff": sampler_diff,
             "is/mean": totals["is/mean"] / totals["first_pass_tokens"],
             "is/clip_frac": totals["is/clip_frac"] / totals["first_pass_tokens"],
             "is/kl": totals["is/kl"] / totals["first_pass_tokens"],
-            "grad_norm": grad_norm_sum / n_opt_steps, "lr": run.scheduler.get_last_lr()[0], "entropy/threshold": tau,
+            "grad_norm": grad_norm_sum / n_opt_steps if n_opt_steps else float("nan"),  # NaN: every update skipped
+            "lr": run.scheduler.get_last_lr()[0], "entropy/threshold": tau,
             "len/mean": lengths_all.mean().item(), "len/truncated": 1.0 - finished_all.mean().item(),
             "time/rollout": time_rollout, "time/update": time_update, "time/push": time_push,  # this rank's (rank 0 logs)
             "perf/tokens_per_s": totals["first_pass_tokens"] / (time.perf_counter() - step_start),  # all ranks
         }
         metrics.update(hadw_info if args.hadw else {})
+        common.warn_on_collapse(run, metrics)  # no gradient or no entropy for several steps in a row
         common.log_completions(run, examples, rollouts, rewards, correct, fmt, advantages, args.log_completions)
         # ---- evaluation (the engine holds the weights just pushed and stays awake for the next rollout)
         if args.eval_every and (run.step % args.eval_every == 0 or run.step == args.steps):
@@ -333,4 +341,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    with common.user_errors():  # bad data, a NaN: one line naming it (exit 2), no traceback
+        main()

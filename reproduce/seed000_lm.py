@@ -38,7 +38,7 @@ def run_one(algo: str, seed: int, a, threads: int) -> dict:
            "--steps", str(a.steps), "--prompts_per_step", str(a.prompts_per_step), "--group_size", str(a.group_size),
            "--lr", str(a.lr), "--seed", str(seed), "--eval_every", str(a.steps), "--eval_n", str(a.eval_n),
            "--eval_limit", str(a.eval_limit), "--save_every", str(a.steps), "--out_dir", a.out, "--run_name", name,
-           "--wandb", "false", *flags]
+           "--overwrite", "true", "--wandb", "false", *flags]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)

@@ -143,13 +143,13 @@ def test_verifier_audit_counts_a_planted_miss():
     out = ev.verifier_audit(rewards.score_boxed_math, rows)
     assert (out["tp"], out["fn"], out["fp"], out["tn"]) == (2, 1, 0, 1)
     assert out["recall"] == pytest.approx(2 / 3) and out["precision"] == 1.0
-    assert [d["row"] for d in out["disagreements"]] == [1]
+    assert [d["row"] for d in out["disagreements"]] == ["row 2"]
 
 
 def test_verifier_audit_names_bad_rows():
-    with pytest.raises(rewards.DataError, match="audit: row 0: missing field 'label'"):
+    with pytest.raises(rewards.DataError, match="audit: row 1: missing field 'label'"):
         ev.verifier_audit(rewards.score_exact, [{"completion": "x", "answer": "x"}])
-    with pytest.raises(rewards.DataError, match="row 0: label must be 0 or 1"):
+    with pytest.raises(rewards.DataError, match="row 1: label must be 0 or 1"):
         ev.verifier_audit(rewards.score_exact, [{"completion": "x", "answer": "x", "label": "yes"}])
 
 
@@ -192,10 +192,15 @@ def test_cli_audit_and_contamination(tmp_path):
 
 @pytest.mark.parametrize("argv,message", [
     (["audit", "--file", "missing.jsonl"], "missing.jsonl: file not found"),
-    (["audit", "--file", os.path.join(FIX, "own.jsonl")], "row 0: missing field 'completion'"),
+    (["audit", "--file", os.path.join(FIX, "own.jsonl")], "own.jsonl: line 1: missing field 'completion'"),
     (["compare", "no/such/run"], "no/such/run/metrics.jsonl: file not found"),
     (["--n", "2", "--k", "1,4"], "every k must lie in 1..--n"),
+    (["--k", "1,x"], "--k 1,x: a comma-separated list of integers"),  # was: a ValueError traceback
+    (["--limit", "-25"], "--limit -25: must be >= 0"),
+    (["compare", os.path.join(FIX, "nostep")], "row 1 has no 'step': not a metrics.jsonl"),  # was: KeyError
+    (["contamination", "--task", "addition", "--ngram", "0"], "--ngram 0: must be >= 1"),  # was: 100% contaminated
 ])
 def test_cli_bad_input_gives_a_clear_error(argv, message):
-    with pytest.raises(AssertionError, match=message):
+    with pytest.raises(AssertionError, match=message) as e:
         run_script("eval.py", argv)
+    assert "Traceback" not in str(e.value)

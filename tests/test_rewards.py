@@ -93,11 +93,11 @@ def test_own_jsonl_with_held_out_file_and_exact_reward():
 
 
 @pytest.mark.parametrize("spec,message", [
-    (f"gsm8k:{FIX}/gsm8k_bad.jsonl", r"gsm8k_bad.jsonl: row 1: answer has no '#### <number>'"),
-    (f"gsm8k:{FIX}/gsm8k_missing.jsonl", r"gsm8k_missing.jsonl: row 2: missing field 'question'"),
-    (f"gsm8k:{FIX}/gsm8k_badjson.jsonl", r"gsm8k_badjson.jsonl: row 1: not valid JSON"),
-    (f"math:{FIX}/math_bad.jsonl", r"math_bad.jsonl: row 1: solution has no \\boxed"),
-    (f"jsonl:{FIX}/own_bad.jsonl", r"own_bad.jsonl: row 1: field 'prompt' is empty"),
+    (f"gsm8k:{FIX}/gsm8k_bad.jsonl", r"gsm8k_bad.jsonl: line 2: answer has no '#### <number>'"),
+    (f"gsm8k:{FIX}/gsm8k_missing.jsonl", r"gsm8k_missing.jsonl: line 3: missing field 'question'"),
+    (f"gsm8k:{FIX}/gsm8k_badjson.jsonl", r"gsm8k_badjson.jsonl: line 2: not valid JSON"),
+    (f"math:{FIX}/math_bad.jsonl", r"math_bad.jsonl: line 2: solution has no \\boxed"),
+    (f"jsonl:{FIX}/own_bad.jsonl", r"own_bad.jsonl: line 2: field 'prompt' is empty"),
     (f"jsonl:{FIX}/nope.jsonl", r"nope.jsonl: file not found"),
     ("jsonl", r"needs a path"),
     ("sudoku", r"unknown task"),
@@ -105,6 +105,23 @@ def test_own_jsonl_with_held_out_file_and_exact_reward():
 def test_bad_input_names_file_and_row(spec, message):
     with pytest.raises(rewards.DataError, match=message):
         rewards.load_task(spec)
+
+
+def test_line_numbers_are_the_files_own_and_bad_files_are_named(tmp_path):
+    """1-based physical lines, blank lines counted (they used to be skipped by one count and not the other)."""
+    bad = tmp_path / "blank.jsonl"
+    bad.write_text('{"prompt": "a", "answer": "1"}\n\n\n{"prompt": "b"}\n')
+    with pytest.raises(rewards.DataError, match=r"blank.jsonl: line 4: missing field 'answer'"):
+        rewards.load_task(f"jsonl:{bad}")
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes('{"prompt": "a", "answer": "1"}\n{"prompt": "caf\u00e9", "answer": "2"}\n'.encode("latin-1"))
+    with pytest.raises(rewards.DataError, match=r"latin.jsonl: line 2: not UTF-8 text \(byte 15 of the line"):
+        rewards.load_task(f"jsonl:{latin}")
+    with pytest.raises(rewards.DataError, match="is a folder, not a JSONL file"):
+        rewards.load_task(f"jsonl:{tmp_path}")
+    for spec in ("mixed:-1", "mixed:2", "mixed:x"):  # were: IndexError, 2,000 all-hard prompts, a bare ValueError
+        with pytest.raises(rewards.DataError, match=r"share of hard prompts in \[0, 1\]"):
+            rewards.load_task(spec)
 
 
 def test_unknown_jsonl_reward_names_flag():
