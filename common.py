@@ -273,6 +273,12 @@ def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
+def _many_ranks() -> bool:
+    """A process group of more than one rank: collectives have something to do. (vLLM in one process
+    initialises a group of one; a sum or gather over it is the identity, so none is run.)"""
+    return _distributed() and torch.distributed.get_world_size() > 1
+
+
 def _comm_device() -> torch.device:
     """Where collective buffers live: NCCL needs CUDA tensors, gloo CPU ones."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" else \
@@ -282,7 +288,7 @@ def _comm_device() -> torch.device:
 def all_sum(values):
     """Sum over ranks, in float64, of a number or of each value of a dict of numbers (identity on
     one process). Batch statistics are built from global sums and counts, never averaged per rank."""
-    if not _distributed():
+    if not _many_ranks():
         return values
     keys = sorted(values) if isinstance(values, dict) else [None]
     t = torch.tensor([float(values[k] if k is not None else values) for k in keys], dtype=torch.float64,
@@ -295,7 +301,7 @@ def all_sum(values):
 def all_gather(x: torch.Tensor) -> torch.Tensor:
     """Every rank's tensor concatenated along dim 0 in rank order: the global batch, in the order of
     one process (shard() gives each rank a contiguous block). Every rank passes the same shape."""
-    if not _distributed():
+    if not _many_ranks():
         return x
     local = x.to(_comm_device())
     parts = [torch.empty_like(local) for _ in range(world_size())]
@@ -305,7 +311,7 @@ def all_gather(x: torch.Tensor) -> torch.Tensor:
 
 def all_gather_objects(items: list) -> list:
     """Every rank's list of picklable objects, concatenated in rank order (lengths may differ)."""
-    if not _distributed():
+    if not _many_ranks():
         return items
     parts = [None] * world_size()
     torch.distributed.all_gather_object(parts, items)
@@ -1107,36 +1113,14 @@ def progress_line(step: int, total: int, row: dict, seconds_per_step: float) -> 
 def _truncate_metrics(path: str, start_step: int) -> None:
     """Keep the rows of steps up to start_step (a resumed run rewrites the later ones). A torn last line
     (a crash in the middle of a write) is dropped; a bad line before it stops the run, naming it."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        lines = f.read().splitlines()
-    rows = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:
-                print(f"{path}: dropped a torn last line (line {i + 1}, a crash during a write)", file=sys.stderr)
-                continue
-            raise SystemExit(f"{path}: line {i + 1} is not JSON: the file was edited or damaged") from None
-        if row["step"] <= start_step:
-            rows.append(line + "\n")
-    _atomic_write_text(path, "".join(rows))
+    if os.path.exists(path):
+        rows = rewards.read_jsonl_numbered(path, allow_empty=True, drop_torn_last=True)[0]
+        _atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows if r["step"] <= start_step))
 
 
 def read_metrics(path: str) -> list:
     """The rows of a metrics.jsonl (or rollouts.jsonl); DataError naming the file and line of a bad one."""
-    rows = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            try:
-                rows.append(json.loads(line)) if line.strip() else None
-            except json.JSONDecodeError as e:
-                raise rewards.DataError(f"{path}: line {i}: not JSON ({e.msg})") from None
-    return rows
+    return rewards.read_jsonl_numbered(path, allow_empty=True)[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1283,7 +1267,7 @@ def prepare_run_dir(args, algo: str) -> str:
     if found and not args.resume and not args.overwrite:
         raise SystemExit(f"{run_dir} already holds a run ({', '.join(found)}): pass --resume true to continue it, "
                          f"--overwrite true to replace it, or another --run_name")
-    if _distributed():  # a later run in the same torchrun process: every rank has looked before rank 0 writes
+    if _many_ranks():  # a later run in the same torchrun process: every rank has looked before rank 0 writes
         torch.distributed.barrier()
     try:
         os.makedirs(run_dir, exist_ok=True)

@@ -15,6 +15,7 @@ import os
 import random
 import re
 import string
+import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -302,35 +303,36 @@ def parse_jsonl_rows(rows, source: str, lines=None) -> list:
     return out
 
 
-def read_jsonl_numbered(path: str) -> tuple[list, list]:
+def read_jsonl_numbered(path: str, allow_empty: bool = False, drop_torn_last: bool = False) -> tuple[list, list]:
     """(objects, their 1-based line numbers) of the non-blank lines of a UTF-8 JSONL file; DataError naming
-    the file and the line on any problem."""
+    the file and the line on any problem. drop_torn_last: a last line cut short by a crash mid-write (a log
+    this project appends to) is dropped with a note instead."""
     if os.path.isdir(path):
         raise DataError(f"{path}: is a folder, not a JSONL file")
     if not os.path.exists(path):
         raise DataError(f"{path}: file not found")
-    rows, lines = [], []
     with open(path, "rb") as f:
-        for i, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{path}: line {i}: not UTF-8 text (byte {e.start} of the line, "
-                                f"{raw[e.start:e.start + 1]!r})") from None
-            if not line.strip():
+        raws = f.read().splitlines()
+    rows, lines = [], []
+    for i, raw in enumerate(raws, 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: line {i}: not UTF-8 text (byte {e.start} of the line, "
+                            f"{raw[e.start:e.start + 1]!r})") from None
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if drop_torn_last and i == len(raws):
+                print(f"{path}: dropped a torn last line (line {i}, a crash during a write)", file=sys.stderr)
                 continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}: line {i}: not valid JSON ({e.msg})") from None
-            lines.append(i)
-    if not rows:
+            raise DataError(f"{path}: line {i}: not valid JSON ({e.msg})") from None
+        lines.append(i)
+    if not rows and not allow_empty:
         raise DataError(f"{path}: no rows")
     return rows, lines
-
-
-def read_jsonl(path: str) -> list:
-    return read_jsonl_numbered(path)[0]
 
 
 def _hub_rows(path: str, name: str | None, split: str) -> list:
