@@ -79,6 +79,8 @@ class Args:
     save_every: int = arg(50, "checkpoint every N steps (and at the end; 0 = only at the end)")
     resume: bool = arg(False, "continue from out_dir/run_name/checkpoint.pt")
     format_weight: float = arg(0.0, "add this times the format score to the reward")
+    reward: str = arg("", "your reward functions, module:function[,...] ('task' = the task's verifier; empty = it alone)")
+    reward_weights: str = arg("", "--reward: comma-separated weights, one per function (default 1 each)")
     overlong_buffer: int = arg(0, "DAPO soft overlong punishment: linear penalty in the last N tokens before the limit")
     overlong_penalty: float = arg(1.0, "DAPO soft overlong punishment: the penalty at the limit (DAPO: 1)")
     mask_truncated: bool = arg(False, "DAPO overlong filtering: completions cut by the limit leave the loss")
@@ -303,6 +305,8 @@ def all_gather(x: torch.Tensor) -> torch.Tensor:
     one process (shard() gives each rank a contiguous block). Every rank passes the same shape."""
     if not _many_ranks():
         return x
+    if 0 in x.shape[1:]:  # e.g. no --reward functions: empty on every rank alike
+        return x.new_empty((x.shape[0] * world_size(), *x.shape[1:]))
     local = x.to(_comm_device())
     parts = [torch.empty_like(local) for _ in range(world_size())]
     torch.distributed.all_gather(parts, local)
@@ -784,7 +788,7 @@ def check_rewards(rewards, examples: list, group_size: int, step: int, on_nonfin
         k = bad[0]
         msg = (f"step {step}: {len(bad)} non-finite reward(s), the first {rewards[k].item()} for completion "
                f"{k % group_size + 1} of prompt {examples[k // group_size]['prompt'][:80]!r} (from the task's reward, "
-               f"--format_weight or the overlong penalty)")
+               f"--reward, --format_weight or the overlong penalty)")
     if on_nonfinite == "stop":
         raise NonFiniteError(f"{msg}; stopped (--on_nonfinite skip would skip the update)")
     print(f"warning: {msg}; the update of this step is skipped", file=sys.stderr)
@@ -1015,6 +1019,11 @@ def score_rollouts(task, tokenizer, examples: list, rollouts: Rollouts, group_si
     correct = torch.tensor([s.correct for s in scores], dtype=torch.float32)
     fmt = torch.tensor([s.format_ok for s in scores], dtype=torch.float32)
     return reward, correct, fmt, scores
+
+
+def reward_parts(scores: list, names: list) -> torch.Tensor:
+    """[completions, functions]: each --reward function's unweighted value (logged as reward/<name>)."""
+    return torch.tensor([list(s.parts) for s in scores], dtype=torch.float32).view(len(scores), len(names))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1331,6 +1340,7 @@ def setup(args, algo: str) -> Run:
         args.run_name = f"{algo}-{args.task.split(':')[0]}-{model_tag}-s{args.seed}"
     style = prompt_style(args.model)
     task = rewards.load_task(args.task, style=style, seed=args.seed, brier=args.brier, jsonl_reward=args.jsonl_reward)
+    task = rewards.with_reward_functions(task, args.reward, args.reward_weights, args.on_nonfinite)  # --reward
     if args.decontaminate:
         task.train, dropped = rewards.decontaminate(task.train, task.test, args.decontaminate)
         if not task.train:

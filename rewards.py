@@ -9,6 +9,8 @@ Prompt styles: "tiny" is the terse format the built-in random-initialised model 
 scratch (a character-level tokenizer covering the task's alphabet); "chat" is the natural-language
 instruction a pretrained model gets (wrapped in its chat template by common.py).
 """
+import importlib
+import importlib.util
 import json
 import math
 import os
@@ -16,6 +18,7 @@ import random
 import re
 import string
 import sys
+import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -29,6 +32,7 @@ class Score:
     format_ok: float     # 1/0: answer parseable and the completion ended with EOS
     prob: float | None = None   # probability tasks: the predicted P(yes)
     pred: str | None = None     # the extracted answer (what majority voting counts)
+    parts: tuple = ()           # --reward: each function's unweighted value, in the order of Task.reward_names
 
 
 @dataclass
@@ -41,6 +45,7 @@ class Task:
     pass_threshold: float      # reward >= this counts as passed (Garg & Venkatesh 2025: R_min_correct)
     alphabet: list = field(default_factory=list)  # tokens the tiny model's tokenizer must cover
     max_new_tokens: int = 512  # default generation budget for this task and style
+    reward_names: list = field(default_factory=list)  # --reward: the functions' names (logged as reward/<name>)
 
 
 class DataError(ValueError):
@@ -295,11 +300,11 @@ def parse_math_rows(rows, source: str, lines=None) -> list:
 
 
 def parse_jsonl_rows(rows, source: str, lines=None) -> list:
-    """A user's own file: one {"prompt": ..., "answer": ...} object per line."""
+    """A user's own file: one {"prompt": ..., "answer": ..., any other fields} object per line."""
     out = []
     for i, row in enumerate(rows):
         _require(row, ("prompt", "answer"), source, where(lines, i))
-        out.append({"prompt": str(row["prompt"]), "answer": row["answer"]})
+        out.append({**row, "prompt": str(row["prompt"])})  # extra fields reach --reward functions
     return out
 
 
@@ -399,6 +404,107 @@ def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False
                     alphabet=list(string.printable), max_new_tokens=512)
     raise DataError(f"--task {spec!r}: unknown task; choose addition, calibration, ordinal, mixed[:HARD_FRAC], "
                     f"gsm8k, math or jsonl:PATH")
+
+
+# ----------------------------------------------------------------------------------------------
+# the user's own reward functions: --reward module:function[,...] --reward_weights w[,...]
+
+RESERVED_REWARD_NAMES = ("mean", "std", "correct", "format")  # reward/<these> are logged already
+
+
+def _import_function(item: str):
+    """The function named by `module:function` (an importable module, or a path to a .py file)."""
+    module_name, sep, fn_name = item.rpartition(":")
+    if not sep or not module_name or not fn_name:
+        raise DataError(f"--reward {item!r}: expected module:function (e.g. my_rewards:length_penalty, "
+                        f"path/to/file.py:length_penalty) or 'task' (the task's own verifier)")
+    try:
+        if module_name.endswith(".py"):
+            if not os.path.isfile(module_name):
+                raise DataError(f"--reward {item}: no such file {module_name}")
+            spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path:  # `python train_grpo.py` puts the script's folder first, not the cwd
+                sys.path.append(os.getcwd())
+            module = importlib.import_module(module_name)
+    except DataError:
+        raise
+    except Exception as e:  # a missing module, or an error inside it
+        raise DataError(f"--reward {item}: cannot import {module_name} ({type(e).__name__}: {e})") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise DataError(f"--reward {item}: {module_name} has no function {fn_name!r} (it has: {', '.join(found)})")
+    return fn
+
+
+def reward_functions(spec: str, weights: str) -> list:
+    """[(name, function or None for the task's verifier, weight)] from --reward and --reward_weights."""
+    items = [x.strip() for x in spec.split(",") if x.strip()]
+    try:
+        ws = [float(w) for w in weights.split(",")] if weights.strip() else [1.0] * len(items)
+    except ValueError:
+        raise DataError(f"--reward_weights {weights!r}: expected comma-separated numbers, e.g. 1,0.1") from None
+    if len(ws) != len(items):
+        raise DataError(f"--reward_weights {weights!r}: {len(ws)} weight(s) for {len(items)} reward function(s)")
+    if not all(math.isfinite(w) for w in ws):
+        raise DataError(f"--reward_weights {weights!r}: every weight must be a finite number")
+    out = []
+    for item, w in zip(items, ws):
+        name = "task" if item == "task" else item.rpartition(":")[2]
+        if name in RESERVED_REWARD_NAMES or name in [n for n, _, _ in out]:
+            raise DataError(f"--reward {spec!r}: the name {name!r} is taken (logged as reward/{name}); rename the "
+                            f"function (reserved: {', '.join(RESERVED_REWARD_NAMES)}, and each name once)")
+        out.append((name, None if item == "task" else _import_function(item), w))
+    return out
+
+
+def with_reward_functions(task: Task, spec: str, weights: str, on_nonfinite: str = "stop") -> Task:
+    """The task, rewarded by sum_i w_i r_i over the --reward functions ('task' = the task's own verifier).
+    Each function is called as f(prompt=, completion=, example=, finished=) and returns a float or a Score
+    (the first Score's correct/format_ok replace the verifier's: reward/correct and pass@k read them).
+    A function that raises or returns NaN/inf stops the run naming it, the prompt and the value; with
+    --on_nonfinite skip the reward becomes NaN and the step's update is skipped (common.check_rewards)."""
+    if not spec.strip():
+        return task
+    fns, verifier = reward_functions(spec, weights), task.score
+
+    def score(completion: str, example: dict, finished: bool) -> Score:
+        base, parts, outcome = verifier(completion, example, finished), [], None
+        for name, fn, w in fns:
+            if fn is None:
+                parts.append(base.reward)
+                continue
+            at = f"prompt {str(example['prompt'])[:60]!r}, completion {completion[:60]!r}"
+            try:
+                out = fn(prompt=example["prompt"], completion=completion, example=example, finished=finished)
+            except Exception as e:
+                frame = traceback.extract_tb(e.__traceback__)[-1]
+                msg = (f"--reward {name} raised {type(e).__name__}: {e} ({os.path.basename(frame.filename)}:"
+                       f"{frame.lineno}) on {at}")
+                if on_nonfinite == "stop":
+                    raise DataError(f"{msg} (--on_nonfinite skip would skip such updates)") from None
+                print(f"warning: {msg}; the reward is NaN and this update is skipped", file=sys.stderr)
+                out = float("nan")
+            if isinstance(out, Score):
+                outcome = outcome or out
+                out = out.reward
+            if isinstance(out, (str, bytes)) or not hasattr(out, "__float__"):
+                raise DataError(f"--reward {name} returned {type(out).__name__} {out!r} on {at}: expected a float "
+                                f"or a rewards.Score")
+            value = float(out)
+            if not math.isfinite(value) and on_nonfinite == "stop":
+                raise DataError(f"--reward {name} returned {value} on {at} (--on_nonfinite skip would skip such "
+                                f"updates)")
+            parts.append(value)
+        outcome = outcome or base
+        return Score(sum(w * v for (_, _, w), v in zip(fns, parts)), outcome.correct, outcome.format_ok, base.prob,
+                     outcome.pred, tuple(parts))
+
+    return Task(task.name, task.kind, task.train, task.test, score, task.pass_threshold, task.alphabet,
+                task.max_new_tokens, [n for n, _, _ in fns])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -128,12 +128,13 @@ def main(argv=None):
             prompt_ids = common.encode_prompts(tok, [e["prompt"] for e in examples], run.style == "chat")
             rollouts = common.generate(run.engine, model, prompt_ids, args.group_size, run.max_new_tokens, args.temperature,
                                        common.rollout_seed(args.seed, run.step, common.rank(), rounds), device, dtype)
-            rewards, correct, fmt, _ = common.score_rollouts(run.task, tok, examples, rollouts, args.group_size)
+            rewards, correct, fmt, scores = common.score_rollouts(run.task, tok, examples, rollouts, args.group_size)
             rewards = rewards + args.format_weight * fmt  # optional format bonus, in the reward only
             rewards = rewards + common.overlong_penalty(rollouts, run.max_new_tokens, args.overlong_buffer,
                                                        args.overlong_penalty)  # DAPO eq. 13, reward only
             common.check_rewards(rewards, examples, args.group_size, run.step + 1, args.on_nonfinite)  # NaN/inf: stop or skip
-            first_round = first_round if rounds else (rewards, correct, fmt)  # reward/* logs the policy's own rate
+            parts = common.reward_parts(scores, run.task.reward_names)  # --reward: each function's own value
+            first_round = first_round if rounds else (rewards, correct, fmt, parts)  # reward/*: the first round
             groups = common.split_groups(examples, rollouts, rewards, correct, fmt, args.group_size)
             same = [g for g in groups if g.correct.min() == g.correct.max()]  # on the raw outcome, not the reward
             kept += [g for g in groups if g.correct.min() < g.correct.max()] if args.dynamic_sampling else groups
@@ -255,6 +256,7 @@ def main(argv=None):
             "reward/mean": first_all[0].mean().item(),
             "reward/std": first_all[0].std().item() if len(first_all[0]) > 1 else 0.0,
             "reward/correct": first_all[1].mean().item(), "reward/format": first_all[2].mean().item(),
+            **{f"reward/{name}": first_all[3][:, j].mean().item() for j, name in enumerate(run.task.reward_names)},
             "frac_reward_zero_std":  # TRL's name: the first round's groups whose rewards are all equal
                 (first_all[0].view(-1, G).amax(1) == first_all[0].view(-1, G).amin(1)).float().mean().item(),
             "sampling/rounds": rounds, "sampling/extra_rollouts": common.all_sum(generated - B),

@@ -185,7 +185,7 @@ def main(argv=None):
                                    common.rollout_seed(args.seed, run.step, common.rank()), device, dtype)
         common.engine_sleep(run.engine)  # CUDA vLLM: free its memory for the update (level 2: weights discarded)
         time_rollout = time.perf_counter() - t0
-        rewards, correct, fmt, _ = common.score_rollouts(run.task, tok, examples, rollouts, args.group_size)
+        rewards, correct, fmt, scores = common.score_rollouts(run.task, tok, examples, rollouts, args.group_size)
         rewards = rewards + args.format_weight * fmt  # optional format bonus, in the reward only
         rewards = rewards + common.overlong_penalty(rollouts, run.max_new_tokens, args.overlong_buffer,
                                                    args.overlong_penalty)  # DAPO eq. 13, reward only
@@ -319,11 +319,13 @@ def main(argv=None):
         # ---- log (metric names shared by every train_*.py), over the global batch: per-completion values gathered
         # from every rank and token sums over ranks, so that each metric is its 1-rank value on the same batch
         correct_all, fmt_all, lengths_all = common.all_gather(correct), common.all_gather(fmt), common.all_gather(lengths)
+        parts_all = common.all_gather(common.reward_parts(scores, run.task.reward_names))  # --reward, each function
         finished_all = common.all_gather(torch.tensor(rollouts.finished, dtype=torch.float32))
         failed = rewards_all < run.task.pass_threshold
         metrics = {
             "reward/mean": rewards_all.mean().item(), "reward/std": rewards_all.std().item() if len(rewards_all) > 1 else 0.0,
             "reward/correct": correct_all.mean().item(), "reward/format": fmt_all.mean().item(),
+            **{f"reward/{name}": parts_all[:, j].mean().item() for j, name in enumerate(run.task.reward_names)},
             "adv/mean": advantages_all.mean().item(), "adv/abs_mean": advantages_all.abs().mean().item(),
             "adv/failed_pos_frac": (advantages_all[failed] > 0).float().mean().item() if failed.any() else float("nan"),
             "loss/policy": totals["loss/policy"] / (n_opt_steps + n_skipped), "nonfinite/skipped": n_skipped,

@@ -18,6 +18,7 @@ from conftest import ROOT
 from test_train_grpo import _rows_without_timing, _same
 
 BATCH = ["--steps", "2", "--prompts_per_step", "4", "--group_size", "4", "--micro_batch_size", "4"]
+OWN_REWARD = ["--reward", "task,docs/examples/my_rewards.py:starts_with_answer_digit", "--reward_weights", "1,0.5"]
 RUNS = [  # each exercises a statistic defined over the batch, or a path that synchronises ranks
     ("grpo", "train_grpo", BATCH + ["--hadw", "true", "--beta", "0.05", "--loss_agg", "token-mean",
                                     "--eval_every", "2", "--eval_limit", "5", "--eval_n", "2",  # 5 questions: 3 + 2
@@ -25,9 +26,9 @@ RUNS = [  # each exercises a statistic defined over the batch, or a path that sy
     ("rloo", "train_rloo", BATCH + ["--beta", "0.05", "--kl_in_reward", "true", "--mask_truncated", "true",
                                     "--overlong_buffer", "2"]),
     ("corpo", "train_corpo", BATCH + ["--task", "ordinal", "--top_entropy_quantile", "0.3", "--entropy_coef", "0.01"]),
-    ("gpg", "train_gpg", BATCH + ["--beta_th", "0"]),  # alpha = B / (B - M) over the global batch
+    ("gpg", "train_gpg", BATCH + ["--beta_th", "0", *OWN_REWARD]),  # alpha = B / (B - M) over the global batch
     ("ppo", "train_ppo", BATCH + ["--whiten_advantages", "true", "--updates_per_rollout", "2", "--group_size", "2",
-                                  "--gradient_checkpointing", "true"]),
+                                  "--gradient_checkpointing", "true", *OWN_REWARD]),
 ]
 RESUME = [  # on 2 ranks: 4 steps straight, and 2 steps + resume to 4 (HA-DW's anchor, PPO's critic)
     (f"{name}-{part}", script, BATCH[2:] + ["--steps", steps, "--save_every", "2", *resume, *extra])
@@ -80,6 +81,8 @@ def test_two_ranks_log_the_one_rank_metrics(one_and_two_ranks, name):
     one, two = one_and_two_ranks
     rows1, rows2 = _rows_without_timing(one / name), _rows_without_timing(two / name)
     assert len(rows1) == len(rows2) == 2 and rows1[0].keys() == rows2[0].keys()
+    if name in ("gpg", "ppo"):  # --reward: each function's mean over the global batch
+        assert {"reward/task", "reward/starts_with_answer_digit"} <= rows2[0].keys()
     for r1, r2 in zip(rows1, rows2):
         for k in r1:
             assert (math.isnan(r1[k]) and math.isnan(r2[k])) or r2[k] == pytest.approx(r1[k], rel=1e-5, abs=1e-6), \

@@ -1,0 +1,142 @@
+"""A researcher's own experiment (issue 15): reward functions from their own file (--reward, --reward_weights)."""
+import math
+import os
+
+import pytest
+import torch
+
+import common
+import rewards
+import train_grpo
+import train_ppo
+from conftest import ROOT, read_metrics
+from rollout_double import record_first_step
+
+OWN = os.path.join("docs", "examples", "my_rewards.py")  # the README's example, relative to the repository
+
+
+# ---------------------------------------------------------------------------------------------- --reward
+
+
+def test_reward_functions_are_weighted_summed_and_kept_apart(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    task = rewards.with_reward_functions(rewards.load_task("addition"),
+                                         f"task,{OWN}:length_penalty,{OWN}:starts_with_answer_digit", "1,0.5,0.25")
+    assert task.reward_names == ["task", "length_penalty", "starts_with_answer_digit"]
+    example = {"prompt": "5+7=", "answer": 12, "max_chars": 1}
+    s = task.score("12", example, True)  # correct (1); 2 chars over a budget of 1: -1; starts with "1": 1
+    assert s.parts == (1.0, -1.0, 1.0) and s.reward == pytest.approx(1 - 0.5 + 0.25)
+    assert (s.correct, s.format_ok, s.pred) == (1.0, 1.0, "12")  # the verifier's outcome, untouched
+    s = task.score("2", example, True)  # wrong, within budget, starts with "2" (not "1")
+    assert s.parts == (0.0, 0.0, 0.0) and s.reward == 0.0 and s.correct == 0.0
+    s = task.score("1999", example, False)  # cut off by the budget: the verifier gives 0, the penalty -1
+    assert s.parts == (0.0, -1.0, 1.0) and s.reward == pytest.approx(-0.5 + 0.25)
+    assert rewards.with_reward_functions(rewards.load_task("addition"), "", "").reward_names == []  # unchanged
+
+
+def test_example_fields_of_a_jsonl_dataset_reach_the_function(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    task = rewards.load_task("jsonl:tests/fixtures/own_fields.jsonl", jsonl_reward="exact")
+    assert {"max_chars", "source"} <= task.train[0].keys()
+    task = rewards.with_reward_functions(task, f"{OWN}:length_penalty", "")
+    short = {**task.train[0], "max_chars": 4}
+    assert task.score("12345", short, True).parts == (-0.25,)  # 1 char over the row's own budget of 4
+    assert task.score("12345", {**short, "max_chars": 5}, True).parts == (0.0,)
+
+
+def _module(tmp_path, body):
+    path = tmp_path / "user_rewards.py"
+    path.write_text(body)
+    return str(path)
+
+
+def test_a_score_from_the_function_sets_the_outcome(tmp_path):
+    path = _module(tmp_path, "from rewards import Score\n"
+                             "def judge(prompt, completion, example, finished):\n"
+                             "    ok = float(completion.strip() in (str(example['answer']), 'twelve'))\n"
+                             "    return Score(2 * ok, ok, 1.0, pred=completion.strip())\n")
+    task = rewards.with_reward_functions(rewards.load_task("addition"), f"task,{path}:judge", "1,3")
+    s = task.score("twelve", {"prompt": "5+7=", "answer": 12}, True)  # the task's verifier wants digits: 0
+    assert (s.reward, s.correct, s.format_ok, s.pred, s.parts) == (6.0, 1.0, 1.0, "twelve", (0.0, 2.0))
+
+
+@pytest.mark.parametrize("body, message", [
+    ("def f(prompt, completion, example, finished):\n    return 1 / 0\n",
+     "--reward f raised ZeroDivisionError: division by zero (user_rewards.py:2) on prompt '5+7=', completion '12'"),
+    ("def f(prompt, completion, example, finished):\n    return float('nan')\n",
+     "--reward f returned nan on prompt '5+7=', completion '12'"),
+    ("def f(prompt, completion, example, finished):\n    return 'good'\n",
+     "--reward f returned str 'good' on prompt '5+7=', completion '12': expected a float or a rewards.Score"),
+    ("def f(prompt, completion):\n    return 1.0\n",
+     "--reward f raised TypeError"),
+])
+def test_a_failing_function_is_named_with_the_example_and_the_value(tmp_path, body, message):
+    task = rewards.with_reward_functions(rewards.load_task("addition"), f"{_module(tmp_path, body)}:f", "")
+    with pytest.raises(rewards.DataError) as e:
+        task.score("12", {"prompt": "5+7=", "answer": 12}, True)
+    assert message in str(e.value)
+
+
+def test_with_skip_a_failing_function_gives_a_nan_reward_and_a_warning(tmp_path, capsys):
+    path = _module(tmp_path, "def f(prompt, completion, example, finished):\n    raise KeyError('x')\n")
+    task = rewards.with_reward_functions(rewards.load_task("addition"), f"task,{path}:f", "", on_nonfinite="skip")
+    s = task.score("12", {"prompt": "5+7=", "answer": 12}, True)
+    assert math.isnan(s.reward) and s.parts[0] == 1.0 and math.isnan(s.parts[1]) and s.correct == 1.0
+    assert "--reward f raised KeyError" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec, weights, message", [
+    ("length_penalty", "", "expected module:function"),
+    ("no_such_module_xyz:f", "", "cannot import no_such_module_xyz (ModuleNotFoundError"),
+    (f"{OWN}:nope", "", "has no function 'nope' (it has: length_penalty, starts_with_answer_digit)"),
+    ("docs/examples/missing.py:f", "", "no such file docs/examples/missing.py"),
+    (f"task,{OWN}:length_penalty", "1", "1 weight(s) for 2 reward function(s)"),
+    (f"task,{OWN}:length_penalty", "1,x", "expected comma-separated numbers"),
+    (f"task,{OWN}:length_penalty", "1,inf", "every weight must be a finite number"),
+    ("task,task", "", "the name 'task' is taken"),
+])
+def test_bad_reward_options_are_named(monkeypatch, spec, weights, message):
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(rewards.DataError) as e:
+        rewards.with_reward_functions(rewards.load_task("addition"), spec, weights)
+    assert message in str(e.value)
+
+
+def test_a_reserved_name_is_refused(tmp_path):
+    path = _module(tmp_path, "def correct(prompt, completion, example, finished):\n    return 1.0\n")
+    with pytest.raises(rewards.DataError, match="the name 'correct' is taken"):
+        rewards.reward_functions(f"{path}:correct", "")
+
+
+@pytest.mark.parametrize("script", [train_grpo, train_ppo])
+def test_the_trainers_train_on_the_weighted_sum_and_log_each_function(tmp_path, monkeypatch, script):
+    """The loss sees sum_i w_i r_i (GRPO's advantages of it, by hand), and reward/<name> logs each function's mean."""
+    monkeypatch.chdir(ROOT)
+    argv = ["--out_dir", str(tmp_path), "--run_name", "own", "--prompts_per_step", "4", "--group_size", "4",
+            "--reward", f"task,{OWN}:length_penalty", "--reward_weights", "1,0.5"]
+    run, batches, _, tok = record_first_step(monkeypatch, script, argv)
+    row = read_metrics(run.run_dir)[0]
+    task_r = torch.tensor([float(tok.decode(c, skip_special_tokens=True) == str(
+        sum(int(x) for x in tok.decode(p, skip_special_tokens=True).rstrip("=").split("+"))) and f)
+        for p, c, f in zip(batches[0].prompt_ids, batches[0].completion_ids, batches[0].finished)])
+    penalty = torch.tensor([0.0 if f else -1.0 for f in batches[0].finished])  # within the default budget of 8
+    assert penalty.min() == -1 and task_r.max() == 1  # both functions vary in this batch: the check can fail
+    assert row["reward/task"] == pytest.approx(task_r.mean().item())
+    assert row["reward/length_penalty"] == pytest.approx(penalty.mean().item())
+    assert row["reward/mean"] == pytest.approx((task_r + 0.5 * penalty).mean().item())
+    assert row["reward/correct"] == pytest.approx(task_r.mean().item())  # the outcome stays the verifier's
+
+
+def test_reward_task_alone_trains_exactly_like_no_reward_option(tmp_path, monkeypatch):
+    base = ["--out_dir", str(tmp_path), "--prompts_per_step", "4", "--group_size", "4"]
+    plain, *_ = record_first_step(monkeypatch, train_grpo, base + ["--run_name", "plain"])
+    own, *_ = record_first_step(monkeypatch, train_grpo, base + ["--run_name", "own", "--reward", "task"])
+    for (name, a), b in zip(plain.model.named_parameters(), own.model.parameters()):
+        assert torch.equal(a, b), name
+    assert read_metrics(own.run_dir)[0]["reward/task"] == read_metrics(plain.run_dir)[0]["reward/mean"]
+
+
+def test_common_reward_parts_shape():
+    scores = [rewards.Score(1.0, 1.0, 1.0, parts=(1.0, -0.5)), rewards.Score(0.0, 0.0, 0.0, parts=(0.0, 0.0))]
+    assert common.reward_parts(scores, ["a", "b"]).tolist() == [[1.0, -0.5], [0.0, 0.0]]
+    assert common.reward_parts([rewards.Score(1.0, 1.0, 1.0)] * 3, []).shape == (3, 0)
