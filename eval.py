@@ -364,55 +364,230 @@ def _plot_pass_at_k(result, ks, path):
     plt.close(fig)
 
 
+# ---------------------------------------------------------------------------------------------- across seeds
+# Aggregate metrics over a few runs, as rliable recommends (Agarwal et al. 2021, "Deep RL at the Edge of the
+# Statistical Precipice"): interquartile mean, stratified-bootstrap percentile intervals, probability of improvement.
+# Scores are [runs, tasks] arrays (one task: a column); every aggregate maps [reps, runs, tasks] -> [reps].
+
+
+def _trim_mean(x, axis):
+    from scipy.stats import trim_mean
+    return trim_mean(x, 0.25, axis=axis)
+
+
+AGGREGATES = {  # rliable's metrics.aggregate_*: over all runs and tasks together (median: of the task means)
+    "iqm": lambda s: _trim_mean(s.reshape(len(s), -1), axis=1),  # the middle 50% of the scores (25% cut at each end)
+    "mean": lambda s: s.reshape(len(s), -1).mean(1),
+    "median": lambda s: np.median(s.mean(1), axis=1),
+}
+
+
+def _scores(scores) -> np.ndarray:
+    x = np.asarray(scores, dtype=np.float64)
+    x = x[:, None] if x.ndim == 1 else x
+    if x.ndim != 2 or not len(x) or not np.isfinite(x).all():
+        raise ValueError(f"scores: a non-empty [runs, tasks] array of finite numbers, got shape {x.shape}")
+    return x
+
+
+def aggregate_scores(scores, name: str = "iqm") -> float:
+    """The aggregate `name` (iqm | mean | median) of [runs, tasks] (or [runs]) scores."""
+    return float(AGGREGATES[name](_scores(scores)[None])[0])
+
+
+def stratified_bootstrap_ci(scores, name: str = "iqm", reps: int = 2000, level: float = 0.95, seed: int = 0) -> tuple:
+    """Percentile interval of the aggregate: each replicate draws, for every task separately, as many runs as
+    there are with replacement (rliable's StratifiedBootstrap: tasks are strata, runs are resampled within)."""
+    x = _scores(scores)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(x), size=(reps, *x.shape))  # [reps, runs, tasks]: a run index per task
+    values = AGGREGATES[name](np.take_along_axis(np.broadcast_to(x, idx.shape), idx, axis=1))
+    return float(np.quantile(values, (1 - level) / 2)), float(np.quantile(values, 1 - (1 - level) / 2))
+
+
+def probability_of_improvement(x, y) -> float:
+    """P(X > Y): the mean over tasks of the Mann-Whitney U statistic of X's runs against Y's, over (n m) pairs,
+    ties counting one half (rliable's metrics.probability_of_improvement)."""
+    x, y = _scores(x), _scores(y)
+    if x.shape[1] != y.shape[1]:
+        raise ValueError(f"probability_of_improvement: {x.shape[1]} tasks against {y.shape[1]}")
+    a, b = x[:, None, :], y[None, :, :]  # [n, m, tasks]
+    return float(((a > b) + 0.5 * (a == b)).mean(axis=(0, 1)).mean())
+
+
+def probability_of_improvement_ci(x, y, reps: int = 2000, level: float = 0.95, seed: int = 0) -> tuple:
+    """Percentile interval of P(X > Y), X's and Y's runs each resampled within every task."""
+    x, y = _scores(x), _scores(y)
+    rng = np.random.default_rng(seed)
+    values = []
+    for _ in range(reps):
+        xs = np.take_along_axis(x, rng.integers(0, len(x), size=x.shape), axis=0)
+        ys = np.take_along_axis(y, rng.integers(0, len(y), size=y.shape), axis=0)
+        values.append(probability_of_improvement(xs, ys))
+    return float(np.quantile(values, (1 - level) / 2)), float(np.quantile(values, 1 - (1 - level) / 2))
+
+
+def curve_band(curves, reps: int = 1000, level: float = 0.95, seed: int = 0) -> tuple:
+    """IQM across runs at each step of [runs, steps] curves, and its bootstrap band: a replicate draws the runs
+    once for every step (rliable's sample-efficiency curves)."""
+    x = np.asarray(curves, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    samples = x[rng.integers(0, len(x), size=(reps, len(x)))]  # [reps, runs, steps]: one draw of runs for all steps
+    values = _trim_mean(samples, axis=1)
+    return _trim_mean(x, axis=0), np.quantile(values, (1 - level) / 2, axis=0), np.quantile(values, 1 - (1 - level) / 2,
+                                                                                               axis=0)
+
+
 COMPARE_KEYS = ["reward/mean", "reward/correct", "adv/failed_pos_frac", "entropy", "eval/pass@1", "eval/pass@k",
                 "eval/maj@k", "eval/format_fail", "eval/ece", "eval/auroc", "eval/brier", "eval/accuracy"]
+LOWER_IS_BETTER = {"adv/failed_pos_frac", "eval/format_fail", "eval/ece", "eval/brier"}
+
+
+def _read_run(r: str) -> list:
+    path = os.path.join(r, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise SystemExit(f"compare: {path}: file not found")
+    rows = common.read_metrics(path)  # DataError naming a bad line
+    missing = next((i + 1 for i, row in enumerate(rows) if not isinstance(row, dict) or "step" not in row), None)
+    if missing:
+        raise SystemExit(f"compare: {path}: row {missing} has no 'step': not a metrics.jsonl")
+    return rows
+
+
+def final_value(rows: list, key: str, last: int):
+    """eval/*: the last evaluation; a training metric: the mean of its last `last` logged values (None if absent)."""
+    vals = [x[key] for x in rows if isinstance(x.get(key), (int, float)) and not math.isnan(x[key])]
+    if not vals:
+        return None
+    return vals[-1] if key.startswith("eval/") else float(np.mean(vals[-last:]))
+
+
+def group_runs(runs: list, groups: list, pattern: str) -> dict:
+    """{group: [run folders]}: --group NAME=GLOB[,GLOB] lists, else the runs grouped by the `pattern` regex's
+    'group' (or first) capture of each folder's name; a name that does not match is its own group."""
+    import glob
+    import re
+    if groups:
+        out = {}
+        for spec in groups:
+            name, sep, globs = spec.partition("=")
+            if not sep or not name or not globs:
+                raise SystemExit(f"compare: --group {spec!r}: expected NAME=GLOB[,GLOB...], e.g. grpo='runs/grpo-*'")
+            found = sorted({p for g in globs.split(",") for p in glob.glob(g) if os.path.isdir(p)})
+            if not found:
+                raise SystemExit(f"compare: --group {spec!r}: no run folder matches {globs!r}")
+            out[name] = found
+        return out
+    try:
+        regex = re.compile(pattern)
+    except re.error as e:
+        raise SystemExit(f"compare: --pattern {pattern!r}: not a regular expression ({e})") from None
+    out = {}
+    for r in runs:
+        name = os.path.basename(r.rstrip("/"))
+        m = regex.search(name)
+        key = (m.groupdict().get("group") or (m.group(1) if regex.groups else None)) if m else None
+        out.setdefault(key or name, []).append(r)
+    return out
 
 
 def cmd_compare(argv) -> dict:
-    p = argparse.ArgumentParser(prog="eval.py compare", description="Compare runs from their metrics.jsonl, no wandb needed.")
-    p.add_argument("runs", nargs="+", help="run folders (each with metrics.jsonl)")
+    p = argparse.ArgumentParser(prog="eval.py compare", description="Compare runs, and groups of runs across seeds "
+                                "(IQM with 95% stratified-bootstrap intervals, Agarwal et al. 2021), from their "
+                                "metrics.jsonl; no wandb needed.")
+    p.add_argument("runs", nargs="*", help="run folders (each with metrics.jsonl)")
+    p.add_argument("--group", action="append", default=[],
+                   help="NAME=GLOB[,GLOB]: the runs of one group, e.g. grpo='runs/grpo-*' (repeat per group)")
+    p.add_argument("--pattern", default=r"^(?P<group>.+)-s\d+$",
+                   help="without --group: runs whose names give the same 'group' capture form a group (seeds)")
+    p.add_argument("--metric", default="", help="comma-separated metrics for P(A beats B) (default eval/pass@1, "
+                   "else reward/correct); lower is better for " + ", ".join(sorted(LOWER_IS_BETTER)))
     p.add_argument("--out", default=os.path.join("runs", "compare"))
     p.add_argument("--last", type=int, default=10, help="training metrics: mean of the last N steps")
+    p.add_argument("--reps", type=int, default=2000, help="bootstrap replicates")
     a = p.parse_args(argv)
-    data = {}
-    for r in a.runs:
-        path = os.path.join(r, "metrics.jsonl")
-        if not os.path.exists(path):
-            raise SystemExit(f"compare: {path}: file not found")
-        rows = common.read_metrics(path)  # DataError naming a bad line
-        missing = next((i + 1 for i, row in enumerate(rows) if not isinstance(row, dict) or "step" not in row), None)
-        if missing:
-            raise SystemExit(f"compare: {path}: row {missing} has no 'step': not a metrics.jsonl")
-        data[os.path.basename(r.rstrip("/"))] = rows
+    if a.last < 1 or a.reps < 1:
+        raise SystemExit(f"compare: --last {a.last} and --reps {a.reps} must be >= 1")
+    groups = group_runs(a.runs, a.group, a.pattern)
+    if not groups:
+        raise SystemExit("compare: no runs given (run folders, or --group NAME=GLOB)")
+    data = {os.path.basename(r.rstrip("/")): _read_run(r) for rs in groups.values() for r in rs}
     rows = []
     for name, m in data.items():
         row = {"run": name, "steps": m[-1]["step"] if m else 0}
-        for key in COMPARE_KEYS:
-            vals = [x[key] for x in m if key in x and not math.isnan(x[key])]
-            if vals:  # eval/* : the last evaluation; training metrics: mean of the last N steps
-                row[key] = vals[-1] if key.startswith("eval/") else float(np.mean(vals[-a.last:]))
+        row.update({k: v for k in COMPARE_KEYS if (v := final_value(m, k, a.last)) is not None})
         rows.append(row)
     columns = ["run", "steps"] + [k for k in COMPARE_KEYS if any(k in r for r in rows)]
     table = _markdown(rows, columns)
+    result = {"runs": rows, "groups": {}, "improvement": []}
+    by_run = {r["run"]: r for r in rows}
+    members = {g: [os.path.basename(r.rstrip("/")) for r in rs] for g, rs in groups.items()}
+    for g, names in members.items():  # each metric over the group's runs that have it
+        entry = {"runs": names}
+        for k in columns[2:]:
+            x = [by_run[n][k] for n in names if k in by_run[n]]
+            if x:
+                lo, hi = stratified_bootstrap_ci(x, "iqm", a.reps)
+                entry[k] = {"n": len(x), "iqm": aggregate_scores(x, "iqm"), "mean": aggregate_scores(x, "mean"),
+                            "median": aggregate_scores(x, "median"), "ci95": [lo, hi], "values": x}
+        result["groups"][g] = entry
+    if any(len(names) > 1 for names in members.values()):  # seeds: a verdict per group, with intervals
+        cell = lambda e: f"{e['iqm']:.4f} [{e['ci95'][0]:.3f}, {e['ci95'][1]:.3f}]" if e else ""
+        grows = [{"group": g, "runs": len(e["runs"]), **{k: cell(e.get(k)) for k in columns[2:]}}
+                 for g, e in result["groups"].items()]
+        table += ("\nPer group: IQM over runs [95% stratified-bootstrap interval] (Agarwal et al. 2021)\n\n"
+                  + _markdown(grows, ["group", "runs"] + columns[2:]))
+        metrics = [k for k in (a.metric.split(",") if a.metric else
+                               [next((k for k in ("eval/pass@1", "reward/correct") if k in columns), columns[-1])])]
+        names = list(members)
+        for k in metrics:
+            if k not in columns:
+                raise SystemExit(f"compare: --metric {k}: no run logged it (logged: {', '.join(columns[2:])})")
+            sign = -1.0 if k in LOWER_IS_BETTER else 1.0
+            for i, ga in enumerate(names):
+                for gb in names[i + 1:]:
+                    xa, xb = result["groups"][ga].get(k), result["groups"][gb].get(k)
+                    if not xa or not xb:
+                        continue
+                    xa, xb = sign * np.array(xa["values"]), sign * np.array(xb["values"])
+                    lo, hi = probability_of_improvement_ci(xa, xb, a.reps)
+                    result["improvement"].append({"metric": k, "a": ga, "b": gb, "p": probability_of_improvement(xa, xb),
+                                                  "ci95": [lo, hi]})
+        if result["improvement"]:
+            prow = [{"metric": r["metric"], "A beats B": f"{r['a']} > {r['b']}",
+                     "P": f"{r['p']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]"} for r in result["improvement"]]
+            table += ("\nProbability of improvement P(A beats B) over pairs of runs (ties 1/2) [95% interval]\n\n"
+                      + _markdown(prow, ["metric", "A beats B", "P"]))
     write_out(a.out, "comparison.md", table)
-    write_out(a.out, "comparison.json", rows)
-    _plot_curves(data, [k for k in ("reward/mean", "eval/pass@1", "eval/ece") if k in columns],
-                 os.path.join(a.out, "curves.png"))
+    write_out(a.out, "comparison.json", result)
+    keys = [k for k in ("reward/mean", "eval/pass@1", "eval/ece") if k in columns]
+    _plot_curves({g: [data[n] for n in names] for g, names in members.items()}, keys, os.path.join(a.out, "curves.png"),
+                 a.reps)
     print(table, end="")
     print(f"wrote {a.out}/comparison.md, comparison.json, curves.png")
-    return {"rows": rows}
+    return result
 
 
-def _plot_curves(data, keys, path):
+def _plot_curves(groups, keys, path, reps=1000):
+    """One panel per metric: a group of one run is its line; a group of several, the IQM across its runs at the
+    steps they all logged, with a 95% bootstrap band."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(4 * max(1, len(keys)), 3), squeeze=False)
     for ax, key in zip(axes[0], keys):
-        for name, m in data.items():
-            pts = [(x["step"], x[key]) for x in m if key in x and not math.isnan(x[key])]
-            if pts:
-                ax.plot(*zip(*pts), "o-" if len(pts) < 20 else "-", label=name, ms=3)
+        for name, runs in groups.items():
+            series = [{x["step"]: x[key] for x in m if key in x and not math.isnan(x[key])} for m in runs]
+            steps = sorted(set.intersection(*(set(s) for s in series)))
+            if not steps:
+                continue
+            curves = np.array([[s[t] for t in steps] for s in series])
+            if len(runs) == 1:
+                ax.plot(steps, curves[0], "o-" if len(steps) < 20 else "-", label=name, ms=3)
+                continue
+            mid, lo, hi = curve_band(curves, reps)
+            line, = ax.plot(steps, mid, "o-" if len(steps) < 20 else "-", label=f"{name} ({len(runs)} runs)", ms=3)
+            ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.2)
         ax.set_title(key, fontsize=9), ax.set_xlabel("step")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()

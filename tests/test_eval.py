@@ -175,7 +175,7 @@ def test_cli_end_to_end_on_a_tiny_trained_checkpoint(tmp_path):
     assert (out / "eval.md").exists() and (out / "pass_at_k.png").exists() and (out / "reliability.png").exists()
     cmp = tmp_path / "cmp"
     run_script("eval.py", ["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(cmp)])
-    rows = json.load(open(cmp / "comparison.json"))
+    rows = json.load(open(cmp / "comparison.json"))["runs"]
     assert [r["run"] for r in rows] == ["a", "b"] and all("eval/ece" in r for r in rows)
     assert (cmp / "curves.png").exists() and "| run |" in open(cmp / "comparison.md").read()
 

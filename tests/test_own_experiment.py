@@ -1,11 +1,14 @@
 """A researcher's own experiment (issue 15): reward functions from their own file (--reward, --reward_weights)."""
+import json
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
 
 import common
+import eval as evaluation
 import rewards
 import train_grpo
 import train_ppo
@@ -140,3 +143,101 @@ def test_common_reward_parts_shape():
     scores = [rewards.Score(1.0, 1.0, 1.0, parts=(1.0, -0.5)), rewards.Score(0.0, 0.0, 0.0, parts=(0.0, 0.0))]
     assert common.reward_parts(scores, ["a", "b"]).tolist() == [[1.0, -0.5], [0.0, 0.0]]
     assert common.reward_parts([rewards.Score(1.0, 1.0, 1.0)] * 3, []).shape == (3, 0)
+
+
+# ---------------------------------------------------------------------------------------------- seeds, one verdict
+
+
+def test_iqm_is_the_mean_of_the_middle_half_as_scipy_and_rliable_define_it():
+    assert evaluation.aggregate_scores(list(range(1, 9)), "iqm") == pytest.approx(4.5)  # mean of 3, 4, 5, 6
+    assert evaluation.aggregate_scores([0, 1, 2, 3, 100], "iqm") == pytest.approx(2.0)  # int(0.25 * 5) = 1 cut each end
+    assert evaluation.aggregate_scores([0.2, 0.5, 0.9], "iqm") == pytest.approx(1.6 / 3)  # 3 runs: nothing cut
+    # [runs, tasks]: rliable pools every run of every task before trimming; the median is of the task means
+    x = [[1, 10], [2, 20], [3, 30], [4, 40]]  # 8 scores: cut 2 at each end -> 3, 4, 10, 20
+    assert evaluation.aggregate_scores(x, "iqm") == pytest.approx(37 / 4)
+    assert evaluation.aggregate_scores(x, "mean") == pytest.approx(110 / 8)
+    assert evaluation.aggregate_scores(x, "median") == pytest.approx((2.5 + 25) / 2)
+    with pytest.raises(ValueError, match="finite"):
+        evaluation.aggregate_scores([1.0, float("nan")])
+
+
+def test_probability_of_improvement_by_hand():
+    # x = [1, 2, 3] against y = [2, 2]: the 6 pairs give 0, 0, 1/2, 1/2, 1, 1 -> 1/2
+    assert evaluation.probability_of_improvement([1, 2, 3], [2, 2]) == pytest.approx(0.5)
+    assert evaluation.probability_of_improvement([3, 4], [1, 2]) == 1.0
+    assert evaluation.probability_of_improvement([1, 2], [3, 4]) == 0.0
+    # two tasks: the mean of the per-task probabilities (1 on the first; 1/8 on the second: one tie in 4 pairs)
+    assert evaluation.probability_of_improvement([[2, 0], [3, 1]], [[1, 1], [0, 2]]) == pytest.approx((1 + 0.125) / 2)
+    lo, hi = evaluation.probability_of_improvement_ci([3, 4, 5], [1, 2, 2], reps=200)
+    assert lo == hi == 1.0  # every resample of separated groups: X wins every pair
+
+
+def test_the_stratified_bootstrap_resamples_runs_within_each_task():
+    # each task's runs are equal, so a stratified replicate always has the same mean; pooled resampling would not
+    x = [[0.0, 100.0]] * 3
+    assert evaluation.stratified_bootstrap_ci(x, "mean", reps=300) == (50.0, 50.0)
+    rng = np.random.default_rng(1)
+    cover, trials = 0, 200
+    for t in range(trials):  # a 95% interval of the mean of 10 normal runs covers the true mean about 90-95% of times
+        lo, hi = evaluation.stratified_bootstrap_ci(rng.normal(0.0, 1.0, 10), "mean", reps=400, seed=t)
+        cover += lo <= 0.0 <= hi
+    assert 0.82 <= cover / trials <= 0.99
+    lo, hi = evaluation.stratified_bootstrap_ci([0.1, 0.4, 0.5, 0.7, 0.9], "iqm", reps=500)
+    assert 0.1 <= lo < evaluation.aggregate_scores([0.1, 0.4, 0.5, 0.7, 0.9]) < hi <= 0.9
+
+
+def _fake_run(folder, seed, level, steps=6, ece=None):
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+        for step in range(1, steps + 1):
+            row = {"step": step, "reward/mean": level + 0.01 * step + 0.001 * seed}
+            if step == steps:
+                row["eval/pass@1"] = level + 0.01 * seed
+                row["eval/ece"] = ece if ece is not None else 0.3 - level / 10
+            f.write(json.dumps(row) + "\n")
+
+
+def test_compare_groups_seeds_and_reports_intervals_and_who_wins(tmp_path):
+    for seed in range(3):  # rloo beats grpo on every seed; ECE lower for rloo
+        _fake_run(tmp_path / f"grpo-calibration-tiny-s{seed}", seed, 0.2)
+        _fake_run(tmp_path / f"rloo-calibration-tiny-s{seed}", seed, 0.5)
+    out = tmp_path / "cmp"
+    runs = sorted(str(p) for p in tmp_path.glob("*-s*"))
+    result = evaluation.main(["compare", *runs, "--out", str(out), "--metric", "eval/pass@1,eval/ece", "--reps", "300"])
+    grpo, rloo = result["groups"]["grpo-calibration-tiny"], result["groups"]["rloo-calibration-tiny"]
+    assert len(grpo["runs"]) == 3 and grpo["eval/pass@1"]["values"] == pytest.approx([0.2, 0.21, 0.22])
+    assert grpo["eval/pass@1"]["iqm"] == pytest.approx(0.21)  # 3 runs: the mean
+    lo, hi = grpo["eval/pass@1"]["ci95"]
+    assert 0.2 <= lo <= 0.21 <= hi <= 0.22
+    # reward/mean: the mean of each run's last 10 steps (all 6 here): level + 0.035 + 0.001 seed
+    assert grpo["reward/mean"]["values"] == pytest.approx([0.235, 0.236, 0.237])
+    wins = {(r["metric"], r["a"], r["b"]): r for r in result["improvement"]}
+    assert wins[("eval/pass@1", "grpo-calibration-tiny", "rloo-calibration-tiny")]["p"] == 0.0
+    assert wins[("eval/ece", "grpo-calibration-tiny", "rloo-calibration-tiny")]["p"] == 0.0  # lower ECE is better
+    text = (out / "comparison.md").read_text()
+    assert "| grpo-calibration-tiny | 3 |" in text and "0.2100 [0." in text and "grpo-calibration-tiny > rloo" in text
+    assert json.load(open(out / "comparison.json"))["groups"].keys() == result["groups"].keys()
+    assert (out / "curves.png").stat().st_size > 0
+    # the same groups from --group lists
+    explicit = evaluation.main(["compare", "--group", f"A={tmp_path}/grpo-*", "--group", f"B={tmp_path}/rloo-*",
+                                "--out", str(out), "--reps", "100"])
+    assert explicit["groups"]["A"]["eval/pass@1"]["values"] == grpo["eval/pass@1"]["values"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--group", "A"], "expected NAME=GLOB"),
+    (["--group", "A=/no/such/*"], "no run folder matches"),
+    (["--pattern", "("], "not a regular expression"),
+    ([], "no runs given"),
+])
+def test_compare_refuses_bad_groups(tmp_path, argv, message):
+    with pytest.raises(SystemExit, match=message):
+        evaluation.main(["compare", *argv, "--out", str(tmp_path)])
+
+
+def test_compare_names_a_metric_no_run_logged(tmp_path):
+    for seed in range(2):
+        _fake_run(tmp_path / f"a-s{seed}", seed, 0.2)
+    with pytest.raises(SystemExit, match="--metric eval/auroc: no run logged it"):
+        evaluation.main(["compare", str(tmp_path / "a-s0"), str(tmp_path / "a-s1"), "--metric", "eval/auroc",
+                         "--out", str(tmp_path / "o")])
