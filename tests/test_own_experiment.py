@@ -206,6 +206,7 @@ def test_compare_groups_seeds_and_reports_intervals_and_who_wins(tmp_path):
     result = evaluation.main(["compare", *runs, "--out", str(out), "--metric", "eval/pass@1,eval/ece", "--reps", "300"])
     grpo, rloo = result["groups"]["grpo-calibration-tiny"], result["groups"]["rloo-calibration-tiny"]
     assert len(grpo["runs"]) == 3 and grpo["eval/pass@1"]["values"] == pytest.approx([0.2, 0.21, 0.22])
+    assert rloo["eval/pass@1"]["iqm"] == pytest.approx(0.51) and rloo["eval/ece"]["iqm"] == pytest.approx(0.25)
     assert grpo["eval/pass@1"]["iqm"] == pytest.approx(0.21)  # 3 runs: the mean
     lo, hi = grpo["eval/pass@1"]["ci95"]
     assert 0.2 <= lo <= 0.21 <= hi <= 0.22
