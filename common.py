@@ -63,6 +63,10 @@ class Args:
     minibatches: int = arg(1, "optimizer steps per pass: the rollout batch is split into this many")
     grad_clip: float = arg(1.0, "max global grad norm (0 = off)")
     gradient_checkpointing: bool = arg(False, "trade compute for activation memory")
+    lora_rank: int = arg(0, "LoRA rank r through peft: only adapters train, the base stays frozen (0 = full fine-tuning)")
+    lora_alpha: float = arg(0.0, "LoRA alpha: the update is (alpha / r) B A (0 = 2 r)")
+    lora_targets: str = arg("all-linear", "modules given adapters: all-linear (attention and MLP) or comma-separated names")
+    lora_dropout: float = arg(0.0, "dropout on the adapters' input in the gradient passes")
     rollout_correction: Literal["off", "token-tis", "token-mis", "seq-mis"] = arg(
         "off", "sampler/trainer mismatch correction (Yao et al. 2025); GPU bf16: token-tis")
     is_cap: float = arg(2.0, "token-tis: the weight pi_old / pi_sampler is truncated at this cap")
@@ -370,7 +374,7 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 def clip_grad_norm(model, max_norm: float) -> float:
     """Clip the global gradient norm (over every rank's shard) to max_norm (0 = off); returns the norm
     before clipping."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm or float("inf"))
+    norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(model), max_norm or float("inf"))
     return full_tensor(norm).item()
 
 
@@ -461,25 +465,94 @@ def check_model_folder(model: str) -> None:
 
 def load_model(args, task, device, dtype):
     """(policy, tokenizer, path on disk). The policy keeps fp32 master weights; compute runs in
-    `dtype` through autocast."""
+    `dtype` through autocast. With --lora_rank the base is frozen in `dtype` (bf16 on CUDA) and only
+    the adapters train, in fp32 (peft). The model is left in training mode with its dropout off."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = model_path(args.model, task)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype if args.lora_rank else torch.float32).to(device)
+    model = prepare_for_training(model, args.gradient_checkpointing)
+    if args.lora_rank:
+        model = add_lora(model, args)
     return model, tokenizer, path
 
 
-def load_reference(args, task, device, dtype):
+def prepare_for_training(model, gradient_checkpointing: bool):
+    """Dropout off (the policy gradient and the push check need pi_theta to be the policy that sampled; a
+    critic regresses), then training mode: transformers checkpoints a layer only in training mode, so
+    --gradient_checkpointing in eval mode silently keeps every activation. Non-reentrant checkpointing: the
+    reentrant kind drops the gradient of adapters when the layer's input needs none (a frozen embedding)."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        for attr in ("attention_dropout", "dropout", "attn_dropout"):  # attention kernels' float dropout rates
+            if isinstance(getattr(m, attr, None), float):
+                setattr(m, attr, 0.0)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model.train()
+
+
+def add_lora(model, args, extra_trainable=(), exclude=()):
+    """peft LoRA adapters (Hu et al. 2021) on --lora_targets: W x + (alpha / r) B A x with A random, B = 0 (the
+    policy starts as the base); every base weight frozen; `extra_trainable` modules (PPO's value head) train too."""
+    from peft import LoraConfig, get_peft_model
+    targets = "all-linear" if args.lora_targets == "all-linear" else [t.strip() for t in args.lora_targets.split(",")]
+    config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank, target_modules=targets,
+                        lora_dropout=args.lora_dropout, bias="none", exclude_modules=list(exclude) or None)
+    embeddings = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
+    try:
+        model = get_peft_model(model, config)  # adapters in fp32 when the base is bf16 (autocast_adapter_dtype)
+    except ValueError as e:  # a target that names no module
+        raise SystemExit(f"--lora_targets {args.lora_targets}: {e}") from None
+    from peft.tuners.lora import Linear, LoraLayer
+    odd = [n for n, m in model.named_modules() if isinstance(m, LoraLayer)
+           and (not isinstance(m, Linear) or id(m.get_base_layer()) in embeddings)]
+    if odd:  # token_logprobs projects with the output embedding's weight itself; push merges linear layers only
+        raise SystemExit(f"--lora_targets {args.lora_targets}: adapters go on the linear layers of the attention and "
+                         f"MLP, not on embeddings or the output layer ({', '.join(odd[:3])})")
+    for m in extra_trainable:
+        m.requires_grad_(True)
+    return model.train()
+
+
+def is_lora(model) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def trainable_parameters(model) -> list:
+    """What the optimizer updates: every parameter, or with LoRA the adapters (and any head set trainable)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def load_reference(args, task, device, dtype, policy=None):
     """The frozen reference policy of a KL term: the base model in the compute dtype (no fp32 master
-    copy, no gradients, no optimizer state), sharded like the policy under torchrun."""
+    copy, no gradients, no optimizer state), sharded like the policy under torchrun. A LoRA policy's
+    reference is its own base with the adapters off: no second copy."""
     from transformers import AutoModelForCausalLM
+    if policy is not None and is_lora(policy):
+        return AdaptersOff(policy)
     model = AutoModelForCausalLM.from_pretrained(model_path(args.model, task), dtype=dtype).to(device)
     return shard_model(model.eval().requires_grad_(False), dtype)
+
+
+class AdaptersOff(torch.nn.Module):
+    """A LoRA policy seen with its adapters disabled (peft's disable_adapter): the frozen base model. The
+    policy is held outside the module tree, so this module has no parameters of its own."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.__dict__["policy"] = policy
+
+    def forward(self, **kwargs):
+        with self.policy.disable_adapter():
+            return self.policy(**kwargs)
+
+    def get_output_embeddings(self):
+        return self.policy.get_output_embeddings()
 
 
 def autocast(device, dtype):
@@ -655,9 +728,27 @@ class _CaptureWarnings(logging.Handler):
 def named_weights(model, dtype):
     """HF parameter names and whole tensors in `dtype`, one at a time, in a fixed order: unfused (vLLM
     fuses q/k/v, gate/up itself), tied embeddings once, as named_parameters yields them. A sharded
-    (FSDP2) parameter is gathered when its turn comes, so the extra memory is one parameter, not a model."""
-    for name, p in model.named_parameters():
-        yield name, full_tensor(p.detach()).to(dtype)
+    (FSDP2) parameter is gathered when its turn comes, so the extra memory is one parameter, not a model.
+    LoRA: the base model's names, each adapted weight merged on the fly as W + (alpha / r) B A in fp32
+    (the base is never modified, so no merge/unmerge rounding accumulates over pushes)."""
+    if not is_lora(model):
+        for name, p in model.named_parameters():
+            yield name, full_tensor(p.detach()).to(dtype)
+        return
+    base = model.get_base_model()
+    for name, p in base.named_parameters():
+        if ".lora_" in name:
+            continue
+        module_name, _, attr = name.rpartition(".")
+        w = full_tensor(p.detach())
+        if module_name.endswith(".base_layer"):  # a peft LoRA layer: add its adapters' update
+            layer = base.get_submodule(module_name[:-len(".base_layer")])
+            for adapter in layer.active_adapters:
+                a = full_tensor(layer.lora_A[adapter].weight.detach()).float()
+                b = full_tensor(layer.lora_B[adapter].weight.detach()).float()
+                w = w.float() + (b @ a) * layer.scaling[adapter]
+            name = f"{module_name[:-len('.base_layer')]}.{attr}"
+        yield name, w.to(dtype)
 
 
 def push_weights(engine: Engine, model, dtype) -> None:
@@ -1202,16 +1293,24 @@ def sharded_checkpoint_dir(run_dir: str) -> str:
 
 def save_final(model, tokenizer, path: str, style: str = "chat") -> None:
     """The final policy in HF format (loadable by transformers and vLLM), written atomically by rank 0.
-    Under FSDP2 the whole weights are gathered once, into rank 0's CPU memory (every rank calls this)."""
-    state = None
-    if _distributed():
+    Under FSDP2 the whole weights are gathered once, into rank 0's CPU memory (every rank calls this).
+    LoRA: the merged model (W + (alpha / r) B A, in the base's dtype), and the adapters alone in
+    path/adapter (peft's format: PeftModel.from_pretrained(base, path/adapter))."""
+    state, adapters = None, None
+    if is_lora(model):
+        base_dtype = next(p.dtype for p in model.parameters() if not p.requires_grad)
+        state = {n: w.cpu() for n, w in named_weights(model, base_dtype)}  # a collective per tensor: every rank
+        adapters = {n: full_tensor(p.detach()).cpu() for n, p in model.named_parameters() if p.requires_grad}
+    elif _distributed():
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank() != 0:
         return
     tmp = f"{path}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, state_dict=state)
+    (model.get_base_model() if adapters is not None else model).save_pretrained(tmp, state_dict=state)
+    if adapters is not None:
+        model.save_pretrained(os.path.join(tmp, "adapter"), state_dict=adapters)
     tokenizer.save_pretrained(tmp)
     with open(os.path.join(tmp, "rlmini.json"), "w") as f:
         json.dump({"prompt_style": style}, f)
@@ -1371,7 +1470,8 @@ def setup(args, algo: str) -> Run:
         max_prompt = max(max_prompt, max(n for n, ok in zip(lengths, fits) if ok))
     max_len = min(context, max_prompt * 2 + max_new + 8)
     model = shard_model(model, dtype)  # torchrun: FSDP2 over the ranks
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.lr, weight_decay=args.weight_decay,
+                                  betas=(0.9, 0.999))  # LoRA: the adapters only
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup))
     # fixed probe for the push self-check: the first train prompt and a deterministic completion
     probe_prompt = encode_prompts(tokenizer, [task.train[0]["prompt"]], style == "chat")[0]
@@ -1410,12 +1510,39 @@ def checkpoint(run: Run) -> None:
         from torch.distributed.checkpoint.state_dict import get_state_dict
         state = {}
         for key, (module, optimizer) in {"policy": (run.model, run.optimizer), **pairs}.items():
-            state[key] = dict(zip(("model", "optimizer"), get_state_dict(module, optimizer)))
+            state[key] = dict(zip(("model", "optimizer"), get_state_dict(module, optimizer,
+                                                                         options=_state_options(module))))
         save_sharded_checkpoint(os.path.join(run.run_dir, "checkpoint"), state, meta)
     elif rank() == 0:
-        meta["algo_state"].update({k: {"model": m.state_dict(), "optimizer": o.state_dict()} for k, (m, o) in pairs.items()})
+        meta["algo_state"].update({k: {"model": model_state(m), "optimizer": o.state_dict()} for k, (m, o) in pairs.items()})
         save_checkpoint(os.path.join(run.run_dir, "checkpoint.pt"),
-                        {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), **meta})
+                        {"model": model_state(run.model), "optimizer": run.optimizer.state_dict(), **meta})
+
+
+def model_state(model) -> dict:
+    """The weights a checkpoint holds: all, or with LoRA only the trainable ones (the base is on disk already)."""
+    if not is_lora(model):
+        return model.state_dict()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in model.state_dict().items() if k in trainable}
+
+
+def load_model_state(model, state: dict) -> None:
+    """model_state's inverse; with LoRA every trainable weight must be there, and nothing else."""
+    if not is_lora(model):
+        model.load_state_dict(state)
+        return
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    if unexpected or trainable & set(missing):
+        raise SystemExit(f"--resume: the checkpoint's adapters do not fit this model (missing "
+                         f"{sorted(trainable & set(missing))[:3]}, unexpected {unexpected[:3]}): same --lora_* options?")
+
+
+def _state_options(module):
+    """torch.distributed.checkpoint: a LoRA model saves and loads its trainable weights only."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(ignore_frozen_params=is_lora(module), strict=not is_lora(module))
 
 
 def restore(run: Run, key: str, module, optimizer) -> None:
@@ -1423,14 +1550,15 @@ def restore(run: Run, key: str, module, optimizer) -> None:
     "critic") from the checkpoint of a --resume run, in place; under torchrun each rank reads its shards."""
     if not _distributed():  # taken out of run.resumed: the run keeps no second copy of the weights
         state = run.resumed if key == "policy" else run.resumed["algo_state"].pop(key)
-        module.load_state_dict(state.pop("model"))
+        load_model_state(module, state.pop("model"))
         optimizer.load_state_dict(state.pop("optimizer"))
         return
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    state = {key: dict(zip(("model", "optimizer"), get_state_dict(module, optimizer)))}
+    state = {key: dict(zip(("model", "optimizer"), get_state_dict(module, optimizer, options=_state_options(module))))}
     dcp.load(state, checkpoint_id=sharded_checkpoint_dir(run.run_dir))
-    set_state_dict(module, optimizer, model_state_dict=state[key]["model"], optim_state_dict=state[key]["optimizer"])
+    set_state_dict(module, optimizer, model_state_dict=state[key]["model"], optim_state_dict=state[key]["optimizer"],
+                   options=_state_options(module))
 
 
 def finish(run: Run) -> None:

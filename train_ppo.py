@@ -62,18 +62,20 @@ def whiten(advantages, mask, eps=1e-8):
     return ((a - mean) * (var + eps) ** -0.5 * mask).to(advantages.dtype)
 
 
-def load_critic(path, device, gradient_checkpointing):
+def load_critic(path, device, dtype, args):
     """Value model: a transformers backbone with a scalar head on every position (token classification
-    with one label; the head zero-initialised, V = 0 at start, and no dropout: it regresses)."""
+    with one label; the head zero-initialised, V = 0 at start, and no dropout: it regresses). A model of its
+    own, not the policy's: with --lora_rank, its own frozen copy of the base in `dtype` with its own adapters,
+    the head trained in full (fp32)."""
     from transformers import AutoModelForTokenClassification
-    critic = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
-    for m in critic.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-    head = [m for m in critic.modules() if isinstance(m, torch.nn.Linear) and m.out_features == 1][-1]
-    torch.nn.init.zeros_(head.weight), head.bias is not None and torch.nn.init.zeros_(head.bias)
-    if gradient_checkpointing:
-        critic.gradient_checkpointing_enable()
+    critic = AutoModelForTokenClassification.from_pretrained(path, num_labels=1,
+                                                             dtype=dtype if args.lora_rank else torch.float32)
+    head_name, head = [(n, m) for n, m in critic.named_modules() if isinstance(m, torch.nn.Linear)
+                       and m.out_features == 1][-1]
+    torch.nn.init.zeros_(head.float().weight), head.bias is not None and torch.nn.init.zeros_(head.bias)
+    critic = common.prepare_for_training(critic, args.gradient_checkpointing)
+    if args.lora_rank:
+        critic = common.add_lora(critic, args, extra_trainable=[head], exclude=[head_name])
     return critic.to(device)
 
 
@@ -164,15 +166,16 @@ def main(argv=None):
     args = common.parse_args(Args, argv)
     run = common.setup(args, algo="ppo")
     model, tok, device, dtype = run.model, run.tokenizer, run.device, run.dtype
-    critic = common.shard_model(load_critic(args.critic_model or run.model_path, device, args.gradient_checkpointing),
+    critic = common.shard_model(load_critic(args.critic_model or run.model_path, device, dtype, args),
                                 dtype)  # torchrun: FSDP2, as the policy
-    critic_opt = torch.optim.AdamW(critic.parameters(), lr=args.critic_lr or 10 * args.lr, weight_decay=args.weight_decay)
+    critic_opt = torch.optim.AdamW(common.trainable_parameters(critic), lr=args.critic_lr or 10 * args.lr,
+                                   weight_decay=args.weight_decay)
     if args.resume:  # the value model and its optimizer come back from the checkpoint
         common.restore(run, "critic", critic, critic_opt)
     run.algo_state["critic"] = (critic, critic_opt)  # checkpointed with the policy
     ref_model = None
     if args.beta > 0:  # frozen copy of the initial policy (after --resume: of the base model)
-        ref_model = common.load_reference(args, run.task, device, dtype)
+        ref_model = common.load_reference(args, run.task, device, dtype, model)  # LoRA: adapters off
 
     while run.step < args.steps:
         step_start = time.perf_counter()

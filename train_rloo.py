@@ -110,7 +110,7 @@ def main(argv=None):
     model, tok, device, dtype = run.model, run.tokenizer, run.device, run.dtype
     ref_model = None
     if args.beta > 0:  # frozen copy of the initial policy (after --resume: of the base model)
-        ref_model = common.load_reference(args, run.task, device, dtype)
+        ref_model = common.load_reference(args, run.task, device, dtype, model)  # LoRA: adapters off
 
     while run.step < args.steps:
         step_start = time.perf_counter()

@@ -2,6 +2,7 @@
 
     python benchmarks/memory.py                                  # the README table: 0.5B-14B on 1, 8, 16 GPUs
     python benchmarks/memory.py --model 7B --gpus 8 --beta 0.04 --critic --no-checkpointing
+    python benchmarks/memory.py --model 7B --gpus 1 --lora_rank 16 --beta 0.04   # LoRA on one GPU
     python benchmarks/memory.py --measure                        # the model against measured peak RSS on CPU
     python benchmarks/memory.py --measure --ranks 2              # ... under torchrun, FSDP2 over 2 gloo ranks
 
@@ -19,6 +20,10 @@ The model (one process: a plain module; torchrun: FSDP2 over the ranks, see comm
   head's chunk of fp32 logits (token_logprobs: 4096 positions at a time), 3 buffers of chunk x vocab;
 - reference model (--beta > 0): weights in the compute dtype, sharded, its gathered units;
 - PPO's critic: the policy's backbone again with its own gradients and AdamW state;
+- LoRA (--lora_rank r): the base frozen in the compute dtype (no master copy, gradients or AdamW state), the
+  adapters r (in + out) per linear layer of the attention and MLP trained like full weights (16 bytes each);
+  the reference model is the base with its adapters off (nothing more), PPO's critic its own base copy and
+  adapters;
 - vLLM: --vllm_gpu_memory_utilization of the GPU while it generates, and at least its own bf16 copy of
   the whole model (each rank's engine holds all of it) plus a few GB of KV cache; asleep (level 2)
   during the update.
@@ -52,19 +57,30 @@ def parameters(s: dict) -> dict:
     return {"layer": layer, "root": root, "total": s["layers"] * layer + root}
 
 
+def lora_parameters(s: dict, rank: int) -> int:
+    """Adapter parameters: r (in + out) for each of q, k, v, o, gate, up and down in every layer."""
+    h, i, kv = s["hidden"], s["intermediate"], s["hidden"] // s["heads"] * s["kv_heads"]
+    return s["layers"] * rank * (2 * h + 2 * (h + kv) + 2 * h + 2 * (h + i) + (i + h))
+
+
 def memory(s: dict, ranks: int, sharded: bool, compute_bytes: int = 2, tokens: int = 8192, logit_tokens: int = 4096,
-           checkpointing: bool = True, reference: bool = False, critic: bool = False, vllm_gb: float = 0.0) -> dict:
+           checkpointing: bool = True, reference: bool = False, critic: bool = False, vllm_gb: float = 0.0,
+           lora_rank: int = 0) -> dict:
     """GB per GPU of each part and the peak; `tokens` per micro-batch (padded), `logit_tokens` of them scored."""
     p = parameters(s)
     h, i, kv = s["hidden"], s["intermediate"], s["hidden"] // s["heads"] * s["kv_heads"]
     share = ranks if sharded else 1
     models = 1 + critic  # the critic trains like the policy (its head is one row, its LM head absent)
-    weights, grads, adam = 4 * p["total"] / share * models, 4 * p["total"] / share * models, 8 * p["total"] / share * models
+    trained = lora_parameters(s, lora_rank) if lora_rank else p["total"]
+    weights, grads, adam = 4 * trained / share * models, 4 * trained / share * models, 8 * trained / share * models
+    if lora_rank:  # + the frozen base in the compute dtype
+        weights += compute_bytes * p["total"] / share * models
     if sharded:  # root + two layers gathered in the compute dtype (all-gather buffer, then the parameters copied
         # out of it), and the unsharded gradients of the root and a layer with their fp32 reduce-scatter input
-        working = 2 * compute_bytes * (p["root"] + 2 * p["layer"]) + (compute_bytes + 4) * (p["root"] + p["layer"])
-    else:
-        working = p["total"] * (compute_bytes if compute_bytes < 4 else 0)  # autocast's cached casts
+        working = 2 * compute_bytes * (p["root"] + 2 * p["layer"]) + (compute_bytes + 4) * (p["root"] + p["layer"]) * (
+            not lora_rank)  # LoRA: the frozen base has no gradients (the adapters' are in `grads`)
+    else:  # autocast's cached casts (a LoRA base is stored in the compute dtype already)
+        working = (trained if lora_rank else p["total"]) * (compute_bytes if compute_bytes < 4 else 0)
     per_layer = compute_bytes * (10 * h + 4 * kv + 4 * i)  # bytes per token
     if checkpointing:
         activations = tokens * (s["layers"] * compute_bytes * h + per_layer)
@@ -72,10 +88,10 @@ def memory(s: dict, ranks: int, sharded: bool, compute_bytes: int = 2, tokens: i
         activations = tokens * s["layers"] * per_layer
     activations += 3 * min(logit_tokens, 4096) * s["vocab"] * 4
     ref = 0.0
-    if reference:
+    if reference and not lora_rank:  # LoRA: the base with the adapters off
         ref = compute_bytes * (p["total"] / share + (p["root"] + 2 * p["layer"] if sharded else 0))
     rollout = weights + adam + ref + vllm_gb * GB
-    step = weights + grads + adam + ref + 4 * p["total"] / share * models  # AdamW's foreach temporaries
+    step = weights + grads + adam + ref + 4 * trained / share * models  # AdamW's foreach temporaries
     update = max(weights + grads + adam + working + activations + ref, step)
     parts = {"weights": weights, "grads": grads, "adam": adam, "working": working, "activations": activations,
              "reference": ref, "vllm": vllm_gb * GB, "rollout": rollout, "update": update,
@@ -91,7 +107,8 @@ def table(args) -> str:
         for g in [int(x) for x in args.gpus.split(",")]:
             vllm_gb = max(args.vllm_share * args.gpu_gb, 2 * parameters(s)["total"] / GB + 4)  # whole bf16 model + KV
             m = memory(s, g, sharded=g > 1, tokens=args.tokens, logit_tokens=args.tokens // 2,
-                       checkpointing=args.checkpointing, reference=args.beta > 0, critic=args.critic, vllm_gb=vllm_gb)
+                       checkpointing=args.checkpointing, reference=args.beta > 0, critic=args.critic, vllm_gb=vllm_gb,
+                       lora_rank=args.lora_rank)
             rows.append(f"| {name} | {parameters(s)['total'] / 1e9:.2f}B | {g} | {m['weights'] + m['grads'] + m['adam']:.1f} | "
                         f"{m['working']:.1f} | {m['activations']:.1f} | {m['reference']:.1f} | {m['vllm']:.0f} | "
                         f"{m['peak']:.1f} | {'yes' if m['peak'] <= args.gpu_gb else 'no'} |")
@@ -172,6 +189,7 @@ def main():
                    help="without --gradient_checkpointing (default: with)")
     p.add_argument("--beta", type=float, default=0.0, help="> 0: a reference model is loaded")
     p.add_argument("--critic", action="store_true", help="PPO: a critic as large as the policy")
+    p.add_argument("--lora_rank", type=int, default=0, help="LoRA adapters of this rank on a frozen base (0 = full)")
     p.add_argument("--vllm_share", type=float, default=0.3, help="--vllm_gpu_memory_utilization")
     p.add_argument("--measure", action="store_true", help="compare the model with a measured CPU run")
     p.add_argument("--measure-worker", dest="worker", action="store_true", help=argparse.SUPPRESS)
@@ -187,7 +205,8 @@ def main():
         print(f"Per-GPU memory (GB) of a GRPO update in bf16, {args.tokens} tokens per micro-batch, gradient "
               f"checkpointing {'on' if args.checkpointing else 'off'}, vLLM share {args.vllm_share} of {args.gpu_gb:.0f} GB or its bf16 "
               f"weights + 4 GB of KV cache if more"
-              f"{', reference model' if args.beta > 0 else ''}{', PPO critic' if args.critic else ''}:\n")
+              f"{', reference model' if args.beta > 0 else ''}{', PPO critic' if args.critic else ''}"
+              f"{f', LoRA rank {args.lora_rank}' if args.lora_rank else ''}:\n")
         print(table(args))
 
 

@@ -24,7 +24,7 @@ RUNS = [  # each exercises a statistic defined over the batch, or a path that sy
                                     "--eval_every", "2", "--eval_limit", "5", "--eval_n", "2",  # 5 questions: 3 + 2
                                     "--std_level", "batch", "--log_completions", "6"]),
     ("rloo", "train_rloo", BATCH + ["--beta", "0.05", "--kl_in_reward", "true", "--mask_truncated", "true",
-                                    "--overlong_buffer", "2"]),
+                                    "--overlong_buffer", "2", "--lora_rank", "4"]),  # LoRA: the reference = adapters off
     ("corpo", "train_corpo", BATCH + ["--task", "ordinal", "--top_entropy_quantile", "0.3", "--entropy_coef", "0.01"]),
     ("gpg", "train_gpg", BATCH + ["--beta_th", "0", *OWN_REWARD]),  # alpha = B / (B - M) over the global batch
     ("ppo", "train_ppo", BATCH + ["--whiten_advantages", "true", "--updates_per_rollout", "2", "--group_size", "2",
@@ -32,7 +32,8 @@ RUNS = [  # each exercises a statistic defined over the batch, or a path that sy
 ]
 RESUME = [  # on 2 ranks: 4 steps straight, and 2 steps + resume to 4 (HA-DW's anchor, PPO's critic)
     (f"{name}-{part}", script, BATCH[2:] + ["--steps", steps, "--save_every", "2", *resume, *extra])
-    for name, script, extra in (("grpo", "train_grpo", ["--hadw", "true"]), ("ppo", "train_ppo", ["--minibatches", "2"]))
+    for name, script, extra in (("grpo", "train_grpo", ["--hadw", "true"]),
+                                ("ppo", "train_ppo", ["--minibatches", "2", "--lora_rank", "4"]))  # adapters-only shards
     for part, steps, resume in (("straight", "4", []), ("half", "2", []), ("half", "4", ["--resume", "true"]))
 ] + [("rloo-dynamic", "train_rloo", BATCH + ["--dynamic_sampling", "true", "--log_completions", "16"])]
 

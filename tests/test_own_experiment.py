@@ -12,7 +12,7 @@ import eval as evaluation
 import rewards
 import train_grpo
 import train_ppo
-from conftest import ROOT, read_metrics
+from conftest import ROOT, read_metrics, run_script
 from rollout_double import record_first_step
 
 OWN = os.path.join("docs", "examples", "my_rewards.py")  # the README's example, relative to the repository
@@ -242,3 +242,175 @@ def test_compare_names_a_metric_no_run_logged(tmp_path):
     with pytest.raises(SystemExit, match="--metric eval/auroc: no run logged it"):
         evaluation.main(["compare", str(tmp_path / "a-s0"), str(tmp_path / "a-s1"), "--metric", "eval/auroc",
                          "--out", str(tmp_path / "o")])
+
+
+# ---------------------------------------------------------------------------------------------- LoRA (peft)
+
+LORA = ["--lora_rank", "4", "--lora_alpha", "8", "--lr", "1e-2"]  # scale alpha / r = 2
+
+
+def _hf_names(name):  # peft's parameter name -> the base model's (what vLLM and final/ use)
+    return name.replace("base_model.model.", "", 1).replace(".base_layer", "")
+
+
+def test_lora_trains_only_the_adapters_and_the_final_model_is_base_plus_scaled_ba(tmp_path, monkeypatch, tiny_addition):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    base, _, path = tiny_addition
+    run, *_ = record_first_step(monkeypatch, train_grpo, ["--out_dir", str(tmp_path), "--run_name", "lora",
+                                                          "--prompts_per_step", "8", "--group_size", "4", *LORA])
+    params = dict(run.model.named_parameters())
+    trainable = [n for n, p in params.items() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    adapted = {n[:n.index(".lora_A.")] for n in trainable if ".lora_A." in n}
+    kinds = {n.rsplit(".", 1)[-1] for n in adapted}  # all-linear: every attention and MLP projection, not the head
+    assert kinds == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    share = sum(params[n].numel() for n in trainable) / sum(p.numel() for p in params.values())
+    assert 0 < share < 0.1
+    original = dict(base.named_parameters())
+    for n, p in params.items():  # the frozen base is untouched, bit for bit
+        if not p.requires_grad:
+            assert torch.equal(p, original[_hf_names(n)]), n
+    assert any(params[f"{m}.lora_B.default.weight"].abs().max() > 0 for m in adapted)  # B left 0: the adapters moved
+    # the checkpoint holds the adapters and their optimizer state only
+    ckpt = torch.load(os.path.join(run.run_dir, "checkpoint.pt"), weights_only=False)
+    assert sorted(ckpt["model"]) == sorted(trainable)
+    # final/: W + (alpha / r) B A for every adapted weight, the other weights the base's
+    final = dict(AutoModelForCausalLM.from_pretrained(os.path.join(run.run_dir, "final")).named_parameters())
+    for name, w in original.items():
+        module = f"base_model.model.{name.rsplit('.', 1)[0]}"
+        expected = w
+        if module in adapted:
+            b, a = params[f"{module}.lora_B.default.weight"], params[f"{module}.lora_A.default.weight"]
+            expected = w + 2.0 * b @ a
+        assert torch.allclose(final[name], expected, atol=1e-6, rtol=0), name
+    # final/adapter: peft's own format, the same policy on the base
+    batch = common.make_batch([[4, 13, 5, 14]], [[5, 6, 1]], 0, torch.device("cpu"))
+    fresh = AutoModelForCausalLM.from_pretrained(path)
+    reloaded = PeftModel.from_pretrained(fresh, os.path.join(run.run_dir, "final", "adapter"))
+    with torch.no_grad():
+        ours = common.token_logprobs(run.model, batch, 1.0)[0]
+        assert torch.allclose(common.token_logprobs(reloaded, batch, 1.0)[0], ours, atol=1e-5)
+        merged = AutoModelForCausalLM.from_pretrained(os.path.join(run.run_dir, "final"))
+        assert torch.allclose(common.token_logprobs(merged, batch, 1.0)[0], ours, atol=1e-5)
+
+
+def test_lora_kl_reference_is_the_base_with_the_adapters_off(tmp_path, monkeypatch, tiny_addition):
+    base, _, _ = tiny_addition
+    run, *_ = record_first_step(monkeypatch, train_grpo, ["--out_dir", str(tmp_path), "--run_name", "kl",
+                                                          "--prompts_per_step", "8", "--group_size", "4", *LORA])
+    ref = common.load_reference(run.args, run.task, run.device, run.dtype, run.model)
+    assert list(ref.parameters()) == []  # no second copy of the weights
+    batch = common.make_batch([[4, 13, 5, 14], [6, 13, 7, 14]], [[5, 6, 1], [12, 1]], 0, torch.device("cpu"))
+    with torch.no_grad():
+        ref_lp, base_lp = common.token_logprobs(ref, batch, 1.0)[0], common.token_logprobs(base, batch, 1.0)[0]
+        policy_lp = common.token_logprobs(run.model, batch, 1.0)[0]
+    assert torch.allclose(ref_lp, base_lp, atol=1e-6)
+    assert (policy_lp - base_lp).abs().max() > 1e-4  # the adapters are back on for the policy
+
+
+def test_lora_resume_is_exact(tmp_path):
+    import train_ppo as ppo
+    common_args = ["--engine", "hf", "--prompts_per_step", "8", "--group_size", "2", "--task", "ordinal",
+                   "--out_dir", str(tmp_path), "--wandb", "false", *LORA]
+    straight = ppo.main([*common_args, "--steps", "4", "--run_name", "straight", "--save_every", "2"])
+    ppo.main([*common_args, "--steps", "2", "--run_name", "split"])
+    resumed = ppo.main([*common_args, "--steps", "4", "--run_name", "split", "--resume", "true"])
+    for (n, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b), n
+    critic_a, critic_b = straight.algo_state["critic"][0], resumed.algo_state["critic"][0]
+    for (n, a), b in zip(critic_a.named_parameters(), critic_b.parameters()):  # PPO's critic: its own LoRA + head
+        assert torch.equal(a, b), n
+    rows_a, rows_b = read_metrics(straight.run_dir), read_metrics(resumed.run_dir)
+    for ra, rb in zip(rows_a, rows_b):
+        assert {k: v for k, v in ra.items() if not k.startswith(("time/", "perf/"))} == pytest.approx(
+            {k: v for k, v in rb.items() if not k.startswith(("time/", "perf/"))}, nan_ok=True)
+
+
+def test_lora_learns_addition(tmp_path):
+    """LoRA on the random-initialised tiny model learns the task (full fine-tuning's curve: README)."""
+    run = train_grpo.main(["--engine", "hf", "--steps", "60", "--out_dir", str(tmp_path), "--run_name", "learn",
+                           "--wandb", "false", "--lora_rank", "32", "--lr", "3e-3", "--save_every", "0"])
+    rows = read_metrics(run.run_dir)
+    early = sum(r["reward/correct"] for r in rows[:10]) / 10
+    late = sum(r["reward/correct"] for r in rows[-10:]) / 10
+    assert late > early + 0.1, (early, late)
+
+
+def test_gradient_checkpointing_recomputes_layers_and_dropout_is_off(tmp_path, tiny_addition):
+    """transformers checkpoints a layer in training mode only: the policy trains in training mode (dropout off)."""
+    _, tok, path = tiny_addition
+    task = rewards.load_task("addition")
+    args = common.parse_args(train_grpo.Args, ["--gradient_checkpointing", "true", "--model", path])
+    model, _, _ = common.load_model(args, task, torch.device("cpu"), torch.float32)
+    calls = []
+    for layer in model.model.layers:
+        f = layer._gradient_checkpointing_func
+        layer._gradient_checkpointing_func = lambda *a, f=f, **k: (calls.append(1), f(*a, **k))[1]
+    batch = common.make_batch([[4, 13, 5, 14]], [[5, 6, 1]], 0, torch.device("cpu"))
+    common.token_logprobs(model, batch, 1.0)[0].sum().backward()
+    assert len(calls) == len(model.model.layers)  # each layer recomputed in the backward pass
+    engine = common.Engine("hf", eos_id=1, pad_id=0)
+    common.generate(engine, model, [[4, 13, 5, 14]], 2, 2, 1.0, 0, torch.device("cpu"), torch.float32)
+    assert model.training  # generation (eval mode) hands the model back in training mode
+    # a model whose config asks for attention dropout: the trainer's log-probs are deterministic all the same
+    from transformers import AutoModelForCausalLM
+    noisy = AutoModelForCausalLM.from_pretrained(path, attention_dropout=0.5)
+    noisy.save_pretrained(tmp_path / "noisy")
+    tok.save_pretrained(tmp_path / "noisy")
+    args = common.parse_args(train_grpo.Args, ["--model", str(tmp_path / "noisy")])
+    model, _, _ = common.load_model(args, task, torch.device("cpu"), torch.float32)
+    assert model.training
+    assert torch.equal(common.token_logprobs(model, batch, 1.0)[0], common.token_logprobs(model, batch, 1.0)[0])
+
+
+def test_lora_push_into_vllm_passes_the_self_check(tmp_path):
+    """vLLM receives W + (alpha / r) B A under the base's names each step; the probe check (every step) passes."""
+    from safetensors.torch import load_file
+    run_script("train_grpo.py", ["--task", "ordinal", "--steps", "3", "--prompts_per_step", "8", "--group_size", "4",
+                                 "--out_dir", str(tmp_path), "--run_name", "vllm", "--wandb", "false",
+                                 "--push_check_every", "1", *LORA])
+    rows = read_metrics(tmp_path / "vllm")
+    assert len(rows) == 3 and any(r["grad_norm"] > 0 for r in rows)  # the adapters moved: later pushes carry B A
+    assert max(r["logprob/sampler_diff"] for r in rows) < 1e-3  # vLLM sampled from the adapted policy
+    adapters = load_file(tmp_path / "vllm" / "final" / "adapter" / "adapter_model.safetensors")
+    assert max(v.abs().max().item() for k, v in adapters.items() if "lora_B" in k) > 0
+
+
+def test_lora_gradients_are_the_chain_rule_through_w_plus_sba(tiny_addition):
+    """dL/dB = s G A^T and dL/dA = s B^T G, with G = dL/dW' the gradient at the merged weight W' = W + s B A."""
+    import copy
+    base, _, path = tiny_addition
+    args = common.parse_args(train_grpo.Args, ["--lora_rank", "4", "--lora_alpha", "12", "--lora_targets", "q_proj,down_proj"])
+    model, _, _ = common.load_model(args, rewards.load_task("addition"), torch.device("cpu"), torch.float32)
+    torch.manual_seed(0)
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.05)  # B != 0, so A gets a gradient too
+    merged = copy.deepcopy(base).train()
+    weights = dict(common.named_weights(model, torch.float32))
+    merged.load_state_dict(weights, strict=False)
+    batch = common.make_batch([[4, 13, 5, 14], [6, 13, 7, 14]], [[5, 6, 1], [12, 1]], 0, torch.device("cpu"))
+    common.token_logprobs(model, batch, 0.7)[0].sum().backward()
+    common.token_logprobs(merged, batch, 0.7)[0].sum().backward()
+    s, checked = 12 / 4, 0
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_A") and "default" in module.lora_A:
+            A, B = module.lora_A["default"].weight, module.lora_B["default"].weight
+            G = merged.get_parameter(name.replace("base_model.model.", "", 1) + ".weight").grad
+            assert torch.allclose(B.grad, s * G @ A.T, atol=1e-6, rtol=1e-4), name
+            assert torch.allclose(A.grad, s * B.T @ G, atol=1e-6, rtol=1e-4), name
+            checked += 1
+    assert checked == 4  # q_proj and down_proj of 2 layers
+
+
+@pytest.mark.parametrize("targets, message", [
+    ("q_proj,lm_head", "not on embeddings or the output layer (base_model.model.lm_head)"),
+    ("embed_tokens", "not on embeddings or the output layer"),
+    ("nope_proj", "--lora_targets nope_proj: Target modules {'nope_proj'} not found"),
+])
+def test_bad_lora_targets_are_named(targets, message):
+    args = common.parse_args(train_grpo.Args, ["--lora_rank", "4", "--lora_targets", targets])
+    with pytest.raises(SystemExit) as e:
+        common.load_model(args, rewards.load_task("addition"), torch.device("cpu"), torch.float32)
+    assert message in str(e.value)

@@ -149,11 +149,18 @@ def test_clipped_value_loss_values():
     assert train_ppo.value_loss(v, v_old, ret, mask, 0.0, 2).item() == pytest.approx(0.5 * (1.0 + 1.0) / 2)
 
 
-def test_value_loss_falls_on_a_fixed_target(tiny_addition):
+@pytest.mark.parametrize("lora_rank", [0, 8])
+def test_value_loss_falls_on_a_fixed_target(tiny_addition, lora_rank):
     _, tok, path = tiny_addition
     torch.manual_seed(0)
-    critic = train_ppo.load_critic(path, torch.device("cpu"), False)
-    opt = torch.optim.AdamW(critic.parameters(), lr=1e-3)
+    args = SimpleNamespace(lora_rank=lora_rank, lora_alpha=0.0, lora_targets="all-linear", lora_dropout=0.0,
+                           gradient_checkpointing=False)
+    critic = train_ppo.load_critic(path, torch.device("cpu"), torch.float32, args)
+    if lora_rank:  # its own adapters and its whole value head train; the backbone is frozen
+        trainable = [n for n, p in critic.named_parameters() if p.requires_grad]
+        assert any("score" in n for n in trainable) and all("lora_" in n or "score" in n for n in trainable)
+        assert not any("score" in n and "lora_" in n for n in trainable)  # the head is not adapted, it trains whole
+    opt = torch.optim.AdamW(common.trainable_parameters(critic), lr=1e-3)
     batch = common.make_batch([[4, 13, 5, 14], [6, 13, 7, 14]], [[5, 6, 1], [12, 1]], tok.pad_token_id, torch.device("cpu"))
     target = torch.tensor([[0, 0, 0, 0.3, -0.5, 0.8], [0, 0, 0, 1.0, -1.0, 0]])[:, :batch["mask"].shape[1]] * batch["mask"]
     losses = []
