@@ -93,7 +93,10 @@ class Args:
     log_completions: int = arg(0, "write this many sampled completions per step to rollouts.jsonl (and wandb)")
     decontaminate: int = arg(0, "drop training prompts sharing a word n-gram of this size with a test prompt (0 = off)")
     brier: bool = arg(False, "calibration task: Brier reward instead of log-likelihood")
-    jsonl_reward: Literal["math", "exact"] = arg("math", "reward for jsonl:PATH tasks")
+    jsonl_reward: Literal["math", "exact"] = arg("math", "reward for jsonl:PATH and hf:DATASET tasks")
+    prompt_column: str = arg("prompt", "jsonl:/hf: tasks: the column holding the prompt (text or a list of messages)")
+    answer_column: str = arg("answer", "jsonl:/hf: tasks: the column holding the reference answer")
+    system_prompt: str = arg("", "a system message opening every prompt (chat models)")
     vllm_gpu_memory_utilization: float = arg(0.3, "share of GPU memory vLLM may take (colocated with the trainer)")
     vllm_sleep: bool = arg(True, "CUDA only: free vLLM's memory (sleep level 2) while the trainer updates")
     push_check_every: int = arg(1, "verify vLLM against the trainer on a probe every N steps (0 = off)")
@@ -562,10 +565,16 @@ def autocast(device, dtype):
 
 
 def encode_prompts(tokenizer, prompts: list, chat: bool) -> list:
-    """Token ids of each prompt; a pretrained model with a chat template gets it applied."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        return [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                              tokenize=True, return_dict=False) for p in prompts]
+    """Token ids of each prompt; a pretrained model with a chat template gets it applied (a text prompt as the
+    user's message, a conversation as it is), the prompt ending with the assistant's turn opening."""
+    template = chat and getattr(tokenizer, "chat_template", None)
+    if not template and any(isinstance(p, list) for p in prompts):
+        raise rewards.DataError("conversational prompts (lists of messages) need a model with a chat template; "
+                                "this one has none (the built-in tiny model never does)")
+    if template:
+        return [tokenizer.apply_chat_template([{"role": "user", "content": p}] if isinstance(p, str) else p,
+                                              add_generation_prompt=True, tokenize=True, return_dict=False)
+                for p in prompts]
     return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
 
 
@@ -1179,7 +1188,7 @@ class RunLog:
             self.wandb.finish()
 
 
-def log_completions(run, examples: list, rollouts: Rollouts, rewards, correct, fmt, advantages, n: int) -> None:
+def log_completions(run, examples: list, rollouts: Rollouts, reward_values, correct, fmt, advantages, n: int) -> None:
     """n completions of this step's global batch, drawn by a generator seeded with (seed, step), written by
     rank 0 to rollouts.jsonl (and wandb): step, prompt, completion, reward, correct, format, advantage
     (per completion; PPO: its tokens' mean), length, truncated. Every rank passes its own shard."""
@@ -1192,10 +1201,10 @@ def log_completions(run, examples: list, rollouts: Rollouts, rewards, correct, f
     for g in sorted(chosen.tolist()):
         if first <= g < first + B:
             k = g - first
-            rows.append({"step": run.step, "index": g, "prompt": examples[k // G]["prompt"],
+            rows.append({"step": run.step, "index": g, "prompt": rewards.prompt_text(examples[k // G]["prompt"]),
                          "answer": str(examples[k // G].get("answer", "")),
                          "completion": run.tokenizer.decode(rollouts.completion_ids[k], skip_special_tokens=True),
-                         "reward": float(rewards[k]), "correct": float(correct[k]), "format": float(fmt[k]),
+                         "reward": float(reward_values[k]), "correct": float(correct[k]), "format": float(fmt[k]),
                          "advantage": float(advantages[k]), "length": len(rollouts.completion_ids[k]),
                          "truncated": not rollouts.finished[k]})
     run.log.completions(run.step, all_gather_objects(rows))
@@ -1438,7 +1447,11 @@ def setup(args, algo: str) -> Run:
         model_tag = os.path.basename(args.model.rstrip("/"))
         args.run_name = f"{algo}-{args.task.split(':')[0]}-{model_tag}-s{args.seed}"
     style = prompt_style(args.model)
-    task = rewards.load_task(args.task, style=style, seed=args.seed, brier=args.brier, jsonl_reward=args.jsonl_reward)
+    task = rewards.load_task(args.task, style=style, seed=args.seed, brier=args.brier, jsonl_reward=args.jsonl_reward,
+                             prompt_column=args.prompt_column, answer_column=args.answer_column)
+    if args.system_prompt and style != "chat":
+        raise SystemExit("--system_prompt: the built-in tiny model has no chat template; use a chat model (--model)")
+    task = rewards.with_system_prompt(task, args.system_prompt)
     task = rewards.with_reward_functions(task, args.reward, args.reward_weights, args.on_nonfinite)  # --reward
     if args.decontaminate:
         task.train, dropped = rewards.decontaminate(task.train, task.test, args.decontaminate)

@@ -289,7 +289,12 @@ def _model_name(model: str) -> str:
 def cmd_evaluate(argv) -> dict:
     p = argparse.ArgumentParser(prog="eval.py", description="Evaluate a policy on a task's held-out split.")
     p.add_argument("--model", default="tiny", help="hub id, local path (e.g. runs/<run>/final) or 'tiny'")
-    p.add_argument("--task", default="addition", help="as in training: addition, calibration, ordinal, gsm8k, math, jsonl:PATH")
+    p.add_argument("--task", default="addition", help="as in training: addition, calibration, ordinal, gsm8k, math, "
+                   "jsonl:PATH, hf:DATASET")
+    p.add_argument("--jsonl_reward", default="math", choices=sorted(rewards.JSONL_REWARDS), help="jsonl:/hf: scoring")
+    p.add_argument("--prompt_column", default="prompt", help="jsonl:/hf: the prompt's column")
+    p.add_argument("--answer_column", default="answer", help="jsonl:/hf: the answer's column")
+    p.add_argument("--system_prompt", default="", help="a system message opening every prompt (chat models)")
     p.add_argument("--n", type=int, default=16, help="samples per question")
     p.add_argument("--k", default="1,4,16", help="comma-separated k for pass@k, maj@k, mean@k (each <= n)")
     p.add_argument("--split", default="test", choices=["test", "train"])
@@ -317,7 +322,9 @@ def cmd_evaluate(argv) -> dict:
     args = common.Args(model=a.model, task=a.task, engine=a.engine, temperature=a.temperature, seed=a.seed,
                        max_new_tokens=a.max_new_tokens, dtype=a.dtype)
     style = common.prompt_style(a.model)
-    task = rewards.load_task(a.task, style=style, seed=a.seed)
+    task = rewards.load_task(a.task, style=style, seed=a.seed, jsonl_reward=a.jsonl_reward,
+                             prompt_column=a.prompt_column, answer_column=a.answer_column)
+    task = rewards.with_system_prompt(task, a.system_prompt)
     common.model_path(a.model, task)  # builds the tiny model on first use, before torch.distributed starts
     device, dtype = common.setup_device(args)
     model, tok, path = common.load_model(args, task, device, dtype)

@@ -299,13 +299,87 @@ def parse_math_rows(rows, source: str, lines=None) -> list:
     return out
 
 
-def parse_jsonl_rows(rows, source: str, lines=None) -> list:
-    """A user's own file: one {"prompt": ..., "answer": ..., any other fields} object per line."""
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _conversation(messages: list, source: str, at: str, column: str) -> list:
+    """A conversational prompt: a list of {"role", "content"} messages, the last one the user's."""
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise DataError(f"{source}: {at}: column '{column}', message {j + 1}: expected {{\"role\": one of "
+                            f"{', '.join(ROLES)}, \"content\": text}}, got {str(m)[:80]}")
+    if not messages or messages[-1]["role"] != "user":
+        raise DataError(f"{source}: {at}: column '{column}': a conversation must end with a user message")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def parse_rows(rows, source: str, lines=None, prompt_column: str = "prompt", answer_column: str = "answer") -> list:
+    """A user's own rows (jsonl:PATH, hf:DATASET): a prompt (text, or a conversation: a list of {role, content}
+    messages for the chat template) and an answer, under the given column names; every other field is kept
+    (the --reward functions get them)."""
     out = []
     for i, row in enumerate(rows):
-        _require(row, ("prompt", "answer"), source, where(lines, i))
-        out.append({**row, "prompt": str(row["prompt"])})  # extra fields reach --reward functions
+        at = where(lines, i)
+        if not isinstance(row, dict):
+            raise DataError(f"{source}: {at}: expected an object, got {type(row).__name__}")
+        for col, flag in ((prompt_column, "--prompt_column"), (answer_column, "--answer_column")):
+            if col not in row:
+                raise DataError(f"{source}: {at}: missing column '{col}' (has: {', '.join(sorted(row))}); "
+                                f"name yours with {flag}")
+        prompt, answer = row[prompt_column], row[answer_column]
+        if isinstance(prompt, list):
+            prompt = _conversation(prompt, source, at, prompt_column)
+        elif not isinstance(prompt, (str, int, float)) or isinstance(prompt, bool) or not str(prompt).strip():
+            raise DataError(f"{source}: {at}: column '{prompt_column}' is empty or not text/messages")
+        else:
+            prompt = str(prompt)
+        if not isinstance(answer, (str, int, float)) or isinstance(answer, bool) or not str(answer).strip():
+            raise DataError(f"{source}: {at}: column '{answer_column}' is empty or not text")
+        out.append({**row, "prompt": prompt, "answer": answer})
     return out
+
+
+def prompt_text(prompt) -> str:
+    """The text of a prompt: itself, or a conversation's message contents joined."""
+    return prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+
+
+def with_system_prompt(task: Task, text: str) -> Task:
+    """Every prompt as a conversation opening with the --system_prompt (replacing the conversation's own)."""
+    if not text:
+        return task
+    system = {"role": "system", "content": text}
+
+    def convert(e):
+        p = e["prompt"]
+        messages = [{"role": "user", "content": p}] if isinstance(p, str) else [m for m in p if m["role"] != "system"]
+        return {**e, "prompt": [system] + messages}
+    task.train, task.test = [convert(e) for e in task.train], [convert(e) for e in task.test]
+    return task
+
+
+def _dataset_rows(spec: str) -> tuple[dict, str]:
+    """{split: rows} of a Hugging Face dataset: a hub id (ID or ID:CONFIG) or local files (.jsonl/.json, .csv,
+    .parquet, or a folder of them), through `datasets`."""
+    from datasets import DatasetDict, load_dataset
+    path, _, config = spec.partition(":")
+    builders = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+    ext = os.path.splitext(path)[1]
+    try:
+        if os.path.isfile(path):
+            if ext not in builders:
+                raise DataError(f"--task hf:{spec}: {path}: expected a .jsonl, .json, .csv or .parquet file")
+            data = load_dataset(builders[ext], data_files=path)
+        else:
+            data = load_dataset(path, config or None)
+    except DataError:
+        raise
+    except Exception as e:  # no such dataset, offline, a malformed file
+        hint = " (HF_HUB_OFFLINE is set: the hub cannot be reached)" if os.environ.get("HF_HUB_OFFLINE") else ""
+        raise DataError(f"--task hf:{spec}: could not load the dataset{hint}: {type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:200] if str(e) else ''}") from None
+    data = data if isinstance(data, DatasetDict) else DatasetDict(train=data)
+    return {name: list(split) for name, split in data.items()}, path
 
 
 def read_jsonl_numbered(path: str, allow_empty: bool = False, drop_torn_last: bool = False) -> tuple[list, list]:
@@ -360,12 +434,15 @@ MATH_HUB = ("DigitalLearningGmbH/MATH-lighteval", None, {"train": "train", "test
 JSONL_REWARDS = {"math": score_boxed_math, "exact": score_exact}
 
 
-def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False,
-              jsonl_reward: str = "math") -> Task:
+def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False, jsonl_reward: str = "math",
+              prompt_column: str = "prompt", answer_column: str = "answer") -> Task:
     """Task from its name. Real datasets take an optional local path: `gsm8k:data/{split}.jsonl`.
 
     `jsonl:PATH` reads PATH (train) and PATH with .test before the extension if present (else the
-    last 10% of PATH) as the held-out split, scored by `jsonl_reward` (math | exact).
+    last 10% of PATH) as the held-out split; `hf:DATASET` any Hugging Face dataset (a hub id, ID:CONFIG,
+    or local .jsonl/.json/.csv/.parquet files), its train split and its test (or validation) split. Both
+    take their prompt and answer from `prompt_column` and `answer_column` (a prompt may be a conversation)
+    and are scored by `jsonl_reward` (math | exact).
     """
     name, _, local = spec.partition(":")
     if name == "addition":
@@ -387,23 +464,32 @@ def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False
         splits = [parse(*_rows(local or None, hub, s)) for s in ("train", "test")]  # (rows, source, lines)
         return Task(name, "binary", splits[0], splits[1], score_boxed_math, pass_threshold=1.0,
                     alphabet=list(string.printable), max_new_tokens=512)
-    if name == "jsonl":
+    if name in ("jsonl", "hf"):
         if not local:
-            raise DataError("--task jsonl:PATH needs a path, e.g. jsonl:data/train.jsonl")
+            raise DataError(f"--task {name}:PATH needs a path, e.g. jsonl:data/train.jsonl or hf:data/train.parquet")
         if jsonl_reward not in JSONL_REWARDS:
             raise DataError(f"--jsonl_reward {jsonl_reward!r}: choose one of {sorted(JSONL_REWARDS)}")
-        rows = parse_jsonl_rows(*_rows(local, None, "train"))
-        root, ext = os.path.splitext(local)
-        test_path = f"{root}.test{ext}"
-        if os.path.exists(test_path):
-            train, test = rows, parse_jsonl_rows(*_rows(test_path, None, "test"))
-        else:
+        cols = dict(prompt_column=prompt_column, answer_column=answer_column)
+        test = None
+        if name == "jsonl":  # PATH, and PATH with .test before the extension as the held-out split if present
+            rows = parse_rows(*_rows(local, None, "train"), **cols)
+            root, ext = os.path.splitext(local)
+            if os.path.exists(f"{root}.test{ext}"):
+                test = parse_rows(*_rows(f"{root}.test{ext}", None, "test"), **cols)
+        else:  # its train split, and its test (else validation) split as the held-out one if present
+            splits, source = _dataset_rows(local)
+            if "train" not in splits:
+                raise DataError(f"--task hf:{local}: no 'train' split (has: {', '.join(splits)})")
+            rows = parse_rows(splits["train"], f"{source}[train]", **cols)
+            held = next((s for s in ("test", "validation") if s in splits), None)
+            test = parse_rows(splits[held], f"{source}[{held}]", **cols) if held else None
+        if test is None:  # the last 10% of the rows
             n_test = max(1, len(rows) // 10)
-            train, test = rows[:-n_test] or rows, rows[-n_test:]
-        return Task("jsonl", "binary", train, test, JSONL_REWARDS[jsonl_reward], pass_threshold=1.0,
+            rows, test = rows[:-n_test] or rows, rows[-n_test:]
+        return Task(name, "binary", rows, test, JSONL_REWARDS[jsonl_reward], pass_threshold=1.0,
                     alphabet=list(string.printable), max_new_tokens=512)
     raise DataError(f"--task {spec!r}: unknown task; choose addition, calibration, ordinal, mixed[:HARD_FRAC], "
-                    f"gsm8k, math or jsonl:PATH")
+                    f"gsm8k, math, jsonl:PATH or hf:DATASET")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -511,8 +597,8 @@ def with_reward_functions(task: Task, spec: str, weights: str, on_nonfinite: str
 # contamination: word n-gram overlap between training and held-out prompts ("GRPO for Reasoning-Model Post-Training", 2026)
 
 
-def _ngrams(text: str, n: int) -> set:
-    words = text.lower().split()
+def _ngrams(text, n: int) -> set:
+    words = prompt_text(text).lower().split()
     return {" ".join(words[i:i + n]) for i in range(len(words) - n + 1)}
 
 

@@ -23,6 +23,11 @@ def generate_double(engine, model, prompt_ids, n, max_new_tokens, temperature, s
             r.prompt_ids.append(list(ids))
             r.completion_ids.append(toks[:max_new_tokens])
             r.finished.append(kind != 3)
+    return with_trainer_logprobs(r, model, temperature, device, dtype)
+
+
+def with_trainer_logprobs(r, model, temperature, device, dtype):
+    """A double's rollouts get the trainer's own log-probs as the sampler's (an exact sampler)."""
     batch = common.make_batch(r.prompt_ids, r.completion_ids, r.pad_id, device)
     with torch.no_grad(), common.autocast(device, dtype):
         logp, _ = common.token_logprobs(model, batch, temperature)

@@ -1,0 +1,52 @@
+"""A local model folder shaped like a hub chat model, built offline: a random-initialised Qwen3 (head_dim 64,
+which vLLM's CPU kernels take), a byte-level BPE tokenizer trained here over ASCII text with the tokenizers
+library, ChatML special tokens (<|endoftext|> pads, <|im_end|> ends a turn) and a chat template. It is what
+`--model Qwen/...` gives the trainers, without the hub."""
+import os
+import random
+
+import torch
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = ("{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                 "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def corpus(n: int = 3000, seed: int = 0) -> list:
+    """ASCII text like the prompts and answers the tests use: sums, \\boxed{} answers, a little English."""
+    rng = random.Random(seed)
+    words = ("what is the answer please reason step by step and put your final within so we have simplify "
+             "you are a careful calculator compute sum of numbers").split()
+    out = []
+    for _ in range(n):
+        a, b = rng.randrange(100), rng.randrange(100)
+        out.append(f"What is {a} + {b}? Put the final answer in \\boxed{{}}. {a} + {b} = \\boxed{{{a + b}}}")
+        out.append(" ".join(rng.choice(words) for _ in range(8)) + f" $\\frac{{{a}}}{{{b + 1}}}$")
+    return out
+
+
+def build_chat_model(path: str, vocab_size: int = 512, seed: int = 0) -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus(seed=seed), trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=None, eos_token="<|im_end|>",
+                                     pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"],
+                                     model_max_length=1024)
+    hf_tok.chat_template = CHAT_TEMPLATE
+    config = Qwen3Config(vocab_size=len(hf_tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=1024,
+                         tie_word_embeddings=True, eos_token_id=hf_tok.eos_token_id, pad_token_id=hf_tok.pad_token_id,
+                         bos_token_id=None)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+    model.generation_config.eos_token_id = hf_tok.eos_token_id
+    model.save_pretrained(path)
+    hf_tok.save_pretrained(path)
+    return path
