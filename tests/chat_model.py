@@ -50,3 +50,8 @@ def build_chat_model(path: str, vocab_size: int = 512, seed: int = 0) -> str:
     model.save_pretrained(path)
     hf_tok.save_pretrained(path)
     return path
+
+
+if __name__ == "__main__":  # python tests/chat_model.py FOLDER: build it there (README, "Your own experiment")
+    import sys
+    print(build_chat_model(sys.argv[1] if len(sys.argv) > 1 else "runs/chat-model"))
