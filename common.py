@@ -1311,7 +1311,8 @@ def save_final(model, tokenizer, path: str, style: str = "chat") -> None:
     state, adapters = None, None
     if is_lora(model):
         base_dtype = next(p.dtype for p in model.parameters() if not p.requires_grad)
-        state = {n: w.cpu() for n, w in named_weights(model, base_dtype)}  # a collective per tensor: every rank
+        merged = named_weights(model, base_dtype)  # a collective per tensor under FSDP2: every rank iterates,
+        state = {n: w.cpu() for n, w in merged if rank() == 0}  # rank 0 keeps (host memory: one copy, not N)
         adapters = {n: full_tensor(p.detach()).cpu() for n, p in model.named_parameters() if p.requires_grad}
     elif _distributed():
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -59,7 +59,7 @@ x 10 updates, clip applied), torch seed {a.tabular_seed}, advantages and losses 
 
 **Language model**: the built-in tiny model on `calibration`, each trainer with its defaults, {lm_cfg.steps}
 steps x {lm_cfg.prompts_per_step} prompts x {lm_cfg.group_size} completions, lr {lm_cfg.lr:g}, {lm_cfg.engine} engine; one run per algorithm
-for each of the seeds {lm_cfg.seeds} (mean, and the range in brackets); {lm_cfg.eval_limit} held-out questions x
+for each of the seeds {lm_cfg.seeds} (interquartile mean over seeds and its 95% bootstrap interval); {lm_cfg.eval_limit} held-out questions x
 {lm_cfg.eval_n} samples each.
 
 {lm_md}
@@ -84,7 +84,7 @@ def main(argv=None):
     p.add_argument("--tabular_steps", type=int, default=50_000, help="gradient steps per tabular row")
     p.add_argument("--tabular_seed", type=int, default=0, help="torch seed of the tabular runs")
     p.add_argument("--lm_steps", type=int, default=lm.parser().get_default("steps"), help="steps per language-model run")
-    p.add_argument("--lm_seeds", default="0,1", help="comma-separated seeds of the language-model runs")
+    p.add_argument("--lm_seeds", default="0,1,2,3,4", help="comma-separated seeds of the language-model runs")
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel")
     p.add_argument("--out", default="runs/seed000", help="folder for both parts' results")
     p.add_argument("--figure", default=os.path.join(ROOT, "docs", "figures", "seed000_reliability.png"))

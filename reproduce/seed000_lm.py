@@ -70,8 +70,11 @@ def run_all(algos, seeds, a) -> list:
 
 
 def table(results: list, eval_limit: int) -> str:
-    """Markdown, one row per algorithm: the mean over seeds (and the range when there are several); last,
-    the true rates of the same questions."""
+    """Markdown, one row per algorithm: with one seed its values; with several, the interquartile mean over
+    seeds and its 95% stratified-bootstrap interval (eval.py's estimators, Agarwal et al. 2021); last, the true
+    rates of the same questions. With several seeds, a second table: P(GRPO's ECE is higher than X's), the
+    probability of improvement over pairs of seeds."""
+    from eval import aggregate_scores, probability_of_improvement, probability_of_improvement_ci, stratified_bootstrap_ci
     results = results + [oracle(s, eval_limit) for s in dict.fromkeys(r["seed"] for r in results)]
     lines = ["| algorithm | ECE | AUROC | accuracy | Brier | seeds |", "|---|---|---|---|---|---|"]
     for algo in dict.fromkeys(r["algo"] for r in results):
@@ -79,9 +82,20 @@ def table(results: list, eval_limit: int) -> str:
 
         def cell(key):
             v = [r[key] for r in rs]
-            return f"{np.mean(v):.3f}" + (f" ({min(v):.3f}-{max(v):.3f})" if len(v) > 1 else "")
+            if len(v) == 1:
+                return f"{v[0]:.3f}"
+            lo, hi = stratified_bootstrap_ci(v, "iqm")
+            return f"{aggregate_scores(v, 'iqm'):.3f} [{lo:.3f}, {hi:.3f}]"
         lines.append(f"| {rs[0]['label']} | {cell('ece')} | {cell('auroc')} | {cell('accuracy')} | {cell('brier')} "
                      f"| {','.join(str(r['seed']) for r in rs)} |")
+    ece = {a: [r["ece"] for r in results if r["algo"] == a] for a in dict.fromkeys(r["algo"] for r in results)}
+    if len(ece.get("grpo", [])) > 1:
+        lines += ["", "| P(ECE of GRPO > ECE of X), pairs of seeds | P [95% interval] |", "|---|---|"]
+        for algo, v in ece.items():
+            if algo not in ("grpo", "oracle"):
+                lo, hi = probability_of_improvement_ci(ece["grpo"], v)
+                label = next(r["label"] for r in results if r["algo"] == algo)
+                lines.append(f"| {label} | {probability_of_improvement(ece['grpo'], v):.2f} [{lo:.2f}, {hi:.2f}] |")
     return "\n".join(lines)
 
 

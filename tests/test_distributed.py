@@ -124,11 +124,13 @@ def test_dynamic_sampling_under_torchrun_fills_every_rank(one_and_two_ranks):
 def test_the_final_policy_is_gathered_whole(one_and_two_ranks):
     from transformers import AutoModelForCausalLM
     one, two = one_and_two_ranks
-    a = dict(AutoModelForCausalLM.from_pretrained(one / "grpo" / "final").named_parameters())
-    b = dict(AutoModelForCausalLM.from_pretrained(two / "grpo" / "final").named_parameters())
-    assert a.keys() == b.keys()
-    for k in a:  # two AdamW steps from the same gradients (to float rounding): the same weights, to ~lr/100
-        assert a[k].shape == b[k].shape and (a[k] - b[k]).abs().max() < 1e-5, k
+    for name in ("grpo", "rloo"):  # rloo: LoRA, the merged model gathered from the shards of base and adapters
+        a = dict(AutoModelForCausalLM.from_pretrained(one / name / "final").named_parameters())
+        b = dict(AutoModelForCausalLM.from_pretrained(two / name / "final").named_parameters())
+        assert a.keys() == b.keys()
+        for k in a:  # two AdamW steps from the same gradients (to float rounding): the same weights, to ~lr/100
+            assert a[k].shape == b[k].shape and (a[k] - b[k]).abs().max() < 1e-5, (name, k)
+    assert (two / "rloo" / "final" / "adapter" / "adapter_model.safetensors").exists()
 
 
 @pytest.mark.parametrize("argv, message", [
