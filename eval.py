@@ -593,6 +593,9 @@ def _plot_curves(groups, keys, path, reps=1000):
                 ax.plot(steps, curves[0], "o-" if len(steps) < 20 else "-", label=name, ms=3)
                 continue
             mid, lo, hi = curve_band(curves, reps)
+            if len(steps) == 1:  # one evaluation: a point with its interval
+                ax.errorbar(steps, mid, yerr=[mid - lo, hi - mid], fmt="o", capsize=4, label=f"{name} ({len(runs)} runs)")
+                continue
             line, = ax.plot(steps, mid, "o-" if len(steps) < 20 else "-", label=f"{name} ({len(runs)} runs)", ms=3)
             ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.2)
         ax.set_title(key, fontsize=9), ax.set_xlabel("step")
