@@ -485,8 +485,8 @@ def load_model(args, task, device, dtype):
 def prepare_for_training(model, gradient_checkpointing: bool):
     """Dropout off (the policy gradient and the push check need pi_theta to be the policy that sampled; a
     critic regresses), then training mode: transformers checkpoints a layer only in training mode, so
-    --gradient_checkpointing in eval mode silently keeps every activation. Non-reentrant checkpointing: the
-    reentrant kind drops the gradient of adapters when the layer's input needs none (a frozen embedding)."""
+    --gradient_checkpointing in eval mode silently keeps every activation. Non-reentrant checkpointing, the
+    kind PyTorch recommends (it also runs under no_grad, as the pre-update passes do)."""
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
@@ -981,6 +981,9 @@ def token_logprobs(model, batch: dict, temperature: float, chunk_tokens: int = 4
     recomputed in the backward pass (checkpointed), so a full-vocabulary fp32 log-softmax never
     exists for the whole batch at once.
     """
+    for m in model.modules():  # --lora_dropout drops in the gradient passes only: pi_old, the guard, the push check,
+        if isinstance(m, torch.nn.Dropout) and m.p > 0:  # the KL reference read the policy itself (base dropout is 0)
+            m.train(torch.is_grad_enabled())
     # the model's forward computes logits for one position only; the last hidden state (after the
     # final norm) feeds the chunked projection below
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True,

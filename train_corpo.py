@@ -153,7 +153,8 @@ def main(argv=None):
         keep = torch.tensor(rollouts.finished, dtype=torch.float32) if args.mask_truncated else torch.ones(B)
         micro = args.micro_batch_size
         sampler_logp = [torch.tensor(lp, dtype=torch.float32) for lp in rollouts.sampler_logprobs]
-        on_policy = args.updates_per_rollout == 1 and args.minibatches == 1
+        # on-policy, pi_old is the update's own first forward; with --lora_dropout it comes from a pass without it
+        on_policy = args.updates_per_rollout == 1 and args.minibatches == 1 and not args.lora_dropout
         top_entropy = args.top_entropy_quantile < 1
         old_logp, ref_logp, old_entropy = [None] * B, [None] * B, [None] * B
         with torch.no_grad():
