@@ -97,7 +97,7 @@ def test_own_jsonl_with_held_out_file_and_exact_reward():
     (f"gsm8k:{FIX}/gsm8k_missing.jsonl", r"gsm8k_missing.jsonl: line 3: missing field 'question'"),
     (f"gsm8k:{FIX}/gsm8k_badjson.jsonl", r"gsm8k_badjson.jsonl: line 2: not valid JSON"),
     (f"math:{FIX}/math_bad.jsonl", r"math_bad.jsonl: line 2: solution has no \\boxed"),
-    (f"jsonl:{FIX}/own_bad.jsonl", r"own_bad.jsonl: line 2: field 'prompt' is empty"),
+    (f"jsonl:{FIX}/own_bad.jsonl", r"own_bad.jsonl: line 2: column 'prompt' is empty"),
     (f"jsonl:{FIX}/nope.jsonl", r"nope.jsonl: file not found"),
     ("jsonl", r"needs a path"),
     ("sudoku", r"unknown task"),
@@ -111,7 +111,7 @@ def test_line_numbers_are_the_files_own_and_bad_files_are_named(tmp_path):
     """1-based physical lines, blank lines counted (they used to be skipped by one count and not the other)."""
     bad = tmp_path / "blank.jsonl"
     bad.write_text('{"prompt": "a", "answer": "1"}\n\n\n{"prompt": "b"}\n')
-    with pytest.raises(rewards.DataError, match=r"blank.jsonl: line 4: missing field 'answer'"):
+    with pytest.raises(rewards.DataError, match=r"blank.jsonl: line 4: missing column 'answer'"):
         rewards.load_task(f"jsonl:{bad}")
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes('{"prompt": "a", "answer": "1"}\n{"prompt": "caf\u00e9", "answer": "2"}\n'.encode("latin-1"))
