@@ -62,9 +62,13 @@ def test_entropy_gradient_through_the_chunked_projection_is_the_analytic_one():
     head = torch.nn.Linear(d, V, bias=False)
     hidden = torch.randn(*batch["input_ids"].shape, d, requires_grad=True)
 
-    def model(**kw):  # stands in for the transformer: its last hidden state is `hidden`
-        return SimpleNamespace(hidden_states=(hidden,))
-    model.get_output_embeddings = lambda: head
+    class Model(torch.nn.Module):  # stands in for the transformer: its last hidden state is `hidden`
+        def forward(self, **kw):
+            return SimpleNamespace(hidden_states=(hidden,))
+
+        def get_output_embeddings(self):
+            return head
+    model = Model()
     _, entropy = common.token_logprobs(model, batch, T, chunk_tokens=2, with_entropy=True)  # 7 tokens: 4 chunks
     assert entropy.requires_grad
     (entropy * batch["mask"]).sum().backward()
