@@ -10,6 +10,7 @@ import dataclasses
 import datetime
 import hashlib
 import inspect
+import itertools
 import json
 import logging
 import math
@@ -21,6 +22,7 @@ import sys
 import tempfile
 import time
 import typing
+import weakref
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -63,6 +65,7 @@ class Args:
     minibatches: int = arg(1, "optimizer steps per pass: the rollout batch is split into this many")
     grad_clip: float = arg(1.0, "max global grad norm (0 = off)")
     gradient_checkpointing: bool = arg(False, "trade compute for activation memory")
+    packing: bool = arg(True, "train on padding-free packed micro-batches, each prompt computed once per group (exact)")
     lora_rank: int = arg(0, "LoRA rank r through peft: only adapters train, the base stays frozen (0 = full fine-tuning)")
     lora_alpha: float = arg(0.0, "LoRA alpha: the update is (alpha / r) B A (0 = 2 r)")
     lora_targets: str = arg("all-linear", "modules given adapters: all-linear (attention and MLP) or comma-separated names")
@@ -99,7 +102,7 @@ class Args:
     system_prompt: str = arg("", "a system message opening every prompt (chat models)")
     vllm_gpu_memory_utilization: float = arg(0.3, "share of GPU memory vLLM may take (colocated with the trainer)")
     vllm_sleep: bool = arg(True, "CUDA only: free vLLM's memory (sleep level 2) while the trainer updates")
-    push_check_every: int = arg(1, "verify vLLM against the trainer on a probe every N steps (0 = off)")
+    push_check_every: int = arg(10, "verify vLLM against the trainer on a probe every N steps (0 = off)")
     push_check_tol: float = arg(0.0, "mean |logprob diff| allowed on the probe; 0 = by dtype (fp32 2e-3, bf16 5e-2)")
     config: str = arg("", "YAML or JSON file of options; command-line flags override it")
     dist_timeout: int = arg(1800, "torchrun: seconds a rank waits in a collective before the run stops with an error")
@@ -476,17 +479,20 @@ def load_model(args, task, device, dtype):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype if args.lora_rank else torch.float32).to(device)
-    model = prepare_for_training(model, args.gradient_checkpointing)
+    model = prepare_for_training(model, args.gradient_checkpointing, args.packing)
     if args.lora_rank:
         model = add_lora(model, args)
     return model, tokenizer, path
 
 
-def prepare_for_training(model, gradient_checkpointing: bool):
+def prepare_for_training(model, gradient_checkpointing: bool, packing: bool = True):
     """Dropout off (the policy gradient and the push check need pi_theta to be the policy that sampled; a
     critic regresses), then training mode: transformers checkpoints a layer only in training mode, so
     --gradient_checkpointing in eval mode silently keeps every activation. Non-reentrant checkpointing, the
-    kind PyTorch recommends (it also runs under no_grad, as the pre-update passes do)."""
+    kind PyTorch recommends (it also runs under no_grad, as the pre-update passes do). --packing: attention
+    through packed_attention (enable_packing)."""
+    if packing:
+        enable_packing(model)
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
@@ -539,6 +545,8 @@ def load_reference(args, task, device, dtype, policy=None):
     if policy is not None and is_lora(policy):
         return AdaptersOff(policy)
     model = AutoModelForCausalLM.from_pretrained(model_path(args.model, task), dtype=dtype).to(device)
+    if args.packing:
+        enable_packing(model)
     return shard_model(model.eval().requires_grad_(False), dtype)
 
 
@@ -571,11 +579,19 @@ def encode_prompts(tokenizer, prompts: list, chat: bool) -> list:
     if not template and any(isinstance(p, list) for p in prompts):
         raise rewards.DataError("conversational prompts (lists of messages) need a model with a chat template; "
                                 "this one has none (the built-in tiny model never does)")
-    if template:
-        return [tokenizer.apply_chat_template([{"role": "user", "content": p}] if isinstance(p, str) else p,
-                                              add_generation_prompt=True, tokenize=True, return_dict=False)
-                for p in prompts]
-    return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    cache = _PROMPT_IDS.setdefault(tokenizer, {})  # the same prompts come back every epoch: tokenised once
+    out = []
+    for p in prompts:
+        key = (bool(template), p if isinstance(p, str) else json.dumps(p, sort_keys=True))
+        if key not in cache:
+            cache[key] = (tokenizer.apply_chat_template([{"role": "user", "content": p}] if isinstance(p, str) else p,
+                                                        add_generation_prompt=True, tokenize=True, return_dict=False)
+                          if template else tokenizer(p, add_special_tokens=False)["input_ids"])
+        out.append(list(cache[key]))
+    return out
+
+
+_PROMPT_IDS = weakref.WeakKeyDictionary()  # tokenizer -> {(chat template?, prompt): token ids}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -669,37 +685,65 @@ def _generate_vllm(engine, prompt_ids, n, max_new_tokens, temperature, seed) -> 
 
 @torch.no_grad()
 def _generate_hf(engine, model, prompt_ids, n, max_new_tokens, temperature, seed, device, dtype) -> Rollouts:
-    from transformers import GenerationConfig
+    """The transformers engine: one prefill per prompt (left-padded batch), its KV cache repeated n times,
+    then ancestral sampling at `temperature` (no top-k/top-p), one token per step for the sequences still
+    running: a finished sequence leaves the batch and its cache, so a long tail of lengths costs what it
+    generates. The sampler's log-prob of each token is log_softmax(logits / T), as the trainer computes it."""
+    from transformers import DynamicCache
     was_training = model.training
     model.eval()
-    gen = GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
-                           eos_token_id=engine.eos_id, pad_token_id=engine.pad_id, output_scores=True,
-                           return_dict_in_generate=True, use_cache=True)
-    width = max(len(p) for p in prompt_ids)
-    rows = [p for p in prompt_ids for _ in range(n)]
-    input_ids = torch.full((len(rows), width), engine.pad_id, dtype=torch.long)
-    attn = torch.zeros_like(input_ids)
-    for i, p in enumerate(rows):  # left padding, as generation needs
-        input_ids[i, width - len(p):] = torch.tensor(p)
-        attn[i, width - len(p):] = 1
-    devices = [device.index] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)  # batched HF sampling: one seed for the whole batch
+    P = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long)
+    width = int(P.max())
+    col = torch.arange(width)
+    inside = col >= width - P[:, None]  # left padding: every prompt ends at the last column
+    ids = torch.full((len(prompt_ids), width), engine.pad_id, dtype=torch.long).masked_scatter_(
+        inside, torch.tensor(list(itertools.chain.from_iterable(prompt_ids)), dtype=torch.long))
+    attn = inside.long().to(device)
+    B = len(prompt_ids) * n
+    tokens = torch.full((B, max(max_new_tokens, 1)), engine.pad_id, dtype=torch.long, device=device)
+    logps = torch.zeros(tokens.shape, dtype=torch.float32, device=device)
+    length = torch.zeros(B, dtype=torch.long, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    cache = DynamicCache(config=model.config)
+    with autocast(device, dtype):
+        out = model(input_ids=ids.to(device), attention_mask=attn, position_ids=(col - (width - P)[:, None]).clamp(
+            min=0).to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    logits = out.logits[:, -1].repeat_interleave(n, 0)
+    cache.batch_repeat_interleave(n)  # the G samples of a prompt share its prefill
+    attn, next_pos = attn.repeat_interleave(n, 0), P.repeat_interleave(n).to(device)
+    active = torch.arange(B, device=device)  # the batch rows still in the cache, in cache order
+    done = torch.zeros(B, dtype=torch.bool, device=device)  # per cache row (only a placeholder row can be done)
+    for t in range(max_new_tokens):
+        logp = torch.log_softmax(logits.float() / temperature, -1)
+        tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
+        live = ~done
+        rows = active[live]
+        tokens[rows, t], logps[rows, t], length[rows] = tok[live], logp[live, tok[live]], t + 1
+        done = done | (tok == engine.eos_id)
+        running = not bool(done.all())
+        if _many_ranks():  # FSDP2: every forward all-gathers, so each rank steps until all ranks' sequences ended
+            running = all_sum(float(running)) > 0
+        if not running or t + 1 == max_new_tokens:
+            break
+        keep = (~done).nonzero().squeeze(1)
+        if len(keep) == 0:  # this rank is done but others are not: one placeholder row keeps it stepping
+            keep = keep.new_zeros(1)
+        if len(keep) < len(active):
+            active, tok, attn, next_pos, done = active[keep], tok[keep], attn[keep], next_pos[keep], done[keep]
+            cache.batch_select_indices(keep)
+        attn = torch.cat([attn, attn.new_ones(len(active), 1)], 1)
         with autocast(device, dtype):
-            # FSDP2: each forward all-gathers, so every rank steps until all ranks' sequences have ended
-            out = model.generate(input_ids=input_ids.to(device), attention_mask=attn.to(device), generation_config=gen,
-                                 synced_gpus=_distributed())
+            logits = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
+                           past_key_values=cache, use_cache=True).logits[:, -1]
+        next_pos = next_pos + 1
     model.train(was_training)
-    seqs = out.sequences[:, width:].cpu()
-    logps = torch.stack([s.float().log_softmax(-1) for s in out.scores], 1).cpu()  # scores: after temperature
+    tokens, logps, length = tokens.cpu().tolist(), logps.cpu().tolist(), length.cpu().tolist()
     r = Rollouts([], [], [], [], engine.pad_id)
-    for i, p in enumerate(rows):
-        toks = seqs[i].tolist()
-        stop = toks.index(engine.eos_id) + 1 if engine.eos_id in toks else len(toks)
-        toks = toks[:stop]
-        r.prompt_ids.append(list(p))
+    for i in range(B):
+        toks = tokens[i][:length[i]]
+        r.prompt_ids.append(list(prompt_ids[i // n]))
         r.completion_ids.append(toks)
-        r.sampler_logprobs.append(logps[i, torch.arange(len(toks)), torch.tensor(toks, dtype=torch.long)].tolist())
+        r.sampler_logprobs.append(logps[i][:length[i]])
         r.finished.append(bool(toks) and toks[-1] == engine.eos_id)
     return r
 
@@ -951,17 +995,163 @@ def check_sampler_diff(diff: float, step: int, tol: float) -> None:
 
 
 def make_batch(prompt_ids: list, completion_ids: list, pad_id: int, device) -> dict:
-    """Right-padded prompt+completion; `mask` marks completion tokens in the shifted targets."""
-    seqs = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
-    width = max(len(s) for s in seqs)
-    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    attn = torch.zeros_like(input_ids)
-    mask = torch.zeros((len(seqs), width - 1), dtype=torch.float32)
-    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
-        input_ids[i, :len(p) + len(c)] = torch.tensor(seqs[i])
-        attn[i, :len(p) + len(c)] = 1
-        mask[i, len(p) - 1:len(p) - 1 + len(c)] = 1  # position t predicts token t+1
-    return {"input_ids": input_ids.to(device), "attention_mask": attn.to(device), "mask": mask.to(device)}
+    """One micro-batch in two layouts. Padded: right-padded prompt+completion rows, `mask` [b, T-1] marking
+    completion tokens in the shifted targets (position t predicts token t+1). Packed (`packed`): the micro-
+    batch as one padding-free sequence in which each distinct prompt appears once, followed by every
+    completion; position ids restart per sequence and attention stays inside each prompt+completion, so the
+    G completions of a prompt share its one forward pass (see packed_attention). `targets`: the completion
+    tokens in `mask`'s nonzero order; `target_index`: that order's (row, position) pairs."""
+    b = len(prompt_ids)
+    P = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long)
+    L = torch.tensor([len(c) for c in completion_ids], dtype=torch.long)
+    n = P + L
+    width = int(n.max())
+    seq = torch.tensor(list(itertools.chain.from_iterable(x for pc in zip(prompt_ids, completion_ids) for x in pc)),
+                       dtype=torch.long)
+    col = torch.arange(width)
+    inside = col < n[:, None]
+    input_ids = torch.full((b, width), pad_id, dtype=torch.long).masked_scatter_(inside, seq)
+    mask = ((col[:-1] >= P[:, None] - 1) & (col[:-1] < (n - 1)[:, None])).float()  # position t predicts t + 1
+    targets = torch.tensor(list(itertools.chain.from_iterable(completion_ids)), dtype=torch.long)
+    batch = {"input_ids": input_ids.to(device), "attention_mask": inside.long().to(device), "mask": mask.to(device),
+             "targets": targets.to(device), "target_index": tuple(i.to(device) for i in mask.nonzero(as_tuple=True))}
+    batch["packed"] = _pack(prompt_ids, completion_ids, P, L, targets, device)
+    return batch
+
+
+def _pack(prompt_ids, completion_ids, P, L, targets, device) -> dict:
+    """The packed layout of make_batch: [distinct prompts][completions], with position ids, the attention
+    rows of packed_attention and, per completion token, the position that predicts it (the prompt's last
+    token for the first one)."""
+    first, owner = {}, []  # distinct prompts by content: identical tokens give identical keys and values
+    for p in prompt_ids:
+        owner.append(first.setdefault(tuple(p), len(first)))
+    prompts = list(first)
+    owner = torch.tensor(owner, dtype=torch.long)
+    Pu = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    p_start = torch.cumsum(Pu, 0) - Pu
+    n_prompt = int(Pu.sum())
+    c_start = n_prompt + torch.cumsum(L, 0) - L
+    ids = torch.cat([torch.tensor(list(itertools.chain.from_iterable(prompts)), dtype=torch.long), targets])
+    # position of each token within its own sequence: prompts 0..P-1, a completion continues its prompt
+    pos_p = torch.arange(n_prompt) - torch.repeat_interleave(p_start, Pu)
+    j = torch.arange(int(L.sum())) - torch.repeat_interleave(c_start - n_prompt, L)  # index within the completion
+    pos_c = torch.repeat_interleave(P, L) + j
+    pred = torch.where(j == 0, torch.repeat_interleave(p_start[owner] + P - 1, L), torch.arange(int(L.sum())) + n_prompt - 1)
+    rows = [_attention_rows(p_start, Pu, torch.zeros(0, dtype=torch.long), torch.zeros(len(prompts), dtype=torch.long),
+                            torch.zeros(0, dtype=torch.long)),  # each prompt attends to itself, causally
+            _attention_rows(p_start[owner], P, c_start, L, P)]  # each completion: its prompt, then itself causally
+    return {"input_ids": ids[None].to(device), "position_ids": torch.cat([pos_p, pos_c])[None].to(device),
+            "rows": [tuple(t.to(device) for t in r) for r in rows], "pred": pred.to(device),
+            "computed": len(ids)}
+
+
+def _attention_rows(k_start, k_len, q_start, q_len, q_pos0):
+    """Index tensors of one set of attention rows over the packed sequence. Row r's keys are k_len[r] tokens
+    from k_start[r] (its prompt) followed by its queries; its queries are q_len[r] tokens from q_start[r], or
+    the prompt itself when q_len is all zero-length (then queries = keys). Returns (query index [R, Lq],
+    query valid [R, Lq], key index [R, Lk], allowed [R, Lq, Lk]: key valid and not after the query)."""
+    prompt_rows = len(q_start) == 0
+    if prompt_rows:
+        q_start, q_len, q_pos0 = k_start, k_len, torch.zeros_like(k_len)
+        k_len_prompt = torch.zeros_like(k_len)
+    else:
+        k_len_prompt = k_len
+    R = len(q_len)
+    Lq = max(int(q_len.max()) if R else 0, 1)
+    Lp = int(k_len_prompt.max()) if R else 0
+    s = torch.arange(Lq)
+    q_valid = s < q_len[:, None]
+    q_idx = torch.where(q_valid, q_start[:, None] + s, 0)
+    q_pos = q_pos0[:, None] + s
+    t = torch.arange(Lp)
+    kp_valid = t < k_len_prompt[:, None]
+    k_idx = torch.cat([torch.where(kp_valid, k_start[:, None] + t, 0), q_idx], 1)
+    k_valid = torch.cat([kp_valid, q_valid], 1)
+    k_pos = torch.cat([t.expand(R, Lp), q_pos], 1)
+    allowed = q_valid[:, :, None] & k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
+    allowed[:, :, 0] |= ~q_valid  # padding queries see one key (all-masked rows give NaN); their outputs are dropped
+    return q_idx, q_valid, k_idx, allowed, q_pos, k_pos
+
+
+def packed_attention(delegate):
+    """An attention function for transformers' AttentionInterface: with `packed_rows` (a make_batch packed
+    layout) it attends within each prompt+completion of the packed sequence, one scaled-dot-product call per
+    row set (distinct prompts; completions, whose keys are their prompt's keys and values followed by their
+    own); without, it is `delegate` (sdpa, flash, ...), so generation and every other call are unchanged.
+    Per-token layers (projections, MLP, norms) see each packed token once: no padding, and each prompt once."""
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                  packed_rows=None, **kwargs):
+        if packed_rows is None:
+            return delegate(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                            sliding_window=sliding_window, **kwargs)
+        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, head_dim]
+        out = []
+        for q_idx, q_valid, k_idx, allowed, q_pos, k_pos in packed_rows:
+            if sliding_window is not None:  # the model's sliding-window layers (Mistral, Qwen2 with use_sliding_window)
+                allowed = allowed & (q_pos[:, :, None] - k_pos[:, None, :] < sliding_window)
+                allowed[:, :, 0] |= ~q_valid
+            o = F.scaled_dot_product_attention(q[q_idx].transpose(1, 2), k[k_idx].transpose(1, 2),
+                                               v[k_idx].transpose(1, 2), attn_mask=allowed[:, None], dropout_p=dropout,
+                                               scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
+            out.append(o.transpose(1, 2)[q_valid])  # row-major valid queries = the packed order of this row set
+        return torch.cat(out)[None], None
+    return attention
+
+
+def enable_packing(model) -> bool:
+    """Route `model`'s attention through packed_attention (registered as 'packed_<its implementation>', mask
+    creation unchanged), so that model_forward can run make_batch's packed layout. False (padded batches)
+    when the model does not use transformers' attention interface (eager attention, custom code)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    config = model.config
+    impl = config._attn_implementation
+    if impl.startswith("packed_"):
+        return True
+    if impl not in AttentionInterface._global_mapping or impl not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+        return False
+    name = "packed_" + impl
+    if name not in AttentionInterface._global_mapping:
+        AttentionInterface.register(name, packed_attention(AttentionInterface._global_mapping[impl]))
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[impl])
+    model.set_attn_implementation(name)
+    return True
+
+
+def packing_enabled(model) -> bool:
+    model = getattr(model, "policy", model)  # AdaptersOff: its policy's
+    return str(getattr(getattr(model, "config", None), "_attn_implementation", "")).startswith("packed_")
+
+
+_PACKED_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)  # a 4-D mask is taken as given: no [N, N] mask is built
+
+
+def model_forward(model, batch: dict, **kwargs):
+    """(output, at): `model` on `batch`, packed when the model allows it, else padded; `at` indexes any
+    per-position output [B, T, ...] at the positions that predict the completion tokens, in
+    batch["targets"] order (out.hidden_states[-1][at] is [n_targets, hidden])."""
+    if packing_enabled(model):
+        p = batch["packed"]
+        out = model(input_ids=p["input_ids"], position_ids=p["position_ids"], attention_mask=_PACKED_MASK,
+                    packed_rows=p["rows"], **kwargs)
+        return out, (torch.zeros_like(p["pred"]), p["pred"])
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **kwargs)
+    return out, batch["target_index"]
+
+
+def to_batch_layout(values, batch: dict):
+    """Values per completion token (batch["targets"] order) -> [b, T-1] laid out like batch["mask"], 0 elsewhere."""
+    return torch.zeros(batch["mask"].shape, dtype=values.dtype, device=values.device).index_put(batch["target_index"],
+                                                                                               values)
+
+
+def padded_tokens(batch: dict, model) -> tuple:
+    """(token positions `model` computes on `batch`, of which padding): perf/pad_frac."""
+    if packing_enabled(model):
+        return batch["packed"]["computed"], 0
+    real = int(batch["attention_mask"].sum())
+    return batch["input_ids"].numel(), batch["input_ids"].numel() - real
 
 
 def _chunk_logprobs(hidden, weight, targets, temperature, with_entropy=False):
@@ -986,13 +1176,8 @@ def token_logprobs(model, batch: dict, temperature: float, chunk_tokens: int = 4
             m.train(torch.is_grad_enabled())
     # the model's forward computes logits for one position only; the last hidden state (after the
     # final norm) feeds the chunked projection below
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True,
-                logits_to_keep=1, use_cache=False)
-    hidden = out.hidden_states[-1][:, :-1]  # position t predicts token t+1
-    targets = batch["input_ids"][:, 1:]
-    mask = batch["mask"]
-    idx = mask.nonzero(as_tuple=True)
-    h, tg = hidden[idx], targets[idx]
+    out, at = model_forward(model, batch, output_hidden_states=True, logits_to_keep=1, use_cache=False)
+    h, tg = out.hidden_states[-1][at], batch["targets"]
     weight = model.get_output_embeddings().weight  # FSDP2: gathered until backward (see shard_model)
     lp_parts, ent_parts = [], []
     for s in range(0, h.shape[0], chunk_tokens):
@@ -1004,11 +1189,9 @@ def token_logprobs(model, batch: dict, temperature: float, chunk_tokens: int = 4
             lp, ent = _chunk_logprobs(hs, weight, ts, temperature, with_entropy)
         lp_parts.append(lp)
         ent_parts.append(ent)
-    logp = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    logp = logp.index_put(idx, torch.cat(lp_parts) if lp_parts else logp.new_zeros(0))
-    entropy = None
-    if with_entropy:
-        entropy = torch.zeros_like(logp).index_put(idx, torch.cat(ent_parts) if ent_parts else logp.new_zeros(0))
+    empty = h.new_zeros(0, dtype=torch.float32)
+    logp = to_batch_layout(torch.cat(lp_parts) if lp_parts else empty, batch)
+    entropy = to_batch_layout(torch.cat(ent_parts) if ent_parts else empty, batch) if with_entropy else None
     return logp, entropy
 
 
@@ -1025,6 +1208,11 @@ def rollout_logprobs(model, rollouts: Rollouts, idx: list, temperature: float, d
     with autocast(device, dtype):
         logp, entropy = token_logprobs(model, batch, temperature, with_entropy=with_entropy)
     return batch, logp, entropy
+
+
+def group_permutation(n: int, group_size: int, generator) -> torch.Tensor:
+    """A random order of n completions that keeps each group of `group_size` together, in order."""
+    return (torch.randperm(n // group_size, generator=generator)[:, None] * group_size + torch.arange(group_size)).flatten()
 
 
 def to_ragged(padded, mask) -> list:
@@ -1374,7 +1562,7 @@ RESUMABLE_CHANGES = {"steps", "resume", "out_dir", "run_name", "config", "overwr
                      "eval_every", "eval_n", "eval_limit", "save_every", "wandb", "wandb_project", "log_completions",
                      "push_check_every", "push_check_tol", "sampler_diff_tol", "dist_timeout", "on_nonfinite",
                      "micro_batch_size", "gradient_checkpointing", "engine", "vllm_gpu_memory_utilization",
-                     "vllm_sleep", "print_every", "verbose"}
+                     "vllm_sleep", "print_every", "verbose", "packing"}
 
 
 def prepare_run_dir(args, algo: str) -> str:
@@ -1491,7 +1679,7 @@ def setup(args, algo: str) -> Run:
     max_len = min(context, max_prompt * 2 + max_new + 8)
     model = shard_model(model, dtype)  # torchrun: FSDP2 over the ranks
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.lr, weight_decay=args.weight_decay,
-                                  betas=(0.9, 0.999))  # LoRA: the adapters only
+                                  betas=(0.9, 0.999), fused=True)  # LoRA: the adapters only; fused: one kernel
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup))
     # fixed probe for the push self-check: the first train prompt and a deterministic completion
     probe_prompt = encode_prompts(tokenizer, [task.train[0]["prompt"]], style == "chat")[0]

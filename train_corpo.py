@@ -180,11 +180,11 @@ def main(argv=None):
                                          args.top_entropy_quantile) if top_entropy else float("nan")
 
         sums = {"loss/policy": 0.0, "clip_frac": 0.0, "kl": 0.0, "kl/old": 0.0, "entropy": 0.0,
-                "logprob/sampler_diff": 0.0, "is/mean": 0.0, "is/clip_frac": 0.0, "is/kl": 0.0}
+                "logprob/sampler_diff": 0.0, "is/mean": 0.0, "is/clip_frac": 0.0, "is/kl": 0.0, "perf/computed": 0.0, "perf/padded": 0.0}
         n_opt_steps, n_skipped, tokens_seen, grad_norm_sum = 0, 0, 0.0, 0.0
         shuffle = torch.Generator().manual_seed(args.seed * 1_000_003 + run.step)  # a function of the step: resumable
         for epoch in range(args.updates_per_rollout):
-            perm = torch.randperm(B, generator=shuffle)
+            perm = common.group_permutation(B, args.group_size, shuffle)  # whole groups: a micro-batch shares prompts
             for mb in perm.chunk(args.minibatches):
                 mb = mb.tolist()
                 # normalisers: the completions in the loss (DAPO overlong filtering drops truncated ones), all ranks,
@@ -196,6 +196,9 @@ def main(argv=None):
                     batch, logp, entropy = common.rollout_logprobs(model, rollouts, idx, args.temperature, device,
                                                                    dtype, with_entropy=epoch == 0 or args.entropy_coef > 0)
                     mask = batch["mask"]
+                    computed, padded = common.padded_tokens(batch, model)  # token positions the forward ran, padding
+                    sums["perf/computed"] += computed
+                    sums["perf/padded"] += padded
                     loss_mask = mask * keep[idx].unsqueeze(1).to(device)  # --mask_truncated
                     old = logp.detach() if on_policy else common.to_padded(old_logp, idx, mask)
                     ref = common.to_padded(ref_logp, idx, mask) if ref_model is not None else None
@@ -276,6 +279,7 @@ def main(argv=None):
             "len/mean": lengths_all.mean().item(), "len/truncated": 1.0 - finished_all.mean().item(),
             "time/rollout": time_rollout, "time/update": time_update, "time/push": time_push,  # this rank's (rank 0 logs)
             "perf/tokens_per_s": totals["first_pass_tokens"] / (time.perf_counter() - step_start),  # all ranks
+            "perf/pad_frac": totals["perf/padded"] / max(totals["perf/computed"], 1.0),  # the update's forwards
         }
         common.warn_on_collapse(run, metrics)  # no gradient or no entropy for several steps in a row
         common.log_completions(run, examples, rollouts, rewards, correct, fmt, advantages, args.log_completions)

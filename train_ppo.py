@@ -73,7 +73,7 @@ def load_critic(path, device, dtype, args):
     head_name, head = [(n, m) for n, m in critic.named_modules() if isinstance(m, torch.nn.Linear)
                        and m.out_features == 1][-1]
     torch.nn.init.zeros_(head.float().weight), head.bias is not None and torch.nn.init.zeros_(head.bias)
-    critic = common.prepare_for_training(critic, args.gradient_checkpointing)
+    critic = common.prepare_for_training(critic, args.gradient_checkpointing, args.packing)
     if args.lora_rank:
         critic = common.add_lora(critic, args, extra_trainable=[head], exclude=[head_name])
     return critic.to(device)
@@ -81,8 +81,8 @@ def load_critic(path, device, dtype, args):
 
 def critic_values(critic, batch):
     """V(s_t) for every position, [B, T-1] aligned with batch["mask"] (state before token t+1)."""
-    out = critic(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-    return out.logits[:, :-1, 0].float() * batch["mask"]
+    out, at = common.model_forward(critic, batch)  # packed or padded: `at` picks the positions before each token
+    return common.to_batch_layout(out.logits[at][:, 0].float(), batch)
 
 
 def value_loss(values, old_values, returns, mask, vf_clip, n_tokens):
@@ -169,7 +169,7 @@ def main(argv=None):
     critic = common.shard_model(load_critic(args.critic_model or run.model_path, device, dtype, args),
                                 dtype)  # torchrun: FSDP2, as the policy
     critic_opt = torch.optim.AdamW(common.trainable_parameters(critic), lr=args.critic_lr or 10 * args.lr,
-                                   weight_decay=args.weight_decay)
+                                   weight_decay=args.weight_decay, fused=True)
     if args.resume:  # the value model and its optimizer come back from the checkpoint
         common.restore(run, "critic", critic, critic_opt)
     run.algo_state["critic"] = (critic, critic_opt)  # checkpointed with the policy
@@ -237,12 +237,12 @@ def main(argv=None):
                                          args.top_entropy_quantile) if top_entropy else float("nan")
 
         sums = {"loss/policy": 0.0, "clip_frac": 0.0, "kl": 0.0, "kl/old": 0.0, "entropy": 0.0,
-                "logprob/sampler_diff": 0.0, "is/mean": 0.0, "is/clip_frac": 0.0, "is/kl": 0.0,
+                "logprob/sampler_diff": 0.0, "is/mean": 0.0, "is/clip_frac": 0.0, "is/kl": 0.0, "perf/computed": 0.0, "perf/padded": 0.0,
                 "value/loss": 0.0, "value/clip_frac": 0.0}
         n_opt_steps, n_skipped, tokens_seen, grad_norm_sum = 0, 0, 0.0, 0.0
         shuffle = torch.Generator().manual_seed(args.seed * 1_000_003 + run.step)  # a function of the step: resumable
         for epoch in range(args.updates_per_rollout):
-            perm = torch.randperm(B, generator=shuffle)
+            perm = common.group_permutation(B, args.group_size, shuffle)  # whole groups: a micro-batch shares prompts
             for mb in perm.chunk(args.minibatches):
                 mb = mb.tolist()
                 # normalisers: the completions in the loss (DAPO overlong filtering drops truncated ones), all ranks,
@@ -254,6 +254,9 @@ def main(argv=None):
                     batch, logp, entropy = common.rollout_logprobs(model, rollouts, idx, args.temperature, device,
                                                                    dtype, with_entropy=epoch == 0 or args.entropy_coef > 0)
                     mask = batch["mask"]
+                    computed, padded = common.padded_tokens(batch, model)  # token positions the forward ran, padding
+                    sums["perf/computed"] += computed
+                    sums["perf/padded"] += padded
                     loss_mask = mask * keep[idx].unsqueeze(1).to(device)  # --mask_truncated
                     old = logp.detach() if on_policy else common.to_padded(old_logp, idx, mask)
                     ref = common.to_padded(ref_logp, idx, mask) if ref_model is not None else None
@@ -347,6 +350,7 @@ def main(argv=None):
             "value/mean": common.all_mean_var(torch.cat(old_values))[0],
             "value/explained_var": explained_variance(old_values, ret_seq),
             "perf/tokens_per_s": totals["first_pass_tokens"] / (time.perf_counter() - step_start),  # all ranks
+            "perf/pad_frac": totals["perf/padded"] / max(totals["perf/computed"], 1.0),  # the update's forwards
         }
         common.warn_on_collapse(run, metrics)  # no gradient or no entropy for several steps in a row
         common.log_completions(run, examples, rollouts, rewards, correct, fmt, advantages, args.log_completions)

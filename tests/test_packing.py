@@ -1,0 +1,250 @@
+"""Issue 13's exact speed-ups against the plain computation they replace: the packed micro-batch (no
+padding, each prompt computed once for its completions) against right-padded rows, on log-probs, entropies,
+values and gradients, for several group sizes, prompt lengths, architectures (GQA, sliding window, Llama),
+LoRA and activation checkpointing; and the HF engine's sampling loop (one prefill per prompt, finished
+sequences leaving the batch) against a naive sampler that recomputes every sequence from scratch."""
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForTokenClassification, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+import common
+import train_grpo
+import train_ppo
+from rollout_double import record_first_step
+
+V = 40
+
+
+def qwen3(**kw):
+    config = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=128, pad_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(Qwen3Config(**{**config, **kw})).float()
+
+
+def llama():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=128,
+                                        pad_token_id=0, eos_token_id=1)).float()
+
+
+def pair(model):
+    """(packed, padded): two copies with the same weights, the first routed through packed_attention."""
+    padded = copy.deepcopy(model)
+    assert common.enable_packing(model) and common.packing_enabled(model) and not common.packing_enabled(padded)
+    return model, padded
+
+
+def micro_batch(n_prompts, group_size, prompt_len, seed=0, shuffle=True, min_len=1, max_len=12):
+    """Prompts of about `prompt_len` tokens, `group_size` ragged completions each, interleaved across groups."""
+    g = torch.Generator().manual_seed(seed)
+    prompts, completions = [], []
+    for u in range(n_prompts):
+        p = torch.randint(2, V, (max(1, prompt_len - u % 3),), generator=g).tolist()
+        for _ in range(group_size):
+            completions.append(torch.randint(2, V, (int(torch.randint(min_len, max_len + 1, (1,), generator=g)),),
+                                             generator=g).tolist())
+            prompts.append(p)
+    order = torch.randperm(len(prompts), generator=g).tolist() if shuffle else range(len(prompts))
+    return [prompts[i] for i in order], [completions[i] for i in order]
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def compare(packed, padded, prompts, completions, temperature=0.7, gradients=True):
+    batch = common.make_batch(prompts, completions, 0, torch.device("cpu"))
+    weights = torch.randn(batch["mask"].shape, generator=torch.Generator().manual_seed(1))
+    out = []
+    for model in (packed, padded):
+        model.zero_grad(set_to_none=True)
+        logp, entropy = common.token_logprobs(model, batch, temperature, with_entropy=True)
+        if gradients:
+            ((logp * weights).sum() + entropy.sum()).backward()
+        out.append((logp.detach(), entropy.detach(), grads(model)))
+    (lp1, e1, g1), (lp2, e2, g2) = out
+    torch.testing.assert_close(lp1, lp2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(e1, e2, rtol=1e-5, atol=1e-5)
+    assert g1.keys() == g2.keys() and (g1 or not gradients)
+    for name in g1:
+        scale = float(g2[name].abs().max())  # fp32 sums in another order: relative to the gradient's size
+        torch.testing.assert_close(g1[name], g2[name], rtol=1e-4, atol=1e-6 * max(scale, 1.0), msg=name)
+    return batch
+
+
+# ---------------------------------------------------------------------------------------------- the layout
+
+
+def test_make_batch_layouts_by_hand():
+    prompts, completions = [[3, 4], [6], [3, 4]], [[8, 9, 1], [10, 1, 2, 5], [7]]
+    b = common.make_batch(prompts, completions, 0, torch.device("cpu"))
+    assert b["input_ids"].tolist() == [[3, 4, 8, 9, 1], [6, 10, 1, 2, 5], [3, 4, 7, 0, 0]]
+    assert b["attention_mask"].tolist() == [[1] * 5, [1] * 5, [1, 1, 1, 0, 0]]
+    assert b["mask"].tolist() == [[0, 1, 1, 1], [1, 1, 1, 1], [0, 1, 0, 0]]
+    assert b["targets"].tolist() == [8, 9, 1, 10, 1, 2, 5, 7]
+    p = b["packed"]
+    # the prompt [3, 4] once, then every completion; positions continue each completion's own prompt
+    assert p["input_ids"].tolist() == [[3, 4, 6, 8, 9, 1, 10, 1, 2, 5, 7]]
+    assert p["position_ids"].tolist() == [[0, 1, 0, 2, 3, 4, 1, 2, 3, 4, 2]]
+    # each completion token is predicted by the token before it: its prompt's last token for the first one
+    assert p["pred"].tolist() == [1, 3, 4, 2, 6, 7, 8, 1]
+    assert p["computed"] == 11 and common.padded_tokens(b, torch.nn.Module()) == (15, 2)
+    # attention rows of the completions: keys = their prompt, then themselves up to the query
+    q_idx, q_valid, k_idx, allowed, _, _ = p["rows"][1]
+    assert q_idx[1].tolist() == [6, 7, 8, 9] and k_idx[1].tolist()[:1] == [2]
+    assert allowed[1, 0].tolist() == [True, False, True, False, False, False]  # [6 | pad slot | 10 1 2 5]
+
+
+def test_group_permutation_keeps_groups_whole():
+    perm = common.group_permutation(12, 3, torch.Generator().manual_seed(0))
+    assert sorted(perm.tolist()) == list(range(12))
+    assert all(perm[i + 1] - perm[i] == 1 and perm[i] % 3 == 0 for i in range(0, 12, 3))
+    assert perm.tolist() != list(range(12))
+    assert common.group_permutation(5, 1, torch.Generator().manual_seed(0)).tolist() == \
+        torch.randperm(5, generator=torch.Generator().manual_seed(0)).tolist()
+
+
+# ---------------------------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("group_size,prompt_len", [(1, 1), (3, 5), (8, 17)])
+def test_packed_equals_padded_logprobs_entropy_and_gradients(group_size, prompt_len):
+    packed, padded = pair(qwen3())
+    prompts, completions = micro_batch(4, group_size, prompt_len, seed=group_size)
+    batch = compare(packed, padded, prompts, completions)
+    n_prompt_tokens = sum(len(p) for p in {tuple(p) for p in prompts})
+    assert batch["packed"]["computed"] == n_prompt_tokens + sum(map(len, completions))  # no padding, prompts once
+
+
+def test_packed_equals_padded_with_checkpointing_lora_and_other_architectures():
+    prompts, completions = micro_batch(3, 4, 6, seed=7)
+    compare(*pair(llama()), prompts, completions)  # grouped-query attention with one key/value head
+    compare(*pair(qwen3(use_sliding_window=True, sliding_window=4, max_window_layers=0,
+                        layer_types=["sliding_attention", "full_attention"])), prompts, completions)
+    packed, padded = pair(qwen3())
+    for m in (packed, padded):
+        common.prepare_for_training(m, gradient_checkpointing=True, packing=False)
+    compare(packed, padded, prompts, completions)
+    args = common.parse_args(common.Args, ["--lora_rank", "4"])
+    packed, padded = pair(qwen3())
+    packed, padded = common.add_lora(packed, args), common.add_lora(padded, args)
+    torch.manual_seed(3)
+    for a, b in zip(packed.parameters(), padded.parameters()):  # B != 0, so the adapters matter
+        with torch.no_grad():
+            a.copy_(a + 0.1 * torch.randn_like(a) if a.requires_grad else a)
+            b.copy_(a)
+    compare(packed, padded, prompts, completions)
+    compare(common.AdaptersOff(packed), common.AdaptersOff(padded), prompts, completions, gradients=False)
+
+
+def test_packed_handles_an_empty_completion_and_a_lone_sequence():
+    packed, padded = pair(qwen3())
+    compare(packed, padded, [[5, 6, 7], [5, 6, 7], [9]], [[4, 4], [], [8, 1]])
+    compare(packed, padded, [[5]], [[3]])
+
+
+def test_ppo_critic_values_packed_equal_padded():
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, num_labels=1, pad_token_id=0)
+    packed = AutoModelForTokenClassification.from_config(config).float()
+    padded = copy.deepcopy(packed)
+    common.prepare_for_training(packed, False, packing=True), common.prepare_for_training(padded, False, packing=False)
+    batch = common.make_batch(*micro_batch(3, 4, 5, seed=2), 0, torch.device("cpu"))
+    v1, v2 = train_ppo.critic_values(packed, batch), train_ppo.critic_values(padded, batch)
+    torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-6)
+    assert (v1[batch["mask"] == 0] == 0).all() and (v1[batch["mask"] > 0] != 0).all()
+    (v1 ** 2).sum().backward(), (v2 ** 2).sum().backward()
+    for name, g in grads(packed).items():
+        torch.testing.assert_close(g, grads(padded)[name], rtol=1e-4, atol=1e-6 * max(float(g.abs().max()), 1.0))
+
+
+def test_a_training_step_is_the_same_packed_or_padded(tmp_path, monkeypatch):
+    """The first GRPO step's gradients (one micro-batch of 12 completions across 3 groups, two of them split)
+    and its logged metrics do not depend on --packing; perf/pad_frac is 0 packed and the padding share padded."""
+    runs = {}
+    for packing in ("true", "false"):
+        with monkeypatch.context() as m:
+            runs[packing] = record_first_step(m, train_grpo, [
+                "--out_dir", str(tmp_path / packing), "--prompts_per_step", "4", "--group_size", "4",
+                "--micro_batch_size", "6", "--packing", packing])
+    (run1, batches1, grads1, _), (run2, batches2, grads2, _) = runs["true"], runs["false"]
+    assert batches1[0].completion_ids == batches2[0].completion_ids
+    for a, b in zip(grads1[0], grads2[0]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    m1, m2 = (common.read_metrics(str(tmp_path / p / run1.args.run_name / "metrics.jsonl"))[0] for p in runs)
+    for key in ("loss/policy", "grad_norm", "entropy", "logprob/sampler_diff", "kl/old"):
+        assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
+    r = batches1[0]
+    computed = sum(len(p) for p in {tuple(p) for p in r.prompt_ids}) + sum(map(len, r.completion_ids))
+    real = sum(len(p) + len(c) for p, c in zip(r.prompt_ids, r.completion_ids))
+    assert m1["perf/pad_frac"] == 0.0 and computed < real
+    assert 0 < m2["perf/pad_frac"] < 1
+
+
+# ---------------------------------------------------------------------------------------------- HF sampling
+
+
+def naive_sample(model, prompt_ids, n, max_new_tokens, temperature, seed, eos):
+    """Reference sampler: every step recomputes each running sequence from its tokens (no cache, no padding),
+    samples the running ones together in the engine's order, and drops those that produced EOS."""
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [list(p) for p in prompt_ids for _ in range(n)]
+    done, out, lps = [False] * len(seqs), [[] for _ in seqs], [[] for _ in seqs]
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            running = [i for i in range(len(seqs)) if not done[i]]
+            if not running:
+                break
+            logits = torch.stack([model(input_ids=torch.tensor([seqs[i]])).logits[0, -1] for i in running])
+            logp = torch.log_softmax(logits.float() / temperature, -1)
+            tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
+            for j, i in enumerate(running):
+                seqs[i].append(int(tok[j]))
+                out[i].append(int(tok[j]))
+                lps[i].append(float(logp[j, tok[j]]))
+                done[i] = int(tok[j]) == eos
+    return out, lps
+
+
+def test_hf_sampling_loop_equals_a_naive_sampler():
+    model = qwen3().eval()
+    with torch.no_grad():  # make EOS likely enough that sequences end at different steps
+        model.lm_head.weight[1] += 0.5 * model.model.embed_tokens.weight.std()
+        model.model.norm.weight.fill_(3.0)
+    engine = common.Engine("hf", None, eos_id=1, pad_id=0)
+    prompts = [[5, 6, 7, 8], [9], [10, 11]]
+    calls = []
+    model.register_forward_pre_hook(lambda m, a, k: calls.append(k["input_ids"].shape), with_kwargs=True)
+    r = common._generate_hf(engine, model, prompts, 4, 10, 0.8, 123, torch.device("cpu"), torch.float32)
+    assert calls[0] == (3, 4)  # one prefill per prompt (left-padded), not one per sample
+    assert all(s[1] == 1 for s in calls[1:]) and calls[-1][0] < 12  # then one token per step; finished rows leave
+    ref_tokens, ref_logps = naive_sample(model, prompts, 4, 10, 0.8, 123, eos=1)
+    assert r.completion_ids == ref_tokens
+    for a, b in zip(r.sampler_logprobs, ref_logps):
+        assert a == pytest.approx(b, abs=1e-5)
+    assert r.prompt_ids == [p for p in prompts for _ in range(4)]
+    assert r.finished == [bool(c) and c[-1] == 1 for c in r.completion_ids]
+    lengths = {len(c) for c in r.completion_ids}
+    assert len(lengths) > 2 and max(lengths) == 10 and not all(r.finished) and any(r.finished)
+    again = common._generate_hf(engine, model, prompts, 4, 10, 0.8, 123, torch.device("cpu"), torch.float32)
+    assert again.completion_ids == r.completion_ids  # the seed fixes every sample
+
+
+def test_hf_sampling_draws_from_the_tempered_policy():
+    """First-token frequencies over 4,000 samples match softmax(logits / T): total variation below 0.05,
+    while a sampler at T = 1 instead of 0.5 would be more than 0.1 away."""
+    model = qwen3().eval()
+    with torch.no_grad():
+        model.model.norm.weight.fill_(4.0)  # a peaked but not degenerate next-token distribution
+        probs = torch.softmax(model(input_ids=torch.tensor([[3, 4]])).logits[0, -1] / 0.5, -1)
+    engine = common.Engine("hf", None, eos_id=1, pad_id=0)
+    r = common._generate_hf(engine, model, [[3, 4]], 4000, 1, 0.5, 0, torch.device("cpu"), torch.float32)
+    freq = torch.bincount(torch.tensor([c[0] for c in r.completion_ids]), minlength=V).float() / 4000
+    assert 0.5 * (freq - probs).abs().sum() < 0.05
+    tempered_wrong = torch.softmax(torch.log(probs) * 0.5, -1)  # what T = 1 would sample
+    assert 0.5 * (tempered_wrong - probs).abs().sum() > 0.1
