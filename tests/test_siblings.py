@@ -154,7 +154,7 @@ def test_value_loss_falls_on_a_fixed_target(tiny_addition, lora_rank):
     _, tok, path = tiny_addition
     torch.manual_seed(0)
     args = SimpleNamespace(lora_rank=lora_rank, lora_alpha=0.0, lora_targets="all-linear", lora_dropout=0.0,
-                           gradient_checkpointing=False)
+                           gradient_checkpointing=False, packing=True)
     critic = train_ppo.load_critic(path, torch.device("cpu"), torch.float32, args)
     if lora_rank:  # its own adapters and its whole value head train; the backbone is frozen
         trainable = [n for n, p in critic.named_parameters() if p.requires_grad]
