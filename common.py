@@ -1020,9 +1020,11 @@ def make_batch(prompt_ids: list, completion_ids: list, pad_id: int, device) -> d
 
 
 def _pack(prompt_ids, completion_ids, P, L, targets, device) -> dict:
-    """The packed layout of make_batch: [distinct prompts][completions], with position ids, the attention
-    rows of packed_attention and, per completion token, the position that predicts it (the prompt's last
-    token for the first one)."""
+    """The packed layout of make_batch: [distinct prompts][completions, by length class], with position ids,
+    the attention rows of packed_attention and, per completion token (targets order), the packed position that
+    predicts it (its prompt's last token for the first one). Completions are grouped into length classes
+    (up to 16 tokens, 17-32, 33-64, ...), one attention row set each, so that a long tail of lengths does not
+    pad every short completion's attention to the longest one."""
     first, owner = {}, []  # distinct prompts by content: identical tokens give identical keys and values
     for p in prompt_ids:
         owner.append(first.setdefault(tuple(p), len(first)))
@@ -1031,44 +1033,43 @@ def _pack(prompt_ids, completion_ids, P, L, targets, device) -> dict:
     Pu = torch.tensor([len(p) for p in prompts], dtype=torch.long)
     p_start = torch.cumsum(Pu, 0) - Pu
     n_prompt = int(Pu.sum())
-    c_start = n_prompt + torch.cumsum(L, 0) - L
-    ids = torch.cat([torch.tensor(list(itertools.chain.from_iterable(prompts)), dtype=torch.long), targets])
+    length_class = torch.log2(L.clamp(min=16).double()).ceil().long()
+    order = torch.sort(length_class, stable=True).indices  # the completions' order in the packed sequence
+    c_start = torch.empty_like(L)
+    c_start[order] = n_prompt + torch.cumsum(L[order], 0) - L[order]
+    ids = torch.tensor(list(itertools.chain(itertools.chain.from_iterable(prompts),
+                                            itertools.chain.from_iterable(completion_ids[i] for i in order.tolist()))),
+                       dtype=torch.long)
     # position of each token within its own sequence: prompts 0..P-1, a completion continues its prompt
     pos_p = torch.arange(n_prompt) - torch.repeat_interleave(p_start, Pu)
-    j = torch.arange(int(L.sum())) - torch.repeat_interleave(c_start - n_prompt, L)  # index within the completion
-    pos_c = torch.repeat_interleave(P, L) + j
-    pred = torch.where(j == 0, torch.repeat_interleave(p_start[owner] + P - 1, L), torch.arange(int(L.sum())) + n_prompt - 1)
-    rows = [_attention_rows(p_start, Pu, torch.zeros(0, dtype=torch.long), torch.zeros(len(prompts), dtype=torch.long),
-                            torch.zeros(0, dtype=torch.long)),  # each prompt attends to itself, causally
-            _attention_rows(p_start[owner], P, c_start, L, P)]  # each completion: its prompt, then itself causally
+    pos_c = torch.repeat_interleave(P[order], L[order]) + torch.arange(int(L.sum())) - torch.repeat_interleave(
+        c_start[order] - n_prompt, L[order])
+    seq = torch.repeat_interleave(torch.arange(len(L)), L)  # per target: its completion, and j its index there
+    j = torch.arange(int(L.sum())) - torch.repeat_interleave(torch.cumsum(L, 0) - L, L)
+    pred = torch.where(j == 0, (p_start[owner] + P - 1)[seq], c_start[seq] + j - 1)
+    rows = [_attention_rows(p_start, Pu, torch.zeros_like(Pu), p_start, torch.zeros_like(Pu))]  # prompts: themselves
+    for c in torch.unique(length_class).tolist():  # completions: their prompt, then themselves
+        i = order[length_class[order] == c]
+        rows.append(_attention_rows(c_start[i], L[i], P[i], p_start[owner[i]], P[i]))
     return {"input_ids": ids[None].to(device), "position_ids": torch.cat([pos_p, pos_c])[None].to(device),
             "rows": [tuple(t.to(device) for t in r) for r in rows], "pred": pred.to(device),
             "computed": len(ids)}
 
 
-def _attention_rows(k_start, k_len, q_start, q_len, q_pos0):
-    """Index tensors of one set of attention rows over the packed sequence. Row r's keys are k_len[r] tokens
-    from k_start[r] (its prompt) followed by its queries; its queries are q_len[r] tokens from q_start[r], or
-    the prompt itself when q_len is all zero-length (then queries = keys). Returns (query index [R, Lq],
-    query valid [R, Lq], key index [R, Lk], allowed [R, Lq, Lk]: key valid and not after the query)."""
-    prompt_rows = len(q_start) == 0
-    if prompt_rows:
-        q_start, q_len, q_pos0 = k_start, k_len, torch.zeros_like(k_len)
-        k_len_prompt = torch.zeros_like(k_len)
-    else:
-        k_len_prompt = k_len
+def _attention_rows(q_start, q_len, q_pos0, ctx_start, ctx_len):
+    """Index tensors of one set of attention rows over the packed sequence. Row r queries the q_len[r] tokens
+    from q_start[r] (positions q_pos0[r] on); its keys are ctx_len[r] context tokens from ctx_start[r]
+    (positions 0 on: its prompt) followed by its queries, each query seeing the context and the queries up to
+    itself. Returns (query index [R, Lq], query valid [R, Lq], key index [R, Lk], allowed [R, Lq, Lk],
+    query positions, key positions); padding slots index token 0 and are masked."""
     R = len(q_len)
-    Lq = max(int(q_len.max()) if R else 0, 1)
-    Lp = int(k_len_prompt.max()) if R else 0
-    s = torch.arange(Lq)
-    q_valid = s < q_len[:, None]
+    s, t = torch.arange(max(int(q_len.max()), 1)), torch.arange(int(ctx_len.max()))
+    q_valid, ctx_valid = s < q_len[:, None], t < ctx_len[:, None]
     q_idx = torch.where(q_valid, q_start[:, None] + s, 0)
     q_pos = q_pos0[:, None] + s
-    t = torch.arange(Lp)
-    kp_valid = t < k_len_prompt[:, None]
-    k_idx = torch.cat([torch.where(kp_valid, k_start[:, None] + t, 0), q_idx], 1)
-    k_valid = torch.cat([kp_valid, q_valid], 1)
-    k_pos = torch.cat([t.expand(R, Lp), q_pos], 1)
+    k_idx = torch.cat([torch.where(ctx_valid, ctx_start[:, None] + t, 0), q_idx], 1)
+    k_valid = torch.cat([ctx_valid, q_valid], 1)
+    k_pos = torch.cat([t.expand(R, len(t)), q_pos], 1)
     allowed = q_valid[:, :, None] & k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
     allowed[:, :, 0] |= ~q_valid  # padding queries see one key (all-masked rows give NaN); their outputs are dropped
     return q_idx, q_valid, k_idx, allowed, q_pos, k_pos

@@ -4,6 +4,7 @@ values and gradients, for several group sizes, prompt lengths, architectures (GQ
 LoRA and activation checkpointing; and the HF engine's sampling loop (one prefill per prompt, finished
 sequences leaving the batch) against a naive sampler that recomputes every sequence from scratch."""
 import copy
+import math
 
 import pytest
 import torch
@@ -111,11 +112,14 @@ def test_group_permutation_keeps_groups_whole():
 # ---------------------------------------------------------------------------------------------- exactness
 
 
-@pytest.mark.parametrize("group_size,prompt_len", [(1, 1), (3, 5), (8, 17)])
-def test_packed_equals_padded_logprobs_entropy_and_gradients(group_size, prompt_len):
+@pytest.mark.parametrize("group_size,prompt_len,max_len", [(1, 1, 12), (3, 5, 12), (8, 17, 12), (4, 9, 70)])
+def test_packed_equals_padded_logprobs_entropy_and_gradients(group_size, prompt_len, max_len):
     packed, padded = pair(qwen3())
-    prompts, completions = micro_batch(4, group_size, prompt_len, seed=group_size)
+    prompts, completions = micro_batch(4, group_size, prompt_len, seed=group_size, max_len=max_len)
     batch = compare(packed, padded, prompts, completions)
+    if max_len > 64:  # completions of 1 to 70 tokens: several length classes, each its own attention rows
+        classes = {max(4, math.ceil(math.log2(len(c)))) for c in completions}  # <= 16, 17-32, 33-64, 65-128 tokens
+        assert len(classes) >= 3 and len(batch["packed"]["rows"]) == 1 + len(classes)
     n_prompt_tokens = sum(len(p) for p in {tuple(p) for p in prompts})
     assert batch["packed"]["computed"] == n_prompt_tokens + sum(map(len, completions))  # no padding, prompts once
 
