@@ -58,7 +58,7 @@ class Args:
     max_new_tokens: int = arg(0, "generation budget; 0 = the task's default")
     temperature: float = arg(1.0, "sampling temperature (log-probs are taken at the same temperature)")
     seed: int = arg(0, "seed for data order, sampling and initialisation")
-    engine: Literal["vllm", "hf"] = arg("vllm", "rollout engine: vLLM in-process, or transformers generate")
+    engine: Literal["vllm", "hf"] = arg("vllm", "rollout engine: vLLM in-process, or a sampling loop on the policy (hf)")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = arg("auto", "compute dtype (auto: bf16 CUDA, fp32 CPU)")
     micro_batch_size: int = arg(64, "sequences per forward/backward (gradient accumulation)")
     updates_per_rollout: int = arg(1, "passes (epochs) over each rollout batch")

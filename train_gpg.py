@@ -206,7 +206,8 @@ def main(argv=None):
                                          args.top_entropy_quantile) if top_entropy else float("nan")
 
         sums = {"loss/policy": 0.0, "clip_frac": 0.0, "kl": 0.0, "kl/old": 0.0, "entropy": 0.0,
-                "logprob/sampler_diff": 0.0, "is/mean": 0.0, "is/clip_frac": 0.0, "is/kl": 0.0, "perf/computed": 0.0, "perf/padded": 0.0}
+                "logprob/sampler_diff": 0.0, "is/mean": 0.0, "is/clip_frac": 0.0, "is/kl": 0.0,
+                "perf/computed": 0.0, "perf/padded": 0.0}
         n_opt_steps, n_skipped, tokens_seen, grad_norm_sum = 0, 0, 0.0, 0.0
         shuffle = torch.Generator().manual_seed(args.seed * 1_000_003 + run.step)  # a function of the step: resumable
         for epoch in range(args.updates_per_rollout):
