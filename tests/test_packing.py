@@ -252,3 +252,20 @@ def test_hf_sampling_draws_from_the_tempered_policy():
     assert 0.5 * (freq - probs).abs().sum() < 0.05
     tempered_wrong = torch.softmax(torch.log(probs) * 0.5, -1)  # what T = 1 would sample
     assert 0.5 * (tempered_wrong - probs).abs().sum() > 0.1
+
+
+def test_a_model_whose_packed_forward_differs_keeps_padded_rows(monkeypatch, capsys):
+    """enable_packing compares packed and padded forwards on a small batch first; a model that computes
+    something the packed rows do not (soft-capping, sinks, ...; here a packed attention made wrong on purpose)
+    trains on padded rows, with a note."""
+    from transformers import AttentionInterface
+    common.enable_packing(qwen3())  # registers packed_sdpa
+    good = AttentionInterface._global_mapping["packed_sdpa"]
+
+    def broken(*args, packed_rows=None, **kw):  # as if the model's attention did something the rows ignore
+        out, weights = good(*args, packed_rows=packed_rows, **kw)
+        return (out + 0.1 if packed_rows is not None else out), weights
+    monkeypatch.setitem(AttentionInterface._global_mapping, "packed_sdpa", broken)
+    model = qwen3()
+    assert not common.enable_packing(model) and model.config._attn_implementation == "sdpa"
+    assert "--packing is off for this model (Qwen3ForCausalLM)" in capsys.readouterr().err
