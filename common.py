@@ -698,6 +698,7 @@ def _generate_hf(engine, model, prompt_ids, n, max_new_tokens, temperature, seed
     inside = col >= width - P[:, None]  # left padding: every prompt ends at the last column
     ids = torch.full((len(prompt_ids), width), engine.pad_id, dtype=torch.long).masked_scatter_(
         inside, torch.tensor(list(itertools.chain.from_iterable(prompt_ids)), dtype=torch.long))
+    pos = (col - (width - P)[:, None]).clamp(min=0)  # each prompt's own positions, 0 on its first token
     attn = inside.long().to(device)
     B = len(prompt_ids) * n
     tokens = torch.full((B, max(max_new_tokens, 1)), engine.pad_id, dtype=torch.long, device=device)
@@ -706,8 +707,8 @@ def _generate_hf(engine, model, prompt_ids, n, max_new_tokens, temperature, seed
     gen = torch.Generator(device=device).manual_seed(seed)
     cache = DynamicCache(config=model.config)
     with autocast(device, dtype):
-        out = model(input_ids=ids.to(device), attention_mask=attn, position_ids=(col - (width - P)[:, None]).clamp(
-            min=0).to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids.to(device), attention_mask=attn, position_ids=pos.to(device), past_key_values=cache,
+                    use_cache=True, logits_to_keep=1)
     logits = out.logits[:, -1].repeat_interleave(n, 0)
     cache.batch_repeat_interleave(n)  # the G samples of a prompt share its prefill
     attn, next_pos = attn.repeat_interleave(n, 0), P.repeat_interleave(n).to(device)

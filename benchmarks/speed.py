@@ -41,7 +41,7 @@ def load(args, packing: bool):
 
 def synthetic(n_prompts, G, prompt_len, lengths, vocab, seed=0):
     """Rollout-shaped token lists: n_prompts prompts of prompt_len tokens, G completions each, lengths from
-    `lengths` ("lognormal:LO:HI" log-uniform in [LO, HI], or a fixed number)."""
+    `lengths` ("loguniform:LO:HI", log-uniform in [LO, HI], or a fixed number)."""
     g = torch.Generator().manual_seed(seed)
     prompts, completions = [], []
     for _ in range(n_prompts):
@@ -114,7 +114,7 @@ def table_sampling(args):
     print("|---|---|---|---|---|---|")
     vocab = model.config.vocab_size
     for n, G, budget in [(32, 8, 4), (32, 8, 64), (32, 8, 256), (8, 32, 256)]:
-        prompts = [p for p in synthetic(n, 1, 8, "1", vocab)[0]]
+        prompts = synthetic(n, 1, 8, "1", vocab)[0]
         ours, theirs = [], []
         for r in range(args.reps + 1):
             t = time.perf_counter()
