@@ -1076,6 +1076,16 @@ def _attention_rows(q_start, q_len, q_pos0, ctx_start, ctx_len):
     return q_idx, q_valid, k_idx, allowed, q_pos, k_pos
 
 
+def index_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[index] along dim 0 ([*index.shape, *x.shape[1:]]), with a backward that sums repeated rows (a prompt's
+    keys, read by each of its G completions) in a fixed order: on CPU indexing's backward adds them with atomics
+    across threads (another float sum on every run), on CUDA index_select's does (torch's
+    use_deterministic_algorithms list), so each device takes the other one."""
+    if x.device.type == "cpu":
+        return x.index_select(0, index.reshape(-1)).view(*index.shape, *x.shape[1:])
+    return x[index]
+
+
 def packed_attention(delegate):
     """An attention function for transformers' AttentionInterface: with `packed_rows` (a make_batch packed
     layout) it attends within each prompt+completion of the packed sequence, one scaled-dot-product call per
@@ -1093,8 +1103,8 @@ def packed_attention(delegate):
             if sliding_window is not None:  # the model's sliding-window layers (Mistral, Qwen2 with use_sliding_window)
                 allowed = allowed & (q_pos[:, :, None] - k_pos[:, None, :] < sliding_window)
                 allowed[:, :, 0] |= ~q_valid
-            o = F.scaled_dot_product_attention(q[q_idx].transpose(1, 2), k[k_idx].transpose(1, 2),
-                                               v[k_idx].transpose(1, 2), attn_mask=allowed[:, None], dropout_p=dropout,
+            o = F.scaled_dot_product_attention(index_rows(q, q_idx).transpose(1, 2), index_rows(k, k_idx).transpose(1, 2),
+                                               index_rows(v, k_idx).transpose(1, 2), attn_mask=allowed[:, None], dropout_p=dropout,
                                                scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
             out.append(o.transpose(1, 2)[q_valid])  # row-major valid queries = the packed order of this row set
         return torch.cat(out)[None], None
@@ -1127,7 +1137,7 @@ def enable_packing(model) -> bool:
         model.set_attn_implementation(name)
         packed = model_forward(model, probe, output_hidden_states=True)
         model.train(was_training)
-    a, b = (out.hidden_states[-1][at].float() for out, at in (packed, padded))
+    a, b = (pick(out.hidden_states[-1]).float() for out, pick in (packed, padded))
     diff, scale = (a - b).abs().max().item(), b.abs().max().item()
     if not diff <= (1e-4 if next(model.parameters()).dtype == torch.float32 else 5e-2) * max(scale, 1.0):
         model.set_attn_implementation(impl)
@@ -1143,18 +1153,19 @@ def packing_enabled(model) -> bool:
 
 
 def model_forward(model, batch: dict, **kwargs):
-    """(output, at): `model` on `batch`, packed when the model allows it, else padded; `at` indexes any
-    per-position output [B, T, ...] at the positions that predict the completion tokens, in
-    batch["targets"] order (out.hidden_states[-1][at] is [n_targets, hidden])."""
+    """(output, pick): `model` on `batch`, packed when the model allows it, else padded; pick(x) takes any
+    per-position output x [B, T, ...] at the positions that predict the completion tokens, in batch["targets"]
+    order (pick(out.hidden_states[-1]) is [n_targets, hidden]). Packed, a prompt's last position predicts the
+    first token of each of its completions, so it is taken G times (index_rows: a fixed-order backward)."""
     if packing_enabled(model):
         p = batch["packed"]
         # transformers takes a 4-D mask as given, so it builds no [N, N] mask; packed_attention uses the rows
         unused = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=p["input_ids"].device)
         out = model(input_ids=p["input_ids"], position_ids=p["position_ids"], attention_mask=unused,
                     packed_rows=p["rows"], **kwargs)
-        return out, (torch.zeros_like(p["pred"]), p["pred"])
+        return out, lambda x: index_rows(x[0], p["pred"])
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **kwargs)
-    return out, batch["target_index"]
+    return out, lambda x: x[batch["target_index"]]  # each position once
 
 
 def to_batch_layout(values, batch: dict):
@@ -1193,8 +1204,8 @@ def token_logprobs(model, batch: dict, temperature: float, chunk_tokens: int = 4
             m.train(torch.is_grad_enabled())
     # the model's forward computes logits for one position only; the last hidden state (after the
     # final norm) feeds the chunked projection below
-    out, at = model_forward(model, batch, output_hidden_states=True, logits_to_keep=1, use_cache=False)
-    h, tg = out.hidden_states[-1][at], batch["targets"]
+    out, pick = model_forward(model, batch, output_hidden_states=True, logits_to_keep=1, use_cache=False)
+    h, tg = pick(out.hidden_states[-1]), batch["targets"]
     weight = model.get_output_embeddings().weight  # FSDP2: gathered until backward (see shard_model)
     lp_parts, ent_parts = [], []
     for s in range(0, h.shape[0], chunk_tokens):

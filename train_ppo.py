@@ -81,8 +81,8 @@ def load_critic(path, device, dtype, args):
 
 def critic_values(critic, batch):
     """V(s_t) for every position, [B, T-1] aligned with batch["mask"] (state before token t+1)."""
-    out, at = common.model_forward(critic, batch)  # packed or padded: `at` picks the positions before each token
-    return common.to_batch_layout(out.logits[at][:, 0].float(), batch)
+    out, pick = common.model_forward(critic, batch)  # packed or padded: pick takes the positions before each token
+    return common.to_batch_layout(pick(out.logits)[:, 0].float(), batch)
 
 
 def value_loss(values, old_values, returns, mask, vf_clip, n_tokens):

@@ -151,6 +151,45 @@ def test_packed_handles_an_empty_completion_and_a_lone_sequence():
     compare(packed, padded, [[5]], [[3]])
 
 
+def test_index_rows_is_indexing_with_a_fixed_order_backward():
+    """index_rows(x, i) == x[i]; its gradient sums each repeated row's gradients (by hand, in float64), and is
+    bitwise the same on every call: on CPU with several threads, x[i]'s backward adds repeated rows with atomics,
+    a different float sum almost every time on this input (measured: 300 distinct gradients in 300 calls)."""
+    torch.manual_seed(0)
+    x = torch.randn(50, 2, 64, requires_grad=True)
+    index = torch.randint(0, 10, (256, 8))  # rows 0-9 read ~200 times each, by both threads' halves
+    up = torch.randn(256, 8, 2, 64)
+    assert torch.equal(common.index_rows(x, index), x[index])
+    seen = set()
+    for _ in range(20):
+        x.grad = None
+        (common.index_rows(x, index) * up).sum().backward()
+        seen.add(x.grad.numpy().tobytes())
+    assert len(seen) == 1
+    by_hand = torch.zeros(50, 2, 64, dtype=torch.float64)
+    for i, r in enumerate(index.flatten().tolist()):
+        by_hand[r] += up.view(-1, 2, 64)[i].double()
+    torch.testing.assert_close(x.grad.double(), by_hand, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="the race needs two threads")
+def test_packed_gradients_are_bitwise_repeatable_with_threads():
+    """A prompt's keys, values and last hidden state are read by each of its G completions: their gradients
+    are sums over the group, which must come out the same on every run (exact resume, seed comparisons).
+    Groups interleaved, so both threads of a backward add into the same prompt rows; with x[i] in place of
+    index_rows every one of 20 backward passes gave other gradients."""
+    model = qwen3()
+    assert common.enable_packing(model)
+    batch = common.make_batch(*micro_batch(32, 8, 9, seed=1), 0, torch.device("cpu"))
+    seen = set()
+    for _ in range(10):
+        model.zero_grad()
+        logp, entropy = common.token_logprobs(model, batch, 0.7, with_entropy=True)
+        (logp.sum() + entropy.sum()).backward()
+        seen.add(b"".join(p.grad.numpy().tobytes() for p in model.parameters()))
+    assert len(seen) == 1
+
+
 def test_ppo_critic_values_packed_equal_padded():
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
