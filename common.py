@@ -1103,8 +1103,8 @@ def packed_attention(delegate):
             if sliding_window is not None:  # the model's sliding-window layers (Mistral, Qwen2 with use_sliding_window)
                 allowed = allowed & (q_pos[:, :, None] - k_pos[:, None, :] < sliding_window)
                 allowed[:, :, 0] |= ~q_valid
-            o = F.scaled_dot_product_attention(index_rows(q, q_idx).transpose(1, 2), index_rows(k, k_idx).transpose(1, 2),
-                                               index_rows(v, k_idx).transpose(1, 2), attn_mask=allowed[:, None], dropout_p=dropout,
+            qs, ks, vs = (index_rows(x, i).transpose(1, 2) for x, i in ((q, q_idx), (k, k_idx), (v, k_idx)))
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed[:, None], dropout_p=dropout,
                                                scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
             out.append(o.transpose(1, 2)[q_valid])  # row-major valid queries = the packed order of this row set
         return torch.cat(out)[None], None
