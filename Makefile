@@ -12,7 +12,7 @@ test:  ## the whole test suite (CPU, offline)
 bench:  ## throughput table for each engine
 	$(PY) benchmarks/bench_engines.py $(ARGS)
 
-reproduce:  ## seed 000 end to end: tabular Tables 1-2 and the six trainers on `calibration`; rewrites the README section
+reproduce:  ## seed 000 end to end: tabular Tables 1-2 and the six trainers on `calibration`; rewrites the block in docs/seed000.md
 	$(PY) reproduce/seed000.py $(ARGS)
 
 env:  ## print the environment's path (building it if needed)

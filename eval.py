@@ -1,17 +1,17 @@
-"""Evaluation: the metrics the evaluation-practice reference ("GRPO for Reasoning-Model
-Post-Training", 2026) and Bereket & Leskovec (2025) ask for, as a library and as a command.
+"""Evaluation: the metrics the evaluation-practice reference ("GRPO for Reasoning-Model Post-Training", 2026)
+and Bereket & Leskovec (2025) ask for, as a library and as a command.
 
     python eval.py --model runs/demo/final --task addition --n 16 --k 1,4,16   # JSON, Markdown, plots
     python eval.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --n 8 --k 1,8 --limit 200
     python eval.py compare runs/grpo-calibration-tiny-s0 runs/rloo-calibration-tiny-s0   # no wandb needed
     python eval.py audit --reward math --file labelled.jsonl  # verifier recall/precision vs human labels
     python eval.py contamination --task gsm8k:data/gsm8k_{split}.jsonl --ngram 13
-    python eval.py completions runs/grpo-addition-tiny-s0 --step 50 --worst 5 --best 5  # from --log_completions
+    python eval.py completions runs/grpo-addition-tiny-s0 --step 50 --worst 5  # from --log_completions
 
 Library: pass_at_k (unbiased, stable), maj_at_k and mean_at_k with bootstrap intervals,
 expected_calibration_error (Bereket & Leskovec's right-closed bins), auroc and brier (scikit-learn),
-reliability_diagram (PNG), verifier_audit, and evaluate(run) which
-every train_*.py calls every --eval_every steps (eval/* metrics and runs/<run>/eval.json).
+reliability_diagram (PNG), verifier_audit, and evaluate(run) which every train_*.py calls every --eval_every
+steps (eval/* metrics and runs/<run>/eval.json).
 """
 import argparse
 import collections
@@ -25,6 +25,7 @@ import torch
 
 import common
 import rewards
+from rlmini import data, dist, engine, models, runlog
 
 # ---------------------------------------------------------------------------------------------- metrics
 
@@ -81,7 +82,8 @@ def _check_probs(probs, labels):
     probs = np.asarray(probs, dtype=np.float64)
     labels = np.asarray(labels, dtype=np.float64)
     if probs.shape != labels.shape or probs.ndim != 1:
-        raise ValueError(f"probs and labels must be 1-D and the same length (got {probs.shape}, {labels.shape})")
+        raise ValueError(f"probs and labels must be 1-D and the same length (got {probs.shape}, "
+                         f"{labels.shape})")
     if len(probs) == 0:
         raise ValueError("no predictions")
     if np.any(np.isnan(probs)) or np.any((probs < 0) | (probs > 1)):
@@ -135,7 +137,8 @@ def reliability_diagram(curves: dict, path: str, n_bins: int = 10) -> None:
             axes[i][j].axis("off")
         for ax, (name, (probs, labels)) in zip(axes[i], row.items()):
             probs, labels = _check_probs(probs, labels)
-            idx = np.clip(np.searchsorted(edges, probs, side="left") - 1, 0, n_bins - 1)  # right-closed, as ECE
+            # right-closed, as ECE
+            idx = np.clip(np.searchsorted(edges, probs, side="left") - 1, 0, n_bins - 1)
             used = [b for b in range(n_bins) if (idx == b).any()]
             xs, ys = [probs[idx == b].mean() for b in used], [labels[idx == b].mean() for b in used]
             ax.plot([0, 1], [0, 1], "k--", lw=0.8)
@@ -144,27 +147,31 @@ def reliability_diagram(curves: dict, path: str, n_bins: int = 10) -> None:
             ax.set_title(f"{name}\nECE {expected_calibration_error(probs, labels):.3f}", fontsize=9)
             ax.set_xlabel("predicted probability", fontsize=8)
             ax.set_xlim(0, 1), ax.set_ylim(0, 1)
-        axes[i][0].set_ylabel(f"{row_name}\nobserved frequency" if row_name else "observed frequency", fontsize=8)
+        label = f"{row_name}\nobserved frequency" if row_name else "observed frequency"
+        axes[i][0].set_ylabel(label, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-# ---------------------------------------------------------------------------------------------- verifier audit (contamination: rewards.py)
+# ---------------------------------------------------------------- verifier audit (contamination: rewards.py)
 
 
 def verifier_audit(score, rows: list, source: str = "audit", lines=None) -> dict:
-    """A reward function `score(completion, example, finished)` against human labels. rows: {completion, answer, label}; label 1 =
-    the completion is correct. Recall = share of human-correct rows the verifier accepts ("GRPO for Reasoning-Model Post-Training", 2026:
-    rule-based verifiers missed 14%), precision = share of accepted rows that are correct."""
+    """A reward function `score(completion, example, finished)` against human labels. rows: {completion,
+    answer, label}; label 1 = the completion is correct. Recall = share of human-correct rows the verifier
+    accepts ("GRPO for Reasoning-Model Post-Training", 2026: rule-based verifiers missed 14%), precision =
+    share of accepted rows that are correct."""
     tp = fp = fn = tn = 0
     disagree = []
     for i, row in enumerate(rows):
         for key in ("completion", "answer", "label"):
             if key not in row:
-                raise rewards.DataError(f"{source}: {rewards.where(lines, i)}: missing field '{key}' (has: {sorted(row)})")
+                raise rewards.DataError(f"{source}: {rewards.where(lines, i)}: missing field '{key}' (has: "
+                                        f"{sorted(row)})")
         if row["label"] not in (0, 1, True, False):
-            raise rewards.DataError(f"{source}: {rewards.where(lines, i)}: label must be 0 or 1 (got {row['label']!r})")
+            raise rewards.DataError(f"{source}: {rewards.where(lines, i)}: label must be 0 or 1 (got "
+                                    f"{row['label']!r})")
         verdict = score(str(row["completion"]), {"answer": row["answer"]}, True).correct >= 1.0
         human = bool(row["label"])
         tp += verdict and human
@@ -172,13 +179,14 @@ def verifier_audit(score, rows: list, source: str = "audit", lines=None) -> dict
         fn += (not verdict) and human
         tn += (not verdict) and not human
         if verdict != human:
-            disagree.append({"row": rewards.where(lines, i), "verifier": int(verdict), "human": int(human), **row})
+            disagree.append({"row": rewards.where(lines, i), "verifier": int(verdict), "human": int(human),
+                             **row})
     return {"rows": len(rows), "recall": tp / (tp + fn) if tp + fn else float("nan"),
             "precision": tp / (tp + fp) if tp + fp else float("nan"), "tp": tp, "fp": fp, "fn": fn, "tn": tn,
             "disagreements": disagree}
 
 
-# ---------------------------------------------------------------------------------------------- evaluating a policy
+# ------------------------------------------------------------------------------------- evaluating a policy
 
 
 def summarize(task, examples: list, scores: list, n: int, ks: list, boot: bool = False) -> dict:
@@ -220,15 +228,14 @@ def sample_and_score(run, examples: list, n: int, seed: int) -> list:
     """The Score of n samples of every example, in order (n per example). Under torchrun each rank samples
     its block of the examples (`seed` differs per rank) and every rank gets all the scores back: metrics
     such as ECE cannot be averaged over shards, they are computed once on all predictions."""
-    mine = common.shard(examples)
+    mine = dist.shard(examples)
     # a rank with no example (more ranks than examples) still generates, on a stand-in it then drops:
     # under FSDP2 every forward of the HF engine is a collective that all ranks must join
     batch = mine or examples[:1]
-    prompt_ids = common.encode_prompts(run.tokenizer, [e["prompt"] for e in batch], run.style == "chat")
-    rollouts = common.generate(run.engine, run.model, prompt_ids, n, run.max_new_tokens, run.args.temperature,
-                               seed=seed, device=run.device, dtype=run.dtype)
-    scores = common.score_rollouts(run.task, run.tokenizer, batch, rollouts, n)[3][:len(mine) * n]
-    return common.all_gather_objects(scores)
+    prompt_ids = data.encode_prompts(run.tokenizer, [e["prompt"] for e in batch], run.style == "chat")
+    rollouts = run.engine.generate(prompt_ids, n, run.max_new_tokens, run.args.temperature, seed)
+    scores = data.score_rollouts(run.task, run.tokenizer, batch, rollouts, n)[3][:len(mine) * n]
+    return dist.all_gather_objects(scores)
 
 
 @torch.no_grad()
@@ -239,15 +246,16 @@ def evaluate(run) -> dict:
     weights (the training loop pushed them just before); it is never put to sleep here."""
     args = run.args
     examples = run.task.test[: args.eval_limit or None]
-    scores = sample_and_score(run, examples, args.eval_n, seed=common.rollout_seed(args.seed, -1, common.rank()))
+    scores = sample_and_score(run, examples, args.eval_n, seed=data.rollout_seed(args.seed, -1, dist.rank()))
     full = summarize(run.task, examples, scores, args.eval_n, sorted({1, args.eval_n}))
     k = args.eval_n
-    metrics = {"eval/pass@1": full["pass@1"], "eval/pass@k": full[f"pass@{k}"], "eval/maj@k": full[f"maj@{k}"],
+    metrics = {"eval/pass@1": full["pass@1"], "eval/pass@k": full[f"pass@{k}"],
+               "eval/maj@k": full[f"maj@{k}"],
                "eval/format_fail": full["format_fail"], "eval/reward": full["reward"]}
     for key in ("ece", "auroc", "brier", "accuracy", "pass_rate"):
         if key in full:
             metrics[f"eval/{key}"] = full[key]
-    if common.rank() == 0:  # every prediction: the scores of all ranks were gathered
+    if dist.rank() == 0:  # every prediction: the scores of all ranks were gathered
         extra = {"predictions": full["predictions"]} if "predictions" in full else {}
         write_out(run.run_dir, "eval.json", {"step": run.step, "k": k, **metrics, **extra})
     return metrics
@@ -289,9 +297,10 @@ def _model_name(model: str) -> str:
 def cmd_evaluate(argv) -> dict:
     p = argparse.ArgumentParser(prog="eval.py", description="Evaluate a policy on a task's held-out split.")
     p.add_argument("--model", default="tiny", help="hub id, local path (e.g. runs/<run>/final) or 'tiny'")
-    p.add_argument("--task", default="addition", help="as in training: addition, calibration, ordinal, gsm8k, math, "
-                   "jsonl:PATH, hf:DATASET")
-    p.add_argument("--jsonl_reward", default="math", choices=sorted(rewards.JSONL_REWARDS), help="jsonl:/hf: scoring")
+    p.add_argument("--task", default="addition",
+                   help="as in training: addition, calibration, ordinal, gsm8k, math, jsonl:PATH, hf:DATASET")
+    p.add_argument("--jsonl_reward", default="math", choices=sorted(rewards.JSONL_REWARDS),
+                   help="jsonl:/hf: scoring")
     p.add_argument("--prompt_column", default="prompt", help="jsonl:/hf: the prompt's column")
     p.add_argument("--answer_column", default="answer", help="jsonl:/hf: the answer's column")
     p.add_argument("--system_prompt", default="", help="a system message opening every prompt (chat models)")
@@ -306,7 +315,8 @@ def cmd_evaluate(argv) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="output folder (default runs/eval-<model>-<task>)")
     a = p.parse_args(argv)
-    for flag, value, low in (("--n", a.n, 1), ("--limit", a.limit, 0), ("--max_new_tokens", a.max_new_tokens, 0)):
+    for flag, value, low in (("--n", a.n, 1), ("--limit", a.limit, 0),
+                             ("--max_new_tokens", a.max_new_tokens, 0)):
         if value < low:
             raise SystemExit(f"{flag} {value}: must be >= {low}")
     if not a.temperature > 0:
@@ -321,40 +331,46 @@ def cmd_evaluate(argv) -> dict:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     args = common.Args(model=a.model, task=a.task, engine=a.engine, temperature=a.temperature, seed=a.seed,
                        max_new_tokens=a.max_new_tokens, dtype=a.dtype)
-    style = common.prompt_style(a.model)
+    style = models.prompt_style(a.model)
     task = rewards.load_task(a.task, style=style, seed=a.seed, jsonl_reward=a.jsonl_reward,
                              prompt_column=a.prompt_column, answer_column=a.answer_column)
     task = rewards.with_system_prompt(task, a.system_prompt)
-    common.model_path(a.model, task)  # builds the tiny model on first use, before torch.distributed starts
-    device, dtype = common.setup_device(args)
-    model, tok, path = common.load_model(args, task, device, dtype)
+    models.model_path(a.model, task)  # builds the tiny model on first use, before torch.distributed starts
+    device, dtype = dist.setup_device(args)
+    model, tok, path = models.load_model(args, task, device, dtype)
     model.eval()
     max_new = a.max_new_tokens or task.max_new_tokens
     examples = (task.test if a.split == "test" else task.train)[: a.limit or None]
-    engine = common.make_engine(args, path, tok, device, dtype, max_len=min(
-        getattr(model.config, "max_position_embeddings", 4096),
-        max(len(x) for x in common.encode_prompts(tok, [e["prompt"] for e in examples], style == "chat")) + max_new + 8))
-    run = argparse.Namespace(args=args, tokenizer=tok, style=style, engine=engine, model=model, max_new_tokens=max_new,
-                             device=device, dtype=dtype, task=task)
-    scores = sample_and_score(run, examples, a.n, seed=common.rollout_seed(a.seed, -1, common.rank()))
+    longest = max(len(x) for x in data.encode_prompts(tok, [e["prompt"] for e in examples], style == "chat"))
+    max_len = min(getattr(model.config, "max_position_embeddings", 4096), longest + max_new + 8)
+    rollouts = engine.make_engine(args, path, model, tok, device, dtype, max_len)
+    run = argparse.Namespace(args=args, tokenizer=tok, style=style, engine=rollouts, model=model,
+                             max_new_tokens=max_new, device=device, dtype=dtype, task=task)
+    scores = sample_and_score(run, examples, a.n, seed=data.rollout_seed(a.seed, -1, dist.rank()))
     result = {"model": a.model, "task": a.task, "split": a.split, "temperature": a.temperature,
               **summarize(task, examples, scores, a.n, ks, boot=True)}
-    if common.rank() != 0:  # torchrun: every rank holds the same result (scores were gathered); rank 0 writes it
+    # torchrun: every rank holds the same result (scores were gathered); rank 0 writes it
+    if dist.rank() != 0:
         return result
     out = a.out or os.path.join("runs", f"eval-{_model_name(a.model)}-{a.task.split(':')[0]}")
     write_out(out, "eval.json", result)
+    interval = lambda m, k: "[{:.3f}, {:.3f}]".format(*result[f"{m}@{k}_ci95"])
     rows = [{"k": k, **{m: result[f"{m}@{k}"] for m in ("pass", "maj", "mean")},
-             **{f"{m} 95% CI": "[{:.3f}, {:.3f}]".format(*result[f"{m}@{k}_ci95"]) for m in ("pass", "maj")}} for k in ks]
+             **{f"{m} 95% CI": interval(m, k) for m in ("pass", "maj")}} for k in ks]
     table = _markdown(rows, ["k", "pass", "pass 95% CI", "maj", "maj 95% CI", "mean"])
-    extra = {k: result[k] for k in ("format_fail", "reward", "pass_rate", "ece", "auroc", "brier", "accuracy") if k in result}
+    names = ("format_fail", "reward", "pass_rate", "ece", "auroc", "brier", "accuracy")
+    extra = {k: result[k] for k in names if k in result}
     table += "\n" + _markdown([extra], list(extra))
-    write_out(out, "eval.md", f"# {a.model} on {a.task} ({a.split}, {len(examples)} questions, n={a.n})\n\n" + table)
+    title = f"# {a.model} on {a.task} ({a.split}, {len(examples)} questions, n={a.n})\n\n"
+    write_out(out, "eval.md", title + table)
     _plot_pass_at_k(result, ks, os.path.join(out, "pass_at_k.png"))
     if task.kind == "probability":
         pred = result["predictions"]
-        reliability_diagram({_model_name(a.model): (pred["probs"], pred["labels"])}, os.path.join(out, "reliability.png"))
+        reliability_diagram({_model_name(a.model): (pred["probs"], pred["labels"])},
+                            os.path.join(out, "reliability.png"))
     print(table, end="")
-    print(f"wrote {out}/eval.json, eval.md, pass_at_k.png" + (", reliability.png" if task.kind == "probability" else ""))
+    figure = ", reliability.png" if task.kind == "probability" else ""
+    print(f"wrote {out}/eval.json, eval.md, pass_at_k.png{figure}")
     return result
 
 
@@ -365,7 +381,8 @@ def _plot_pass_at_k(result, ks, path):
     fig, ax = plt.subplots(figsize=(4, 3))
     for m in ("pass", "maj", "mean"):
         ax.plot(ks, [result[f"{m}@{k}"] for k in ks], "o-", label=f"{m}@k")
-    ax.set_xscale("log", base=2), ax.set_xlabel("k (samples)"), ax.set_ylabel("accuracy"), ax.legend(fontsize=8)
+    ax.set_xscale("log", base=2), ax.set_xlabel("k (samples)"), ax.set_ylabel("accuracy")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -373,8 +390,9 @@ def _plot_pass_at_k(result, ks, path):
 
 # ---------------------------------------------------------------------------------------------- across seeds
 # Aggregate metrics over a few runs, as rliable recommends (Agarwal et al. 2021, "Deep RL at the Edge of the
-# Statistical Precipice"): interquartile mean, stratified-bootstrap percentile intervals, probability of improvement.
-# Scores are [runs, tasks] arrays (one task: a column); every aggregate maps [reps, runs, tasks] -> [reps].
+# Statistical Precipice"): interquartile mean, stratified-bootstrap percentile intervals, probability of
+# improvement. Scores are [runs, tasks] arrays (one task: a column); every aggregate maps [reps, runs, tasks]
+# to [reps].
 
 
 def _trim_mean(x, axis):
@@ -383,7 +401,8 @@ def _trim_mean(x, axis):
 
 
 AGGREGATES = {  # rliable's metrics.aggregate_*: over all runs and tasks together (median: of the task means)
-    "iqm": lambda s: _trim_mean(s.reshape(len(s), -1), axis=1),  # the middle 50% of the scores (25% cut at each end)
+    # the middle 50% of the scores (25% cut at each end)
+    "iqm": lambda s: _trim_mean(s.reshape(len(s), -1), axis=1),
     "mean": lambda s: s.reshape(len(s), -1).mean(1),
     "median": lambda s: np.median(s.mean(1), axis=1),
 }
@@ -402,9 +421,11 @@ def aggregate_scores(scores, name: str = "iqm") -> float:
     return float(AGGREGATES[name](_scores(scores)[None])[0])
 
 
-def stratified_bootstrap_ci(scores, name: str = "iqm", reps: int = 2000, level: float = 0.95, seed: int = 0) -> tuple:
+def stratified_bootstrap_ci(scores, name: str = "iqm", reps: int = 2000, level: float = 0.95,
+                            seed: int = 0) -> tuple:
     """Percentile interval of the aggregate: each replicate draws, for every task separately, as many runs as
-    there are with replacement (rliable's StratifiedBootstrap: tasks are strata, runs are resampled within)."""
+    there are with replacement (rliable's StratifiedBootstrap: tasks are strata, runs are resampled within).
+    """
     x = _scores(scores)
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, len(x), size=(reps, *x.shape))  # [reps, runs, tasks]: a run index per task
@@ -413,8 +434,8 @@ def stratified_bootstrap_ci(scores, name: str = "iqm", reps: int = 2000, level: 
 
 
 def probability_of_improvement(x, y) -> float:
-    """P(X > Y): the mean over tasks of the Mann-Whitney U statistic of X's runs against Y's, over (n m) pairs,
-    ties counting one half (rliable's metrics.probability_of_improvement)."""
+    """P(X > Y): the mean over tasks of the Mann-Whitney U statistic of X's runs against Y's, over (n m)
+    pairs, ties counting one half (rliable's metrics.probability_of_improvement)."""
     x, y = _scores(x), _scores(y)
     if x.shape[1] != y.shape[1]:
         raise ValueError(f"probability_of_improvement: {x.shape[1]} tasks against {y.shape[1]}")
@@ -435,18 +456,20 @@ def probability_of_improvement_ci(x, y, reps: int = 2000, level: float = 0.95, s
 
 
 def curve_band(curves, reps: int = 1000, level: float = 0.95, seed: int = 0) -> tuple:
-    """IQM across runs at each step of [runs, steps] curves, and its bootstrap band: a replicate draws the runs
-    once for every step (rliable's sample-efficiency curves)."""
+    """IQM across runs at each step of [runs, steps] curves, and its bootstrap band: a replicate draws the
+    runs once for every step (rliable's sample-efficiency curves)."""
     x = np.asarray(curves, dtype=np.float64)
     rng = np.random.default_rng(seed)
-    samples = x[rng.integers(0, len(x), size=(reps, len(x)))]  # [reps, runs, steps]: one draw of runs for all steps
+    # [reps, runs, steps]: one draw of runs for all steps
+    samples = x[rng.integers(0, len(x), size=(reps, len(x)))]
     values = _trim_mean(samples, axis=1)
-    return _trim_mean(x, axis=0), np.quantile(values, (1 - level) / 2, axis=0), np.quantile(values, 1 - (1 - level) / 2,
-                                                                                               axis=0)
+    low, high = np.quantile(values, (1 - level) / 2, axis=0), np.quantile(values, 1 - (1 - level) / 2, axis=0)
+    return _trim_mean(x, axis=0), low, high
 
 
-COMPARE_KEYS = ["reward/mean", "reward/correct", "adv/failed_pos_frac", "entropy", "eval/pass@1", "eval/pass@k",
-                "eval/maj@k", "eval/format_fail", "eval/ece", "eval/auroc", "eval/brier", "eval/accuracy"]
+COMPARE_KEYS = ["reward/mean", "reward/correct", "adv/failed_pos_frac", "entropy", "eval/pass@1",
+                "eval/pass@k", "eval/maj@k", "eval/format_fail", "eval/ece", "eval/auroc", "eval/brier",
+                "eval/accuracy"]
 LOWER_IS_BETTER = {"adv/failed_pos_frac", "eval/format_fail", "eval/ece", "eval/brier"}
 
 
@@ -454,15 +477,17 @@ def _read_run(r: str) -> list:
     path = os.path.join(r, "metrics.jsonl")
     if not os.path.exists(path):
         raise SystemExit(f"compare: {path}: file not found")
-    rows = common.read_metrics(path)  # DataError naming a bad line
-    missing = next((i + 1 for i, row in enumerate(rows) if not isinstance(row, dict) or "step" not in row), None)
+    rows = runlog.read_metrics(path)  # DataError naming a bad line
+    missing = next((i + 1 for i, row in enumerate(rows) if not isinstance(row, dict) or "step" not in row),
+                   None)
     if missing:
         raise SystemExit(f"compare: {path}: row {missing} has no 'step': not a metrics.jsonl")
     return rows
 
 
 def final_value(rows: list, key: str, last: int):
-    """eval/*: the last evaluation; a training metric: the mean of its last `last` logged values (None if absent)."""
+    """eval/*: the last evaluation; a training metric: the mean of its last `last` logged values (None if
+    absent)."""
     vals = [x[key] for x in rows if isinstance(x.get(key), (int, float)) and not math.isnan(x[key])]
     if not vals:
         return None
@@ -479,7 +504,8 @@ def group_runs(runs: list, groups: list, pattern: str) -> dict:
         for spec in groups:
             name, sep, globs = spec.partition("=")
             if not sep or not name or not globs:
-                raise SystemExit(f"compare: --group {spec!r}: expected NAME=GLOB[,GLOB...], e.g. grpo='runs/grpo-*'")
+                raise SystemExit(f"compare: --group {spec!r}: expected NAME=GLOB[,GLOB...], e.g. "
+                                 f"grpo='runs/grpo-*'")
             found = sorted({p for g in globs.split(",") for p in glob.glob(g) if os.path.isdir(p)})
             if not found:
                 raise SystemExit(f"compare: --group {spec!r}: no run folder matches {globs!r}")
@@ -499,16 +525,18 @@ def group_runs(runs: list, groups: list, pattern: str) -> dict:
 
 
 def cmd_compare(argv) -> dict:
-    p = argparse.ArgumentParser(prog="eval.py compare", description="Compare runs, and groups of runs across seeds "
-                                "(IQM with 95% stratified-bootstrap intervals, Agarwal et al. 2021), from their "
+    p = argparse.ArgumentParser(prog="eval.py compare",
+                                description="Compare runs, and groups of runs across seeds (IQM with 95% "
+                                "stratified-bootstrap intervals, Agarwal et al. 2021), from their "
                                 "metrics.jsonl; no wandb needed.")
     p.add_argument("runs", nargs="*", help="run folders (each with metrics.jsonl)")
     p.add_argument("--group", action="append", default=[],
                    help="NAME=GLOB[,GLOB]: the runs of one group, e.g. grpo='runs/grpo-*' (repeat per group)")
     p.add_argument("--pattern", default=r"^(?P<group>.+)-s\d+$",
-                   help="without --group: runs whose names give the same 'group' capture form a group (seeds)")
-    p.add_argument("--metric", default="", help="comma-separated metrics for P(A beats B) (default eval/pass@1, "
-                   "else reward/correct); lower is better for " + ", ".join(sorted(LOWER_IS_BETTER)))
+                   help="without --group: runs whose names give the same 'group' capture form a group")
+    p.add_argument("--metric", default="", help="comma-separated metrics for P(A beats B) (default "
+                   "eval/pass@1, else reward/correct); lower is better for "
+                   + ", ".join(sorted(LOWER_IS_BETTER)))
     p.add_argument("--out", default=os.path.join("runs", "compare"))
     p.add_argument("--last", type=int, default=10, help="training metrics: mean of the last N steps")
     p.add_argument("--reps", type=int, default=2000, help="bootstrap replicates")
@@ -535,8 +563,9 @@ def cmd_compare(argv) -> dict:
             x = [by_run[n][k] for n in names if k in by_run[n]]
             if x:
                 lo, hi = stratified_bootstrap_ci(x, "iqm", a.reps)
-                entry[k] = {"n": len(x), "iqm": aggregate_scores(x, "iqm"), "mean": aggregate_scores(x, "mean"),
-                            "median": aggregate_scores(x, "median"), "ci95": [lo, hi], "values": x}
+                entry[k] = {"n": len(x), "iqm": aggregate_scores(x, "iqm"),
+                            "mean": aggregate_scores(x, "mean"), "median": aggregate_scores(x, "median"),
+                            "ci95": [lo, hi], "values": x}
         result["groups"][g] = entry
     if any(len(names) > 1 for names in members.values()):  # seeds: a verdict per group, with intervals
         cell = lambda e: f"{e['iqm']:.4f} [{e['ci95'][0]:.3f}, {e['ci95'][1]:.3f}]" if e else ""
@@ -544,12 +573,13 @@ def cmd_compare(argv) -> dict:
                  for g, e in result["groups"].items()]
         table += ("\nPer group: IQM over runs [95% stratified-bootstrap interval] (Agarwal et al. 2021)\n\n"
                   + _markdown(grows, ["group", "runs"] + columns[2:]))
-        metrics = [k for k in (a.metric.split(",") if a.metric else
-                               [next((k for k in ("eval/pass@1", "reward/correct") if k in columns), columns[-1])])]
+        default = next((k for k in ("eval/pass@1", "reward/correct") if k in columns), columns[-1])
+        metrics = a.metric.split(",") if a.metric else [default]
         names = list(members)
         for k in metrics:
             if k not in columns:
-                raise SystemExit(f"compare: --metric {k}: no run logged it (logged: {', '.join(columns[2:])})")
+                raise SystemExit(f"compare: --metric {k}: no run logged it "
+                                 f"(logged: {', '.join(columns[2:])})")
             sign = -1.0 if k in LOWER_IS_BETTER else 1.0
             for i, ga in enumerate(names):
                 for gb in names[i + 1:]:
@@ -558,26 +588,27 @@ def cmd_compare(argv) -> dict:
                         continue
                     xa, xb = sign * np.array(xa["values"]), sign * np.array(xb["values"])
                     lo, hi = probability_of_improvement_ci(xa, xb, a.reps)
-                    result["improvement"].append({"metric": k, "a": ga, "b": gb, "p": probability_of_improvement(xa, xb),
-                                                  "ci95": [lo, hi]})
+                    result["improvement"].append({"metric": k, "a": ga, "b": gb,
+                                                  "p": probability_of_improvement(xa, xb), "ci95": [lo, hi]})
         if result["improvement"]:
             prow = [{"metric": r["metric"], "A beats B": f"{r['a']} > {r['b']}",
-                     "P": f"{r['p']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]"} for r in result["improvement"]]
-            table += ("\nProbability of improvement P(A beats B) over pairs of runs (ties 1/2) [95% interval]\n\n"
-                      + _markdown(prow, ["metric", "A beats B", "P"]))
+                     "P": f"{r['p']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]"}
+                    for r in result["improvement"]]
+            table += ("\nProbability of improvement P(A beats B) over pairs of runs (ties 1/2) [95% "
+                      "interval]\n\n" + _markdown(prow, ["metric", "A beats B", "P"]))
     write_out(a.out, "comparison.md", table)
     write_out(a.out, "comparison.json", result)
     keys = [k for k in ("reward/mean", "eval/pass@1", "eval/ece") if k in columns]
-    _plot_curves({g: [data[n] for n in names] for g, names in members.items()}, keys, os.path.join(a.out, "curves.png"),
-                 a.reps)
+    curves = {g: [data[n] for n in names] for g, names in members.items()}
+    _plot_curves(curves, keys, os.path.join(a.out, "curves.png"), a.reps)
     print(table, end="")
     print(f"wrote {a.out}/comparison.md, comparison.json, curves.png")
     return result
 
 
 def _plot_curves(groups, keys, path, reps=1000):
-    """One panel per metric: a group of one run is its line; a group of several, the IQM across its runs at the
-    steps they all logged, with a 95% bootstrap band."""
+    """One panel per metric: a group of one run is its line; a group of several, the IQM across its runs at
+    the steps they all logged, with a 95% bootstrap band."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -594,9 +625,11 @@ def _plot_curves(groups, keys, path, reps=1000):
                 continue
             mid, lo, hi = curve_band(curves, reps)
             if len(steps) == 1:  # one evaluation: a point with its interval
-                ax.errorbar(steps, mid, yerr=[mid - lo, hi - mid], fmt="o", capsize=4, label=f"{name} ({len(runs)} runs)")
+                ax.errorbar(steps, mid, yerr=[mid - lo, hi - mid], fmt="o", capsize=4,
+                            label=f"{name} ({len(runs)} runs)")
                 continue
-            line, = ax.plot(steps, mid, "o-" if len(steps) < 20 else "-", label=f"{name} ({len(runs)} runs)", ms=3)
+            line, = ax.plot(steps, mid, "o-" if len(steps) < 20 else "-", label=f"{name} ({len(runs)} runs)",
+                            ms=3)
             ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.2)
         ax.set_title(key, fontsize=9), ax.set_xlabel("step")
     axes[0][0].legend(fontsize=7)
@@ -625,14 +658,15 @@ def cmd_audit(argv) -> dict:
     rows, lines = rewards.read_jsonl_numbered(a.file)
     result = verifier_audit(rewards.JSONL_REWARDS[a.reward], rows, a.file, lines)
     return _report(a.out, "audit.json", result,
-                   f"{a.file}: {result['rows']} rows, recall {result['recall']:.3f}, precision {result['precision']:.3f}, "
-                   f"{len(result['disagreements'])} disagreements",
+                   f"{a.file}: {result['rows']} rows, recall {result['recall']:.3f}, precision "
+                   f"{result['precision']:.3f}, {len(result['disagreements'])} disagreements",
                    [f"{d['row']}: verifier {d['verifier']} human {d['human']}: {str(d['completion'])[:100]!r}"
                     for d in result["disagreements"]])
 
 
 def cmd_contamination(argv) -> dict:
-    p = argparse.ArgumentParser(prog="eval.py contamination", description="Word n-gram overlap of training and evaluation prompts.")
+    p = argparse.ArgumentParser(prog="eval.py contamination",
+                                description="Word n-gram overlap of training and evaluation prompts.")
     p.add_argument("--task", required=True, help="checks the task's train split against its test split")
     p.add_argument("--ngram", type=int, default=13)
     p.add_argument("--out", default="")
@@ -640,17 +674,19 @@ def cmd_contamination(argv) -> dict:
     if a.ngram < 1:
         raise SystemExit(f"--ngram {a.ngram}: must be >= 1 (a 0-gram is in every prompt)")
     task = rewards.load_task(a.task, style="chat")
-    result = rewards.ngram_overlap([e["prompt"] for e in task.train], [e["prompt"] for e in task.test], a.ngram)
+    train, test = [e["prompt"] for e in task.train], [e["prompt"] for e in task.test]
+    result = rewards.ngram_overlap(train, test, a.ngram)
     return _report(a.out, "contamination.json", result,
-                   f"{a.task}: {len(result['pairs'])} of {len(task.test)} held-out prompts ({result['share']:.1%}) "
-                   f"share a {a.ngram}-gram with a training prompt",
+                   f"{a.task}: {len(result['pairs'])} of {len(task.test)} held-out prompts "
+                   f"({result['share']:.1%}) share a {a.ngram}-gram with a training prompt",
                    [f"test {q['eval']} ~ train {q['train']}: {q['ngram']!r}" for q in result["pairs"]])
 
 
 def cmd_completions(argv) -> dict:
     p = argparse.ArgumentParser(prog="eval.py completions",
-                                description="The worst and best completions of a training step, from the rollouts.jsonl "
-                                            "that --log_completions writes: where reward hacking shows first.")
+                                description="The worst and best completions of a training step, from the "
+                                "rollouts.jsonl that --log_completions writes: where reward hacking shows "
+                                "first.")
     p.add_argument("run", help="run folder (with rollouts.jsonl)")
     p.add_argument("--step", type=int, default=0, help="the training step (0 = the last one logged)")
     p.add_argument("--worst", type=int, default=5, help="how many of the lowest-ranked completions")
@@ -660,7 +696,7 @@ def cmd_completions(argv) -> dict:
     path = os.path.join(a.run, "rollouts.jsonl")
     if not os.path.exists(path):
         raise SystemExit(f"completions: {path}: file not found (train with --log_completions N to write it)")
-    rows = common.read_metrics(path)  # DataError naming a bad line
+    rows = runlog.read_metrics(path)  # DataError naming a bad line
     step = a.step or max((r["step"] for r in rows), default=0)
     chosen = sorted((r for r in rows if r["step"] == step), key=lambda r: r[a.by])
     if not chosen:
@@ -672,8 +708,9 @@ def cmd_completions(argv) -> dict:
     for name in ("worst", "best"):
         print(f"{name}:")
         for r in result[name]:
-            print(f"  reward {r['reward']:+.3f} adv {r['advantage']:+.3f} correct {r['correct']:.0f} len {r['length']}"
-                  f"{' (truncated)' if r['truncated'] else ''}  {r['prompt'][-60:]!r} -> {r['completion'][:200]!r}")
+            cut = " (truncated)" if r["truncated"] else ""
+            print(f"  reward {r['reward']:+.3f} adv {r['advantage']:+.3f} correct {r['correct']:.0f} len "
+                  f"{r['length']}{cut}  {r['prompt'][-60:]!r} -> {r['completion'][:200]!r}")
     return result
 
 

@@ -1,13 +1,13 @@
 """Tasks and verifiers.
 
-A task is a train split and a held-out test split of examples (a dict with at least "prompt" and
-"answer") plus a `score(completion, example, finished)` that returns correctness and format
-separately ("GRPO for Reasoning-Model Post-Training", 2026: report them apart). Synthetic tasks are
-generated in-process from a seed, so everything runs offline; gsm8k and math read the real datasets through `datasets`, or local files.
+A task is a train split and a held-out test split of examples (a dict with at least "prompt" and "answer")
+plus a `score(completion, example, finished)` that returns correctness and format separately ("GRPO for
+Reasoning-Model Post-Training", 2026: report them apart). Synthetic tasks are generated in-process from a
+seed, so everything runs offline; gsm8k and math read the real datasets through `datasets`, or local files.
 
-Prompt styles: "tiny" is the terse format the built-in random-initialised model can learn from
-scratch (a character-level tokenizer covering the task's alphabet); "chat" is the natural-language
-instruction a pretrained model gets (wrapped in its chat template by common.py).
+Prompt styles: "tiny" is the terse format the built-in random-initialised model can learn from scratch (a
+character-level tokenizer covering the task's alphabet); "chat" is the natural-language instruction a
+pretrained model gets (wrapped in its chat template by common.py).
 """
 import importlib
 import importlib.util
@@ -22,7 +22,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
-LOG_FLOOR = math.log(0.01)  # Bereket & Leskovec 2025, App. A.7: unparseable prediction = worst in-range log-likelihood
+# Bereket & Leskovec 2025, App. A.7: unparseable prediction = worst in-range log-likelihood
+LOG_FLOOR = math.log(0.01)
 
 
 @dataclass
@@ -32,7 +33,8 @@ class Score:
     format_ok: float     # 1/0: answer parseable and the completion ended with EOS
     prob: float | None = None   # probability tasks: the predicted P(yes)
     pred: str | None = None     # the extracted answer (what majority voting counts)
-    parts: tuple = ()           # --reward: each function's unweighted value, in the order of Task.reward_names
+    # --reward: each function's unweighted value, in the order of Task.reward_names
+    parts: tuple = ()
 
 
 @dataclass
@@ -45,7 +47,8 @@ class Task:
     pass_threshold: float      # reward >= this counts as passed (Garg & Venkatesh 2025: R_min_correct)
     alphabet: list = field(default_factory=list)  # tokens the tiny model's tokenizer must cover
     max_new_tokens: int = 512  # default generation budget for this task and style
-    reward_names: list = field(default_factory=list)  # --reward: the functions' names (logged as reward/<name>)
+    # --reward: the functions' names (logged as reward/<name>)
+    reward_names: list = field(default_factory=list)
 
 
 class DataError(ValueError):
@@ -188,9 +191,9 @@ def calibration_task(style: str, seed: int, n_categories: int = 20, n_questions:
         if style == "tiny":
             prompt = f"{c:02d}:"
         else:
-            prompt = (f"An experiment belongs to category C{c:02d}. How likely is it that its outcome "
-                      f"is positive? Respond with a probability from 1-99, representing 1% to 99% "
-                      f"chance. Enclose your answer in <answer> </answer> tags.")
+            prompt = (f"An experiment belongs to category C{c:02d}. How likely is it that its outcome is "
+                      f"positive? Respond with a probability from 1-99, representing 1% to 99% chance. "
+                      f"Enclose your answer in <answer> </answer> tags.")
         examples.append({"prompt": prompt, "answer": outcome, "category": c, "p_true": p_cat[c]})
     train, test = _split(examples, n_test)
 
@@ -306,17 +309,18 @@ def _conversation(messages: list, source: str, at: str, column: str) -> list:
     """A conversational prompt: a list of {"role", "content"} messages, the last one the user's."""
     for j, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise DataError(f"{source}: {at}: column '{column}', message {j + 1}: expected {{\"role\": one of "
-                            f"{', '.join(ROLES)}, \"content\": text}}, got {str(m)[:80]}")
+            raise DataError(f"{source}: {at}: column '{column}', message {j + 1}: expected "
+                            f"{{\"role\": one of {', '.join(ROLES)}, \"content\": text}}, got {str(m)[:80]}")
     if not messages or messages[-1]["role"] != "user":
         raise DataError(f"{source}: {at}: column '{column}': a conversation must end with a user message")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-def parse_rows(rows, source: str, lines=None, prompt_column: str = "prompt", answer_column: str = "answer") -> list:
-    """A user's own rows (jsonl:PATH, hf:DATASET): a prompt (text, or a conversation: a list of {role, content}
-    messages for the chat template) and an answer, under the given column names; every other field is kept
-    (the --reward functions get them)."""
+def parse_rows(rows, source: str, lines=None, prompt_column: str = "prompt",
+               answer_column: str = "answer") -> list:
+    """A user's own rows (jsonl:PATH, hf:DATASET): a prompt (text, or a conversation: a list of {role,
+    content} messages for the chat template) and an answer, under the given column names; every other field is
+    kept (the --reward functions get them)."""
     out = []
     for i, row in enumerate(rows):
         at = where(lines, i)
@@ -352,7 +356,10 @@ def with_system_prompt(task: Task, text: str) -> Task:
 
     def convert(e):
         p = e["prompt"]
-        messages = [{"role": "user", "content": p}] if isinstance(p, str) else [m for m in p if m["role"] != "system"]
+        if isinstance(p, str):
+            messages = [{"role": "user", "content": p}]
+        else:
+            messages = [m for m in p if m["role"] != "system"]
         return {**e, "prompt": [system] + messages}
     task.train, task.test = [convert(e) for e in task.train], [convert(e) for e in task.test]
     return task
@@ -375,14 +382,16 @@ def _dataset_rows(spec: str) -> tuple[dict, str]:
     except DataError:
         raise
     except Exception as e:  # no such dataset, offline, a malformed file
-        hint = " (HF_HUB_OFFLINE is set: the hub cannot be reached)" if os.environ.get("HF_HUB_OFFLINE") else ""
+        offline = os.environ.get("HF_HUB_OFFLINE")
+        hint = " (HF_HUB_OFFLINE is set: the hub cannot be reached)" if offline else ""
         raise DataError(f"--task hf:{spec}: could not load the dataset{hint}: {type(e).__name__}: "
                         f"{str(e).splitlines()[0][:200] if str(e) else ''}") from None
     data = data if isinstance(data, DatasetDict) else DatasetDict(train=data)
     return {name: list(split) for name, split in data.items()}, path
 
 
-def read_jsonl_numbered(path: str, allow_empty: bool = False, drop_torn_last: bool = False) -> tuple[list, list]:
+def read_jsonl_numbered(path: str, allow_empty: bool = False, drop_torn_last: bool = False) -> tuple[list,
+                                                                                                     list]:
     """(objects, their 1-based line numbers) of the non-blank lines of a UTF-8 JSONL file; DataError naming
     the file and the line on any problem. drop_torn_last: a last line cut short by a crash mid-write (a log
     this project appends to) is dropped with a note instead."""
@@ -420,7 +429,8 @@ def _hub_rows(path: str, name: str | None, split: str) -> list:
 
 
 def _rows(local: str | None, hub: tuple, split: str) -> tuple[list, str, list | None]:
-    """(rows, source, line numbers or None) from a local file (offline) or from the hub (the real thing users run)."""
+    """(rows, source, line numbers or None) from a local file (offline) or from the hub (the real thing users
+    run)."""
     if local:
         path = local.replace("{split}", split)
         rows, lines = read_jsonl_numbered(path)
@@ -457,7 +467,8 @@ def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False
         except ValueError:
             frac = float("nan")
         if not 0 <= frac <= 1:
-            raise DataError(f"--task {spec!r}: mixed takes the share of hard prompts in [0, 1], e.g. mixed:0.5")
+            raise DataError(f"--task {spec!r}: mixed takes the share of hard prompts in [0, 1], e.g. "
+                            f"mixed:0.5")
         return mixed_task(style, seed, frac)
     if name in ("gsm8k", "math"):
         hub, parse = (GSM8K_HUB, parse_gsm8k_rows) if name == "gsm8k" else (MATH_HUB, parse_math_rows)
@@ -466,7 +477,8 @@ def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False
                     alphabet=list(string.printable), max_new_tokens=512)
     if name in ("jsonl", "hf"):
         if not local:
-            raise DataError(f"--task {name}:PATH needs a path, e.g. jsonl:data/train.jsonl or hf:data/train.parquet")
+            raise DataError(f"--task {name}:PATH needs a path, e.g. jsonl:data/train.jsonl or "
+                            f"hf:data/train.parquet")
         if jsonl_reward not in JSONL_REWARDS:
             raise DataError(f"--jsonl_reward {jsonl_reward!r}: choose one of {sorted(JSONL_REWARDS)}")
         cols = dict(prompt_column=prompt_column, answer_column=answer_column)
@@ -488,8 +500,8 @@ def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False
             rows, test = rows[:-n_test] or rows, rows[-n_test:]
         return Task(name, "binary", rows, test, JSONL_REWARDS[jsonl_reward], pass_threshold=1.0,
                     alphabet=list(string.printable), max_new_tokens=512)
-    raise DataError(f"--task {spec!r}: unknown task; choose addition, calibration, ordinal, mixed[:HARD_FRAC], "
-                    f"gsm8k, math, jsonl:PATH or hf:DATASET")
+    raise DataError(f"--task {spec!r}: unknown task; choose addition, calibration, ordinal, "
+                    f"mixed[:HARD_FRAC], gsm8k, math, jsonl:PATH or hf:DATASET")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -512,7 +524,8 @@ def _import_function(item: str):
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
         else:
-            if os.getcwd() not in sys.path:  # `python train_grpo.py` puts the script's folder first, not the cwd
+            # `python train_grpo.py` puts the script's folder first, not the cwd
+            if os.getcwd() not in sys.path:
                 sys.path.append(os.getcwd())
             module = importlib.import_module(module_name)
     except DataError:
@@ -522,7 +535,8 @@ def _import_function(item: str):
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise DataError(f"--reward {item}: {module_name} has no function {fn_name!r} (it has: {', '.join(found)})")
+        raise DataError(f"--reward {item}: {module_name} has no function {fn_name!r} (it has: "
+                        f"{', '.join(found)})")
     return fn
 
 
@@ -532,17 +546,20 @@ def reward_functions(spec: str, weights: str) -> list:
     try:
         ws = [float(w) for w in weights.split(",")] if weights.strip() else [1.0] * len(items)
     except ValueError:
-        raise DataError(f"--reward_weights {weights!r}: expected comma-separated numbers, e.g. 1,0.1") from None
+        raise DataError(f"--reward_weights {weights!r}: expected comma-separated numbers, e.g. "
+                        "1,0.1") from None
     if len(ws) != len(items):
-        raise DataError(f"--reward_weights {weights!r}: {len(ws)} weight(s) for {len(items)} reward function(s)")
+        raise DataError(f"--reward_weights {weights!r}: {len(ws)} weight(s) for {len(items)} reward "
+                        f"function(s)")
     if not all(math.isfinite(w) for w in ws):
         raise DataError(f"--reward_weights {weights!r}: every weight must be a finite number")
     out = []
     for item, w in zip(items, ws):
         name = "task" if item == "task" else item.rpartition(":")[2]
         if name in RESERVED_REWARD_NAMES or name in [n for n, _, _ in out]:
-            raise DataError(f"--reward {spec!r}: the name {name!r} is taken (logged as reward/{name}); rename the "
-                            f"function (reserved: {', '.join(RESERVED_REWARD_NAMES)}, and each name once)")
+            raise DataError(f"--reward {spec!r}: the name {name!r} is taken (logged as reward/{name}); "
+                            f"rename the function (reserved: {', '.join(RESERVED_REWARD_NAMES)}, and each "
+                            f"name once)")
         out.append((name, None if item == "task" else _import_function(item), w))
     return out
 
@@ -568,8 +585,8 @@ def with_reward_functions(task: Task, spec: str, weights: str, on_nonfinite: str
                 out = fn(prompt=example["prompt"], completion=completion, example=example, finished=finished)
             except Exception as e:
                 frame = traceback.extract_tb(e.__traceback__)[-1]
-                msg = (f"--reward {name} raised {type(e).__name__}: {e} ({os.path.basename(frame.filename)}:"
-                       f"{frame.lineno}) on {at}")
+                msg = (f"--reward {name} raised {type(e).__name__}: {e} "
+                       f"({os.path.basename(frame.filename)}:{frame.lineno}) on {at}")
                 if on_nonfinite == "stop":
                     raise DataError(f"{msg} (--on_nonfinite skip would skip such updates)") from None
                 print(f"warning: {msg}; the reward is NaN and this update is skipped", file=sys.stderr)
@@ -578,15 +595,16 @@ def with_reward_functions(task: Task, spec: str, weights: str, on_nonfinite: str
                 outcome = outcome or out
                 out = out.reward
             if isinstance(out, (str, bytes)) or not hasattr(out, "__float__"):
-                raise DataError(f"--reward {name} returned {type(out).__name__} {out!r} on {at}: expected a float "
-                                f"or a rewards.Score")
+                raise DataError(f"--reward {name} returned {type(out).__name__} {out!r} on {at}: expected a "
+                                f"float or a rewards.Score")
             value = float(out)
             if not math.isfinite(value) and on_nonfinite == "stop":
-                raise DataError(f"--reward {name} returned {value} on {at} (--on_nonfinite skip would skip such "
-                                f"updates)")
+                raise DataError(f"--reward {name} returned {value} on {at} (--on_nonfinite skip would skip "
+                                f"such updates)")
             parts.append(value)
         outcome = outcome or base
-        return Score(sum(w * v for (_, _, w), v in zip(fns, parts)), outcome.correct, outcome.format_ok, base.prob,
+        return Score(sum(w * v for (_, _, w), v in zip(fns, parts)), outcome.correct, outcome.format_ok,
+                     base.prob,
                      outcome.pred, tuple(parts))
 
     return Task(task.name, task.kind, task.train, task.test, score, task.pass_threshold, task.alphabet,
@@ -594,12 +612,12 @@ def with_reward_functions(task: Task, spec: str, weights: str, on_nonfinite: str
 
 
 # ----------------------------------------------------------------------------------------------
-# contamination: word n-gram overlap between training and held-out prompts ("GRPO for Reasoning-Model Post-Training", 2026)
+# contamination: word n-gram overlap of training and held-out prompts (seed 002)
 
 
 def _ngrams(text, n: int) -> set:
     words = prompt_text(text).lower().split()
-    return {" ".join(words[i:i + n]) for i in range(len(words) - n + 1)}
+    return {" ".join(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
 def ngram_overlap(train_prompts: list, eval_prompts: list, n: int = 13) -> dict:

@@ -1,16 +1,13 @@
-"""GPG (Chu et al. 2025) in one file: GRPO's loop with the plain policy-gradient loss -log pi * A
-(no ratio, no clipping, no KL, no reference model), the group-mean advantage scaled by
-alpha = B / (B - M), and the beta_th rule: keep sampling new groups until enough are valid.
+"""GPG (Chu et al. 2025) in one file: GRPO's loop with the plain policy-gradient loss -log pi * A (no ratio,
+clipping, KL or reference), the group advantage scaled by alpha = B / (B - M), and the beta_th resampling.
 
-    python train_gpg.py                                       # built-in tiny model on `addition` (CPU ok)
-    python train_gpg.py --beta_th 0.6 --std_norm true         # paper Table 1 rows
+    python train_gpg.py                                        # the built-in tiny model on `addition` (CPU)
+    python train_gpg.py --beta_th 0.6 --std_norm true          # the paper's Table 1 rows
     python train_gpg.py --model Qwen/Qwen2.5-0.5B-Instruct --task gsm8k --lr 1e-6 --max_new_tokens 512
 """
-import time
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-import numpy as np
 import torch
 
 import common
@@ -20,17 +17,18 @@ from eval import evaluate
 
 @dataclass
 class Args(common.Args):
-    std_norm: bool = arg(False, "F_norm = group std instead of 1 (Chu et al. 2025, eq. 6; 1 is the default)")
-    adv_eps: float = arg(1e-6, "epsilon added to the group std (verl 1e-6; Bereket & Leskovec's code 1e-5)")
+    std_norm: bool = arg(False, "F_norm = the group std instead of 1 (Chu et al. 2025, eq. 6; 1 by default)")
+    adv_eps: float = arg(1e-6, "added to the std (verl 1e-6; Bereket & Leskovec's code 1e-5)", ge=0)
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = arg(
         "token-mean", "loss aggregation: GPG eq. 5 | GRPO | Dr. GRPO")
-    beta_th: float = arg(0.5, "resample until valid groups >= beta_th * prompts_per_step (code 0.5, paper 0.6)")
-    max_sampling_rounds: int = arg(20, "most sampling rounds per step for the beta_th rule (authors' code: 20)")
-    hadw: bool = arg(False, "HA-DW difficulty reweighting of the advantages (arXiv 2601.08521; binary rewards)")
-    hadw_eta: float = arg(0.1, "HA-DW forgetting rate eta (eta_t = eta * std of recent anchors)")
-    hadw_window: int = arg(50, "HA-DW: anchors in the std window (m)")
-    hadw_lambda: float = arg(1.3, "HA-DW lambda_scale (the paper's best, Table 7)")
-    hadw_anchor: Literal["kalman", "mean"] = arg("kalman", "HA-DW anchor: sec. 3 Kalman update | app. F moving mean")
+    beta_th: float = arg(0.5, "resample until valid groups >= beta_th x prompts (code 0.5, paper 0.6)",
+                         ge=0, le=1)
+    hadw: bool = arg(False, "HA-DW difficulty reweighting of the advantages (arXiv 2601.08521; 0/1 rewards)")
+    hadw_eta: float = arg(0.1, "HA-DW forgetting rate eta (eta_t = eta * std of recent anchors)", ge=0, le=1)
+    hadw_window: int = arg(50, "HA-DW: anchors in the std window (m)", ge=1)
+    hadw_lambda: float = arg(1.3, "HA-DW lambda_scale (the paper's best, Table 7)", gt=0)
+    hadw_anchor: Literal["kalman", "mean"] = arg("kalman", "HA-DW anchor: sec. 3 Kalman | app. F moving mean")
+    max_sampling_rounds: int = arg(20, "the beta_th rule: rounds per step at most (authors' code: 20)", ge=1)
     min_group_size: ClassVar[int] = 2  # the group baseline needs two completions of a prompt
 
 
@@ -38,11 +36,10 @@ class Args(common.Args):
 
 
 def compute_advantages(rewards, group_size, std_norm=False, eps=1e-6):
-    """GPG: A_i = alpha * (r_i - mean(r)) / F_norm (Chu et al. 2025, eqs. 6-8), alpha = B / (B - M) with M
-    the completions in groups whose rewards are all equal (they carry no gradient, eq. 7). verl's `gpg`
-    estimator instead uses alpha = bsz / count_nonzero(scores) (non-zero rewards, no resampling):
-    a different quantity; we follow the paper and the authors' code (B - M valid completions)."""
-    r = rewards.double().view(-1, group_size)  # float64: an all-equal group's mean is exact, so its A is exactly 0
+    """GPG: A_i = alpha (r_i - mean(r)) / F_norm (Chu et al. 2025, eqs. 6-8), alpha = B / (B - M), M the
+    completions in groups whose rewards are all equal (no gradient, eq. 7). verl's `gpg` uses bsz /
+    count_nonzero(scores) instead, another quantity: we follow the paper and the authors' code (B - M)."""
+    r = rewards.double().view(-1, group_size)  # float64: an all-equal group's mean is exact, so A = 0 exactly
     advantages = r - r.mean(dim=1, keepdim=True)
     if std_norm:
         advantages = advantages / (r.std(dim=1, keepdim=True) + eps)
@@ -51,81 +48,17 @@ def compute_advantages(rewards, group_size, std_norm=False, eps=1e-6):
     return alpha * advantages.flatten().to(rewards.dtype), alpha
 
 
-def hadw_reweight(rewards, advantages, group_size, state, eta, window, lam, anchor="kalman"):
-    """HA-DW (arXiv 2601.08521, 2026): A_i * Phi_i with Phi_i = lam * exp(D_i * M), D_i = -sign(A_i)
-    sign(p_hat - C), M = |p_hat - C|, C the cross-batch difficulty anchor; updates `state`.
-
-    Hard prompt (group accuracy p_hat below the anchor): correct answers are boosted, wrong ones
-    damped; easy prompt: the reverse. Binary rewards (y_t = batch accuracy). Anchor update (sec. 3):
-    C+ = (1 - eta_t) C- + eta_t y_t, eta_t = clamp(eta * std(last `window` anchors), 0, 1). Cold start
-    (the paper leaves it open; read literally a constant window freezes the anchor): the first prior
-    is y_1, and eta_t = eta while the window holds fewer than 2 distinct anchors. anchor="mean" is the
-    paper's appendix F variant: C_t^- = mean of the last m batch accuracies.
-    """
-    y = rewards.float().mean().item()
-    prior = y if state.get("anchor") is None else state["anchor"]  # C_t^-
-    if anchor == "mean":  # appendix F: the anchor is a moving average of recent batch accuracies
-        prior = float(np.mean(state["accuracies"])) if state.get("accuracies") else y
-        state["accuracies"] = (state.get("accuracies", []) + [y])[-window:]
-    p_hat = rewards.float().view(-1, group_size).mean(1, keepdim=True).expand(-1, group_size).flatten()
-    diff = p_hat - prior
-    phi = lam * torch.exp(-torch.sign(advantages) * torch.sign(diff) * diff.abs())  # a constant: no gradient
-    history = state.get("history", [])[-window:]  # the last m posterior anchors
-    sigma = float(np.std(history)) if len(history) >= 2 else 0.0  # population std
-    eta_t = min(max(eta * sigma, 0.0), 1.0) if sigma > 0 else eta
-    posterior = (1 - eta_t) * prior + eta_t * y  # C_t^+, the next prior
-    state.update(anchor=posterior, history=(history + [posterior])[-window:])
-    hard, easy = diff < 0, diff > 0
-    info = {"hadw/anchor": prior, "hadw/eta": eta_t,
-            "hadw/phi_hard": phi[hard].mean().item() if hard.any() else float("nan"),
-            "hadw/phi_easy": phi[easy].mean().item() if easy.any() else float("nan")}
-    return advantages * phi, info
-
-
 # ---------------------------------------------------------------------------------------------- loss
 
 
-def rollout_correction(old_logp, sampler_logp, mask, args):
-    """Rollout correction (Yao et al. 2025): per-token weights w = pi_old / pi_sampler, detached, that
-    undo the sampler/trainer mismatch (bf16 vLLM kernels sample from a slightly different policy).
-    token-tis truncates w at is_cap; token-mis zeroes tokens whose w is outside [is_low, is_high];
-    seq-mis zeroes whole completions whose geometric-mean w is outside. Returns (weights or None, stats)."""
-    log_w = ((old_logp - sampler_logp) * mask).detach()
-    w = torch.exp(log_w)
-    if args.rollout_correction == "token-tis":  # truncated IS: min(w, C)
-        weight, dropped = w.clamp(max=args.is_cap), w > args.is_cap
-    elif args.rollout_correction == "token-mis":  # masked IS: w inside [lo, hi], else 0
-        dropped = (w < args.is_low) | (w > args.is_high)
-        weight = w * ~dropped
-    elif args.rollout_correction == "seq-mis":  # a completion whose geometric-mean w is outside [lo, hi] is dropped
-        geo_w = torch.exp(log_w.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1))
-        dropped = ((geo_w < args.is_low) | (geo_w > args.is_high)).expand_as(w)
-        weight = w * ~dropped
-    else:
-        weight, dropped = None, torch.zeros_like(w, dtype=torch.bool)
-    return weight, {"w": w, "changed": dropped.float(), "kl": torch.expm1(log_w) - log_w}  # k3 of KL(sampler || pi_old)
-
-
 def policy_loss(logp, old_logp, ref_logp, advantages, mask, args, is_weight=None):
-    """GPG eq. 5: the policy gradient itself, -log pi(o_t) * A; no ratio, clipping or KL; `is_weight`
-    (rollout correction) multiplies it."""
+    """GPG eq. 5: the policy gradient itself, -log pi(o_t) A; no ratio, clipping or KL; `is_weight` (rollout
+    correction) multiplies it."""
     token_loss = -logp * advantages.unsqueeze(1)
     ratio = torch.exp((logp - old_logp) * mask).detach()  # only for the kl/old diagnostic
     if is_weight is not None:
         token_loss = token_loss * is_weight
     return token_loss, {"clipped": torch.zeros_like(logp), "ratio": ratio}
-
-
-def aggregate(token_loss, mask, loss_agg, n_seqs, n_tokens, max_len):
-    """This micro-batch's share of the minibatch loss. Normalisers (n_seqs, n_tokens) count the
-    whole optimisation minibatch, so gradient accumulation does not change the result."""
-    if loss_agg == "token-mean":  # DAPO (Yu et al. 2025) eq. 12: sum over all tokens / all tokens
-        return (token_loss * mask).sum() / n_tokens
-    if loss_agg == "seq-mean-token-mean":  # GRPO (Shao et al. 2024) eq. 3: mean over tokens, then completions
-        return ((token_loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / n_seqs
-    if loss_agg == "seq-mean-token-sum-norm":  # Dr. GRPO (Liu et al. 2025): token sum / (G * L_max), L_max a constant
-        return (token_loss * mask).sum() / (n_seqs * max_len)
-    raise ValueError(f"--loss_agg {loss_agg!r}: choose seq-mean-token-mean, token-mean or seq-mean-token-sum-norm")
 
 
 # ---------------------------------------------------------------------------------------------- training
@@ -134,187 +67,50 @@ def aggregate(token_loss, mask, loss_agg, n_seqs, n_tokens, max_len):
 def main(argv=None):
     args = common.parse_args(Args, argv)
     run = common.setup(args, algo="gpg")
-    model, tok, device, dtype = run.model, run.tokenizer, run.device, run.dtype
     ref_model = None  # GPG has no reference model
+    # the beta_th rule (Chu et al. 2025, Alg. 1; authors' code): resample until valid groups fill beta_th
+    keep = common.Keep("rewards", args.max_sampling_rounds, min_valid=args.beta_th * args.prompts_per_step)
 
     while run.step < args.steps:
-        step_start = time.perf_counter()
-        # ---- rollout: G completions for each prompt; the beta_th rule (paper Alg. 1, authors' code): groups whose
-        # rewards are all equal carry no advantage, so new prompts are sampled until the valid groups fill beta_th
-        # of the batch; the batch is the valid groups first, then the last round's others, cut to size
-        t0 = time.perf_counter()
-        kept, rounds, generated, first_round = [], 0, 0, None
-        while True:
-            examples, run.data_pos = common.prompt_batch(run.task.train, run.data_pos, args.prompts_per_step, args.seed)
-            examples = common.shard(examples)
-            prompt_ids = common.encode_prompts(tok, [e["prompt"] for e in examples], run.style == "chat")
-            rollouts = common.generate(run.engine, model, prompt_ids, args.group_size, run.max_new_tokens, args.temperature,
-                                       common.rollout_seed(args.seed, run.step, common.rank(), rounds), device, dtype)
-            rewards, correct, fmt, scores = common.score_rollouts(run.task, tok, examples, rollouts, args.group_size)
-            rewards = rewards + args.format_weight * fmt  # optional format bonus, in the reward only
-            rewards = rewards + common.overlong_penalty(rollouts, run.max_new_tokens, args.overlong_buffer,
-                                                       args.overlong_penalty)  # DAPO eq. 13, reward only
-            common.check_rewards(rewards, examples, args.group_size, run.step + 1, args.on_nonfinite)  # NaN/inf: stop or skip
-            parts = common.reward_parts(scores, run.task.reward_names)  # --reward: each function's own value
-            first_round = first_round if rounds else (rewards, correct, fmt, parts)  # reward/*: the first round
-            groups = common.split_groups(examples, rollouts, rewards, correct, fmt, args.group_size)
-            same = [g for g in groups if g.rewards.min() == g.rewards.max()]  # on the reward: its advantage is 0
-            kept += [g for g in groups if g.rewards.min() < g.rewards.max()]
-            rounds, generated = rounds + 1, generated + len(rollouts.completion_ids)
-            enough = common.all_sum(len(kept)) >= args.beta_th * args.prompts_per_step  # valid groups, all ranks
-            if enough or rounds >= args.max_sampling_rounds:
-                break
-        examples, rollouts, rewards, correct, fmt = common.join_groups((kept + same)[:len(examples)])
-        common.engine_sleep(run.engine)  # CUDA vLLM: free its memory for the update (level 2: weights discarded)
-        time_rollout = time.perf_counter() - t0
+        # ---- rollout: G completions per prompt, sampled by the engine from the weights it was last pushed
+        batch = common.rollout(run, keep)
+        run.engine.sleep()  # CUDA vLLM: free its memory for the update (level 2: weights discarded)
+        pre = common.pre_update(run, batch, ref_model)  # pi_old (off-policy), pi_ref, entropies
 
-        # ---- update: updates_per_rollout passes, each split into `minibatches` optimizer steps
-        t0 = time.perf_counter()
-        B = len(rollouts.completion_ids)
-        lengths = torch.tensor([len(c) for c in rollouts.completion_ids], dtype=torch.float32)
-        keep = torch.tensor(rollouts.finished, dtype=torch.float32) if args.mask_truncated else torch.ones(B)
-        micro = args.micro_batch_size
-        sampler_logp = [torch.tensor(lp, dtype=torch.float32) for lp in rollouts.sampler_logprobs]
-        # on-policy, pi_old is the update's own first forward; with --lora_dropout it comes from a pass without it
-        on_policy = args.updates_per_rollout == 1 and args.minibatches == 1 and not args.lora_dropout
-        top_entropy = args.top_entropy_quantile < 1
-        old_logp, ref_logp, old_entropy = [None] * B, [None] * B, [None] * B
-        with torch.no_grad():
-            for s in range(0, B, micro):
-                idx = list(range(s, min(s + micro, B)))
-                if not on_policy or top_entropy:  # pi_old, recomputed by the trainer (not the sampler's values)
-                    batch, logp, entropy = common.rollout_logprobs(model, rollouts, idx, args.temperature, device, dtype,
-                                                                   with_entropy=top_entropy)
-                    old_logp[s:s + len(idx)] = common.to_ragged(logp, batch["mask"])
-                    if top_entropy:
-                        old_entropy[s:s + len(idx)] = common.to_ragged(entropy, batch["mask"])
-                if ref_model is not None:
-                    batch, logp, _ = common.rollout_logprobs(ref_model, rollouts, idx, args.temperature, device, dtype)
-                    ref_logp[s:s + len(idx)] = common.to_ragged(logp, batch["mask"])
-
-        # ---- advantages, over the global batch (every rank's completions, in one process's order); then this rank's
-        rewards_all = common.all_gather(rewards)
-        advantages_all, alpha = compute_advantages(rewards_all, args.group_size, args.std_norm, args.adv_eps)
+        # ---- ALGORITHM: advantages over the global batch (every rank's groups), then this rank's rows
+        rewards = common.all_gather(batch.rewards)
+        advantages, alpha = compute_advantages(rewards, args.group_size, args.std_norm, args.adv_eps)
+        extra = {"gpg/alpha": alpha, "gpg/valid_frac": 1 / alpha}
         if args.hadw:  # HA-DW (arXiv 2601.08521): reweight by difficulty against the cross-batch anchor
-            advantages_all, hadw_info = hadw_reweight(rewards_all, advantages_all, args.group_size, run.algo_state.
-                                                      setdefault("hadw", {}), args.hadw_eta, args.hadw_window,
-                                                      args.hadw_lambda, args.hadw_anchor)
-        advantages = advantages_all[common.local_slice(B)]
-        # Wang et al. 2025 ("Beyond the 80/20 rule"): the loss keeps only the tokens whose entropy under pi_old is in
-        # the top rho share of the global batch's tokens (of the completions in the loss)
-        tau = common.top_share_threshold([old_entropy[i] for i in range(B) if keep[i]],
-                                         args.top_entropy_quantile) if top_entropy else float("nan")
+            advantages, info = common.hadw_reweight(rewards, advantages, run.hadw, args)
+            extra.update(info)
+        local = advantages[common.local_slice(len(batch))]
 
-        sums = {"loss/policy": 0.0, "clip_frac": 0.0, "kl": 0.0, "kl/old": 0.0, "entropy": 0.0,
-                "logprob/sampler_diff": 0.0, "is/mean": 0.0, "is/clip_frac": 0.0, "is/kl": 0.0,
-                "perf/computed": 0.0, "perf/padded": 0.0}
-        n_opt_steps, n_skipped, tokens_seen, grad_norm_sum = 0, 0, 0.0, 0.0
-        shuffle = torch.Generator().manual_seed(args.seed * 1_000_003 + run.step)  # a function of the step: resumable
-        for epoch in range(args.updates_per_rollout):
-            perm = common.group_permutation(B, args.group_size, shuffle)  # whole groups: a micro-batch shares prompts
-            for mb in perm.chunk(args.minibatches):
-                mb = mb.tolist()
-                # normalisers: the completions in the loss (DAPO overlong filtering drops truncated ones), all ranks,
-                # divided by the number of ranks since FSDP2 averages gradients over ranks
-                n_seqs = max(common.all_sum(float(keep[mb].sum())), 1.0) / common.world_size()
-                n_tokens = max(common.all_sum(float((lengths[mb] * keep[mb]).sum())), 1.0) / common.world_size()
-                for s in range(0, len(mb), micro):
-                    idx = mb[s:s + micro]
-                    batch, logp, entropy = common.rollout_logprobs(model, rollouts, idx, args.temperature, device,
-                                                                   dtype, with_entropy=epoch == 0 or args.entropy_coef > 0)
-                    mask = batch["mask"]
-                    computed, padded = common.padded_tokens(batch, model)  # token positions the forward ran, padding
-                    sums["perf/computed"] += computed
-                    sums["perf/padded"] += padded
-                    loss_mask = mask * keep[idx].unsqueeze(1).to(device)  # --mask_truncated
-                    old = logp.detach() if on_policy else common.to_padded(old_logp, idx, mask)
-                    ref = common.to_padded(ref_logp, idx, mask) if ref_model is not None else None
-                    sampler = common.to_padded(sampler_logp, idx, mask)
-                    is_weight, is_stats = rollout_correction(old, sampler, mask, args)  # Yao et al. 2025
-                    token_loss, stats = policy_loss(logp, old, ref, advantages[idx].to(device), loss_mask, args, is_weight)
-                    if top_entropy:  # only the high-entropy ("forking") tokens; the normalisers stay (Wang et al. 2025)
-                        token_loss = token_loss * (common.to_padded(old_entropy, idx, mask) >= tau)
-                    if args.entropy_coef:  # entropy bonus, its gradient through the chunked projection
-                        token_loss = token_loss - args.entropy_coef * entropy
-                    loss = aggregate(token_loss, loss_mask, args.loss_agg, n_seqs, n_tokens, run.max_new_tokens)
-                    loss.backward()
-                    # diagnostics, token-weighted
-                    tokens_seen += mask.sum().item()
-                    sums["loss/policy"] += loss.item() / common.world_size()  # this rank's share (FSDP2 averages)
-                    sums["clip_frac"] += (stats["clipped"] * mask).sum().item()
-                    sums["kl"] += (stats["kl"] * mask).sum().item() if "kl" in stats else 0.0
-                    log_r = torch.log(stats["ratio"].clamp(min=1e-30))
-                    sums["kl/old"] += ((torch.exp(-log_r) + log_r - 1) * mask).sum().item()
-                    if epoch == 0:  # once per rollout token: the sampler against pi_old
-                        sums["entropy"] += (entropy * mask).sum().item()
-                        sums["logprob/sampler_diff"] += ((sampler - old).abs() * mask).sum().item()
-                        for key, name in (("w", "is/mean"), ("changed", "is/clip_frac"), ("kl", "is/kl")):
-                            sums[name] += (is_stats[key] * mask).sum().item()
-                grad_norm = common.clip_grad_norm(model, args.grad_clip)  # over every rank's shard
-                if common.nonfinite(grad_norm, "gradient norm", run.step + 1, args.on_nonfinite):  # stop, or skip
-                    run.optimizer.zero_grad(set_to_none=True)
-                    n_skipped += 1
-                    continue
-                run.optimizer.step()
-                run.scheduler.step()
-                run.optimizer.zero_grad(set_to_none=True)
-                grad_norm_sum += grad_norm
-                n_opt_steps += 1
-        time_update = time.perf_counter() - t0
+        # ---- update: --updates_per_rollout passes, each split into --minibatches optimizer steps
+        stats = common.StepStats()
+        for mb in common.minibatches(run, batch):
+            for micro in mb:
+                logp, entropy = common.policy_logprobs(run, micro)
+                old = pre.old_logp(micro, logp)
+                is_weight, is_info = common.rollout_correction(old, micro.sampler_logp, micro.mask, args)
+                token_loss, info = policy_loss(logp, old, pre.ref_logp(micro), micro.per_seq(local),
+                                               micro.loss_mask, args, is_weight)
+                token_loss = common.entropy_terms(token_loss, entropy, pre, micro, args)
+                loss = common.aggregate(token_loss, micro.loss_mask, args.loss_agg, mb.n_seqs, mb.n_tokens,
+                                        run.max_new_tokens)
+                loss.backward()
+                stats.add(micro, loss, logp, old, entropy, info, is_info)
+            common.optimizer_step(run, stats)  # clip; a NaN/inf norm stops the run or skips the update
 
-        # ---- guard: the trainer must reproduce the sampler's log-probs (stale or discarded engine weights)
-        totals = common.all_sum({**sums, "tokens": tokens_seen, "first_pass_tokens": float(lengths.sum())})  # all ranks
-        sampler_diff = totals["logprob/sampler_diff"] / totals["first_pass_tokens"]
-        common.check_sampler_diff(sampler_diff, run.step + 1, args.sampler_diff_tol)
-        common.nonfinite(totals["loss/policy"], "loss", run.step + 1, args.on_nonfinite)
-
-        # ---- push: the updated weights into vLLM (wakes it; no-op for the HF engine), checked on a probe
-        t0 = time.perf_counter()
-        common.push_weights(run.engine, model, dtype)
+        # ---- guard, push, log, evaluate, checkpoint
+        common.check_sampler(run, batch, stats)  # the trainer reproduces the sampler's log-probs
+        run.engine.push()  # the updated weights into vLLM (wakes it); the HF engine samples the policy itself
         if args.push_check_every and (run.step + 1) % args.push_check_every == 0:
-            common.check_push(run.engine, model, run.probe, args.temperature, args.push_check_tol, device, dtype)
-        time_push = time.perf_counter() - t0
+            run.engine.check_push(run.probe, args.push_check_tol)  # vLLM reproduces the trainer on a probe
         run.step += 1
-
-        # ---- log (metric names shared by every train_*.py), over the global batch: per-completion values gathered
-        # from every rank and token sums over ranks, so that each metric is its 1-rank value on the same batch
-        first_all = [common.all_gather(x) for x in first_round]  # reward/* logs the first sampling round
-        lengths_all, G = common.all_gather(lengths), args.group_size
-        trained = rewards_all.view(-1, G)  # rewards of the trained groups (the beta_th rule's filter)
-        finished_all = common.all_gather(torch.tensor(rollouts.finished, dtype=torch.float32))
-        failed = rewards_all < run.task.pass_threshold
-        metrics = {
-            "reward/mean": first_all[0].mean().item(),
-            "reward/std": first_all[0].std().item() if len(first_all[0]) > 1 else 0.0,
-            "reward/correct": first_all[1].mean().item(), "reward/format": first_all[2].mean().item(),
-            **{f"reward/{name}": first_all[3][:, j].mean().item() for j, name in enumerate(run.task.reward_names)},
-            "frac_reward_zero_std":  # TRL's name: the first round's groups whose rewards are all equal
-                (first_all[0].view(-1, G).amax(1) == first_all[0].view(-1, G).amin(1)).float().mean().item(),
-            "sampling/rounds": rounds, "sampling/extra_rollouts": common.all_sum(generated - B),
-            "sampling/kept_zero_std": (trained.amax(1) == trained.amin(1)).float().mean().item(),
-            "adv/mean": advantages_all.mean().item(), "adv/abs_mean": advantages_all.abs().mean().item(),
-            "adv/failed_pos_frac": (advantages_all[failed] > 0).float().mean().item() if failed.any() else float("nan"),
-            "loss/policy": totals["loss/policy"] / (n_opt_steps + n_skipped), "nonfinite/skipped": n_skipped,
-            "kl": totals["kl"] / totals["tokens"] if ref_model is not None else float("nan"),
-            "kl/old": totals["kl/old"] / totals["tokens"], "clip_frac": totals["clip_frac"] / totals["tokens"],
-            "entropy": totals["entropy"] / totals["first_pass_tokens"], "logprob/sampler_diff": sampler_diff,
-            "is/mean": totals["is/mean"] / totals["first_pass_tokens"],
-            "is/clip_frac": totals["is/clip_frac"] / totals["first_pass_tokens"],
-            "is/kl": totals["is/kl"] / totals["first_pass_tokens"],
-            "grad_norm": grad_norm_sum / n_opt_steps if n_opt_steps else float("nan"),  # NaN: every update skipped
-            "lr": run.scheduler.get_last_lr()[0], "entropy/threshold": tau,
-            "len/mean": lengths_all.mean().item(), "len/truncated": 1.0 - finished_all.mean().item(),
-            "time/rollout": time_rollout, "time/update": time_update, "time/push": time_push,  # this rank's (rank 0 logs)
-            "perf/tokens_per_s": totals["first_pass_tokens"] / (time.perf_counter() - step_start),  # all ranks
-            "perf/pad_frac": totals["perf/padded"] / max(totals["perf/computed"], 1.0),  # the update's forwards
-            "gpg/alpha": alpha, "gpg/valid_frac": 1 / alpha,
-        }
-        metrics.update(hadw_info if args.hadw else {})
-        common.warn_on_collapse(run, metrics)  # no gradient or no entropy for several steps in a row
-        common.log_completions(run, examples, rollouts, rewards, correct, fmt, advantages, args.log_completions)
-        # ---- evaluation (the engine holds the weights just pushed and stays awake for the next rollout)
+        metrics = common.step_metrics(run, batch, pre, stats, advantages, extra)
         if args.eval_every and (run.step % args.eval_every == 0 or run.step == args.steps):
-            metrics.update(evaluate(run))
+            metrics.update(evaluate(run))  # held-out pass@k (and calibration) with the weights just pushed
         run.log.log(run.step, metrics)
         if args.save_every and run.step % args.save_every == 0:
             common.checkpoint(run)

@@ -28,7 +28,8 @@ def main():
     for engine in args.engines.split(","):
         with tempfile.TemporaryDirectory() as out:
             t0 = time.perf_counter()
-            cmd = [sys.executable, os.path.join(ROOT, "train_grpo.py"), "--engine", engine, "--steps", str(args.steps),
+            cmd = [sys.executable, os.path.join(ROOT, "train_grpo.py"), "--engine", engine, "--steps",
+                   str(args.steps),
                    "--out_dir", out, "--run_name", "bench", "--wandb", "false", "--save_every", "0", *extra]
             subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             wall = time.perf_counter() - t0
@@ -37,13 +38,16 @@ def main():
         step_s = [r["time/rollout"] + r["time/update"] + r["time/push"] for r in m]
         mean = lambda k: statistics.mean(r[k] for r in m)
         k = max(1, min(10, len(m) // 5))
-        rows.append((engine, 1 / statistics.mean(step_s), mean("time/rollout"), mean("time/update"), mean("time/push"),
+        rows.append((engine, 1 / statistics.mean(step_s), mean("time/rollout"), mean("time/update"),
+                     mean("time/push"),
                      mean("perf/tokens_per_s"), statistics.mean(r["reward/mean"] for r in m[:k]),
                      statistics.mean(r["reward/mean"] for r in m[-k:]), wall))
-    print("| engine | steps/s | rollout s | update s | push s | tokens/s | reward first | reward last | wall s |")
+    print("| engine | steps/s | rollout s | update s | push s | tokens/s | reward first | reward last | wall "
+          "s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r[0]} | {r[1]:.2f} | {r[2]:.3f} | {r[3]:.3f} | {r[4]:.3f} | {r[5]:.0f} | {r[6]:.3f} | {r[7]:.3f} | {r[8]:.0f} |")
+        print(f"| {r[0]} | {r[1]:.2f} | {r[2]:.3f} | {r[3]:.3f} | {r[4]:.3f} | {r[5]:.0f} | {r[6]:.3f} | "
+              f"{r[7]:.3f} | {r[8]:.0f} |")
 
 
 if __name__ == "__main__":

@@ -26,13 +26,15 @@ def main():
     p.add_argument("--engine", default="hf")
     args = p.parse_args()
     k = max(1, min(10, args.steps // 10))
-    print(f"| script | task | reward, first {k} steps | reward, last {k} steps | failed_pos_frac, first {k} | wall s |")
+    print(f"| script | task | reward, first {k} steps | reward, last {k} steps | failed_pos_frac, first {k} "
+          f"| wall s |")
     print("|---|---|---|---|---|---|")
     for algo, task in RUNS:
         with tempfile.TemporaryDirectory() as out:
             t0 = time.perf_counter()
             subprocess.run([sys.executable, os.path.join(ROOT, f"train_{algo}.py"), "--task", task, "--steps",
-                            str(args.steps), "--seed", str(args.seed), "--engine", args.engine, "--out_dir", out,
+                            str(args.steps), "--seed", str(args.seed), "--engine", args.engine, "--out_dir",
+                            out,
                             "--run_name", "r", "--wandb", "false", "--save_every", "0"],
                            check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             wall = time.perf_counter() - t0

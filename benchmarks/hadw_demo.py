@@ -21,18 +21,18 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-import common  # noqa: E402
 import rewards  # noqa: E402
+from rlmini import data, engine  # noqa: E402
 
 
 def accuracy_by_difficulty(path, task, n, seed):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    engine = common.Engine("hf", None, tok.eos_token_id, tok.pad_token_id)
-    prompts = common.encode_prompts(tok, [e["prompt"] for e in task.test], False)
-    r = common.generate(engine, model, prompts, n, task.max_new_tokens, 1.0, seed, torch.device("cpu"), torch.float32)
-    _, correct, _, _ = common.score_rollouts(task, tok, task.test, r, n)
+    sampler = engine.HFEngine(model, tok)
+    prompts = data.encode_prompts(tok, [e["prompt"] for e in task.test], False)
+    r = sampler.generate(prompts, n, task.max_new_tokens, 1.0, seed)
+    _, correct, _, _ = data.score_rollouts(task, tok, task.test, r, n)
     per_prompt = correct.view(-1, n).mean(1)
     hard = torch.tensor([e["difficulty"] == "hard" for e in task.test])
     return per_prompt[hard].mean().item(), per_prompt[~hard].mean().item(), per_prompt.mean().item()
@@ -57,7 +57,8 @@ def main():
         for seed in seeds:
             for k, (variant, flags) in enumerate(variants.items()):
                 name = f"v{k}-{seed}"
-                subprocess.run([sys.executable, os.path.join(ROOT, "train_grpo.py"), "--engine", "hf", "--task", task_spec,
+                subprocess.run([sys.executable, os.path.join(ROOT, "train_grpo.py"), "--engine", "hf",
+                                "--task", task_spec,
                                 "--steps", str(a.steps), "--seed", str(seed), *flags, "--out_dir", out,
                                 "--run_name", name, "--wandb", "false", "--save_every", "0"],
                                check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -77,9 +78,9 @@ def main():
         lines.append(f"| {variant} | {cell([r[0] for r in rows])} | {cell([r[1] for r in rows])} | "
                      f"{cell([r[2] for r in rows])} | {', '.join(f'{r[2]:.3f}' for r in rows)} | {anchors} |")
     table = "\n".join(lines)
-    header = (f"`python benchmarks/hadw_demo.py --seeds {a.seeds} --steps {a.steps} --hard_frac {a.hard_frac} --n {a.n}` "
-              f"(tiny model, HF engine, 32 prompts x 8 per step; mean ± std over {len(seeds)} seeds; "
-              f"{wall / 60:.1f} min on this machine, {os.cpu_count()} cores):")
+    header = (f"`python benchmarks/hadw_demo.py --seeds {a.seeds} --steps {a.steps} --hard_frac "
+              f"{a.hard_frac} --n {a.n}` (tiny model, HF engine, 32 prompts x 8 per step; mean ± std over "
+              f"{len(seeds)} seeds; {wall / 60:.1f} min on this machine, {os.cpu_count()} cores):")
     print(header + "\n\n" + table)
     if not a.no_write:
         doc = os.path.join(ROOT, "docs", "hadw.md")

@@ -1,12 +1,12 @@
 """Per-GPU memory of a training step: what each rank holds, by model size, number of GPUs and options.
 
-    python benchmarks/memory.py                                  # the README table: 0.5B-14B on 1, 8, 16 GPUs
+    python benchmarks/memory.py                                  # docs/multi-gpu.md: 0.5B-14B, 1-16 GPUs
     python benchmarks/memory.py --model 7B --gpus 8 --beta 0.04 --critic --no-checkpointing
     python benchmarks/memory.py --model 7B --gpus 1 --lora_rank 16 --beta 0.04   # LoRA on one GPU
     python benchmarks/memory.py --measure                        # the model against measured peak RSS on CPU
     python benchmarks/memory.py --measure --ranks 2              # ... under torchrun, FSDP2 over 2 gloo ranks
 
-The model (one process: a plain module; torchrun: FSDP2 over the ranks, see common.shard_model):
+The model (one process: a plain module; torchrun: FSDP2 over the ranks, see dist.shard_model):
 - policy: fp32 master weights, fp32 gradients and AdamW's two fp32 moments, 16 bytes per parameter,
   divided by the number of ranks under FSDP2;
 - working weights in the compute dtype: one process under autocast holds a compute-dtype copy of every
@@ -27,10 +27,10 @@ The model (one process: a plain module; torchrun: FSDP2 over the ranks, see comm
 - vLLM: --vllm_gpu_memory_utilization of the GPU while it generates, and at least its own bf16 copy of
   the whole model (each rank's engine holds all of it) plus a few GB of KV cache; asleep (level 2)
   during the update.
-The peak is the larger of the rollout phase (states without gradients, vLLM awake) and the update phase
-(vLLM asleep): the backward (states, gradients, working weights, activations) or the optimizer step
-(states, gradients and AdamW's foreach temporaries, about 4 bytes per local parameter). Not counted: the CUDA context (about
-0.5-1 GB), the allocator's fragmentation, vLLM's CUDA graphs and what level-2 sleep keeps.
+The peak is the larger of the rollout phase (states without gradients, vLLM awake) and the update phase (vLLM
+asleep): the backward (states, gradients, working weights, activations) or the optimizer step (states,
+gradients and AdamW's foreach temporaries, about 4 bytes per local parameter). Not counted: the CUDA context
+(about 0.5-1 GB), the allocator's fragmentation, vLLM's CUDA graphs and what level-2 sleep keeps.
 """
 import argparse
 import os
@@ -39,7 +39,7 @@ import subprocess
 import sys
 
 GB = 1e9
-# Qwen2.5 shapes (their config.json): hidden, layers, MLP width, attention heads, key/value heads, vocabulary, tied
+# Qwen2.5 shapes (config.json): hidden, layers, MLP width, attention and key/value heads, vocabulary, tied
 SHAPES = {
     "0.5B": dict(hidden=896, layers=24, intermediate=4864, heads=14, kv_heads=2, vocab=151936, tied=True),
     "1.5B": dict(hidden=1536, layers=28, intermediate=8960, heads=12, kv_heads=2, vocab=151936, tied=True),
@@ -63,22 +63,25 @@ def lora_parameters(s: dict, rank: int) -> int:
     return s["layers"] * rank * (2 * h + 2 * (h + kv) + 2 * h + 2 * (h + i) + (i + h))
 
 
-def memory(s: dict, ranks: int, sharded: bool, compute_bytes: int = 2, tokens: int = 8192, logit_tokens: int = 4096,
+def memory(s: dict, ranks: int, sharded: bool, compute_bytes: int = 2, tokens: int = 8192,
+           logit_tokens: int = 4096,
            checkpointing: bool = True, reference: bool = False, critic: bool = False, vllm_gb: float = 0.0,
            lora_rank: int = 0) -> dict:
-    """GB per GPU of each part and the peak; `tokens` per micro-batch (padded), `logit_tokens` of them scored."""
+    """GB per GPU of each part and the peak; `tokens` per micro-batch (padded), `logit_tokens` of them scored.
+    """
     p = parameters(s)
     h, i, kv = s["hidden"], s["intermediate"], s["hidden"] // s["heads"] * s["kv_heads"]
     share = ranks if sharded else 1
     models = 1 + critic  # the critic trains like the policy (its head is one row, its LM head absent)
     trained = lora_parameters(s, lora_rank) if lora_rank else p["total"]
-    weights, grads, adam = 4 * trained / share * models, 4 * trained / share * models, 8 * trained / share * models
+    weights, grads, adam = (k * trained / share * models for k in (4, 4, 8))
     if lora_rank:  # + the frozen base in the compute dtype
         weights += compute_bytes * p["total"] / share * models
-    if sharded:  # root + two layers gathered in the compute dtype (all-gather buffer, then the parameters copied
-        # out of it), and the unsharded gradients of the root and a layer with their fp32 reduce-scatter input
-        working = 2 * compute_bytes * (p["root"] + 2 * p["layer"]) + (compute_bytes + 4) * (p["root"] + p["layer"]) * (
-            not lora_rank)  # LoRA: the frozen base has no gradients (the adapters' are in `grads`)
+    if sharded:  # the root and two layers gathered in the compute dtype (all-gather buffer, then parameters),
+        # and the unsharded gradients of the root and a layer with their fp32 reduce-scatter input; a LoRA
+        # base has no gradients (the adapters' are in `grads`)
+        gathered = 2 * compute_bytes * (p["root"] + 2 * p["layer"])
+        working = gathered + (compute_bytes + 4) * (p["root"] + p["layer"]) * (not lora_rank)
     else:  # autocast's cached casts (a LoRA base is stored in the compute dtype already)
         working = (trained if lora_rank else p["total"]) * (compute_bytes if compute_bytes < 4 else 0)
     per_layer = compute_bytes * (10 * h + 4 * kv + 4 * i)  # bytes per token
@@ -100,22 +103,26 @@ def memory(s: dict, ranks: int, sharded: bool, compute_bytes: int = 2, tokens: i
 
 
 def table(args) -> str:
-    rows = ["| model | params | GPUs | weights+grads+Adam | working | activations | reference | vLLM | peak | fits 80 GB |",
+    rows = ["| model | params | GPUs | weights+grads+Adam | working | activations | reference | vLLM | peak "
+            "| fits 80 GB |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for name in args.model.split(","):
         s = SHAPES[name]
         for g in [int(x) for x in args.gpus.split(",")]:
-            vllm_gb = max(args.vllm_share * args.gpu_gb, 2 * parameters(s)["total"] / GB + 4)  # whole bf16 model + KV
+            # whole bf16 model + KV
+            vllm_gb = max(args.vllm_share * args.gpu_gb, 2 * parameters(s)["total"] / GB + 4)
             m = memory(s, g, sharded=g > 1, tokens=args.tokens, logit_tokens=args.tokens // 2,
-                       checkpointing=args.checkpointing, reference=args.beta > 0, critic=args.critic, vllm_gb=vllm_gb,
+                       checkpointing=args.checkpointing, reference=args.beta > 0, critic=args.critic,
+                       vllm_gb=vllm_gb,
                        lora_rank=args.lora_rank)
-            rows.append(f"| {name} | {parameters(s)['total'] / 1e9:.2f}B | {g} | {m['weights'] + m['grads'] + m['adam']:.1f} | "
-                        f"{m['working']:.1f} | {m['activations']:.1f} | {m['reference']:.1f} | {m['vllm']:.0f} | "
-                        f"{m['peak']:.1f} | {'yes' if m['peak'] <= args.gpu_gb else 'no'} |")
+            rows.append(f"| {name} | {parameters(s)['total'] / 1e9:.2f}B | {g} | "
+                        f"{m['weights'] + m['grads'] + m['adam']:.1f} | {m['working']:.1f} | "
+                        f"{m['activations']:.1f} | {m['reference']:.1f} | {m['vllm']:.0f} | {m['peak']:.1f} "
+                        f"| {'yes' if m['peak'] <= args.gpu_gb else 'no'} |")
     return "\n".join(rows)
 
 
-# ---------------------------------------------------------------------------------------------- measured on CPU
+# -------------------------------------------------------------------------------------------- measured on CPU
 
 MEASURE_SHAPE = dict(hidden=512, layers=8, intermediate=1536, heads=8, kv_heads=8, vocab=32000, tied=False)
 
@@ -131,19 +138,22 @@ def measure_worker(batch: int, seq: int) -> None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
-    import common
+
+    from rlmini import dist, logprobs
     torch.manual_seed(0)
     s = MEASURE_SHAPE
-    cfg = Qwen2Config(hidden_size=s["hidden"], num_hidden_layers=s["layers"], intermediate_size=s["intermediate"],
-                      num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], vocab_size=s["vocab"],
+    cfg = Qwen2Config(hidden_size=s["hidden"], num_hidden_layers=s["layers"],
+                      intermediate_size=s["intermediate"],
+                      num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+                      vocab_size=s["vocab"],
                       tie_word_embeddings=s["tied"], max_position_embeddings=seq)
-    device, dtype = common.setup_device(argparse.Namespace(dtype="float32"))
+    device, dtype = dist.setup_device(argparse.Namespace(dtype="float32"))
     ids = torch.randint(3, s["vocab"], (batch, seq))
     mask = torch.zeros(batch, seq - 1)
     mask[:, seq // 2 - 1:] = 1
     base = rss_bytes()
     with torch.device("meta"):  # built without storage and sharded first: no whole model on any rank
-        model = common.shard_model(AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa"), dtype)
+        model = dist.shard_model(AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa"), dtype)
     model.to_empty(device=device)
     with torch.no_grad():
         for p in model.parameters():
@@ -153,29 +163,32 @@ def measure_worker(batch: int, seq: int) -> None:
         rotary.register_buffer(name, buf, persistent=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for _ in range(2):
-        logp, _ = common.token_logprobs(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mask": mask},
+        logp, _ = logprobs.token_logprobs(model,
+                                          {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                                           "mask": mask},
                                         1.0)
         (-(logp * mask).sum() / mask.sum()).backward()
-        common.clip_grad_norm(model, 1.0)
+        dist.clip_grad_norm(list(model.parameters()), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    ranks = common.world_size()
-    m = memory(s, ranks, sharded=common._distributed() and ranks > 1, compute_bytes=4, tokens=batch * seq,
+    ranks = dist.world_size()
+    m = memory(s, ranks, sharded=dist.distributed() and ranks > 1, compute_bytes=4, tokens=batch * seq,
                logit_tokens=int(mask.sum()), checkpointing=False)
-    print(f"| {ranks} | {parameters(s)['total'] / 1e6:.0f}M | {batch}x{seq} | {common.rank()} | "
+    print(f"| {ranks} | {parameters(s)['total'] / 1e6:.0f}M | {batch}x{seq} | {dist.rank()} | "
           f"{m['update']:.2f} | {peak / GB:.2f} | {peak / GB / m['update']:.2f} |", flush=True)
-    if common._distributed():
-        import torch.distributed as dist
-        dist.destroy_process_group()
+    dist.barrier()
 
 
 def measure(args) -> None:
-    print("| ranks | params | micro-batch | rank | model: update peak (GB) | measured: peak RSS increase (GB) | ratio |")
+    print("| ranks | params | micro-batch | rank | model: update peak (GB) | measured: peak RSS increase "
+          "(GB) | ratio |")
     print("|---|---|---|---|---|---|---|", flush=True)
-    worker = [os.path.abspath(__file__), "--measure-worker", "--batch", str(args.batch), "--seq", str(args.seq)]
+    worker = [os.path.abspath(__file__), "--measure-worker", "--batch", str(args.batch), "--seq",
+              str(args.seq)]
     cmd = [sys.executable, *worker] if args.ranks == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks), *worker]
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks),
+         *worker]
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL)
 
 
@@ -184,12 +197,14 @@ def main():
     p.add_argument("--model", default="0.5B,1.5B,7B,14B", help=f"comma-separated, of {', '.join(SHAPES)}")
     p.add_argument("--gpus", default="1,8,16", help="comma-separated GPU counts (above 1: FSDP2)")
     p.add_argument("--gpu_gb", type=float, default=80.0)
-    p.add_argument("--tokens", type=int, default=8192, help="tokens per micro-batch (e.g. 8 sequences of 1024)")
+    p.add_argument("--tokens", type=int, default=8192, help="tokens per micro-batch (e.g. 8 sequences of "
+                                                            "1024)")
     p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
                    help="without --gradient_checkpointing (default: with)")
     p.add_argument("--beta", type=float, default=0.0, help="> 0: a reference model is loaded")
     p.add_argument("--critic", action="store_true", help="PPO: a critic as large as the policy")
-    p.add_argument("--lora_rank", type=int, default=0, help="LoRA adapters of this rank on a frozen base (0 = full)")
+    p.add_argument("--lora_rank", type=int, default=0, help="LoRA adapters of this rank on a frozen base (0 "
+                                                            "= full)")
     p.add_argument("--vllm_share", type=float, default=0.3, help="--vllm_gpu_memory_utilization")
     p.add_argument("--measure", action="store_true", help="compare the model with a measured CPU run")
     p.add_argument("--measure-worker", dest="worker", action="store_true", help=argparse.SUPPRESS)
@@ -203,7 +218,8 @@ def main():
         measure(args)
     else:
         print(f"Per-GPU memory (GB) of a GRPO update in bf16, {args.tokens} tokens per micro-batch, gradient "
-              f"checkpointing {'on' if args.checkpointing else 'off'}, vLLM share {args.vllm_share} of {args.gpu_gb:.0f} GB or its bf16 "
+              f"checkpointing {'on' if args.checkpointing else 'off'}, vLLM share {args.vllm_share} of "
+              f"{args.gpu_gb:.0f} GB or its bf16 "
               f"weights + 4 GB of KV cache if more"
               f"{', reference model' if args.beta > 0 else ''}{', PPO critic' if args.critic else ''}"
               f"{f', LoRA rank {args.lora_rank}' if args.lora_rank else ''}:\n")

@@ -22,11 +22,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = ["off", "token-tis", "token-mis", "seq-mis"]
 HOT = """import runpy, sys
-import common
-generate = common.generate
-def hot(engine, model, prompt_ids, n, max_new_tokens, temperature, *a, **k):
-    return generate(engine, model, prompt_ids, n, max_new_tokens, {t}, *a, **k)
-common.generate = hot
+from rlmini.engine import HFEngine, VLLMEngine
+def hot(generate):
+    return lambda engine, prompt_ids, n, max_new_tokens, temperature, seed: generate(
+        engine, prompt_ids, n, max_new_tokens, {t}, seed)
+HFEngine.generate, VLLMEngine.generate = hot(HFEngine.generate), hot(VLLMEngine.generate)
 sys.argv = ["train_grpo.py", *sys.argv[1:]]
 runpy.run_path("train_grpo.py", run_name="__main__")
 """
@@ -39,21 +39,25 @@ def main():
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--engine", default="vllm")
     p.add_argument("--task", default="addition")
-    p.add_argument("--sampler_temperature", type=float, default=0.0, help="sample at this temperature (0 = as trained)")
+    p.add_argument("--sampler_temperature", type=float, default=0.0, help="sample at this temperature (0 = "
+                                                                          "as trained)")
     args = p.parse_args()
-    # the engine samples at --sampler_temperature: common.generate wrapped, then the script run as __main__
+    # the engine samples at --sampler_temperature: generate wrapped, then the script run as __main__
     launch = [sys.executable, "-c", HOT.format(t=args.sampler_temperature)] if args.sampler_temperature else [
         sys.executable, os.path.join(ROOT, "train_grpo.py")]
     extra = ["--sampler_diff_tol", "100"] if args.sampler_temperature else []
     k = max(1, min(10, args.steps // 10))
-    print(f"| mode | reward, first {k} | reward, last {k} | sampler_diff | is/kl | is/mean | is/clip_frac | wall s |")
+    print(f"| mode | reward, first {k} | reward, last {k} | sampler_diff | is/kl | is/mean | is/clip_frac | "
+          f"wall s |")
     print("|---|---|---|---|---|---|---|---|")
     for mode in MODES:
         with tempfile.TemporaryDirectory() as out:
             t0 = time.perf_counter()
-            subprocess.run([*launch, "--task", args.task, "--steps", str(args.steps), "--seed", str(args.seed),
+            subprocess.run([*launch, "--task", args.task, "--steps", str(args.steps), "--seed",
+                            str(args.seed),
                             "--engine", args.engine, "--dtype", args.dtype, "--rollout_correction", mode,
-                            "--out_dir", out, "--run_name", "r", "--wandb", "false", "--save_every", "0", *extra],
+                            "--out_dir", out, "--run_name", "r", "--wandb", "false", "--save_every", "0",
+                            *extra],
                            check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             wall = time.perf_counter() - t0
             with open(os.path.join(out, "r", "metrics.jsonl")) as f:

@@ -30,12 +30,13 @@ import torch  # noqa: E402
 
 import common  # noqa: E402
 import rewards  # noqa: E402
+from rlmini import engine, logprobs, models, packing  # noqa: E402
 
 
 def load(args, packing: bool):
     a = common.parse_args(common.Args, ["--model", args.model, "--packing", str(packing).lower()])
-    task = rewards.load_task("addition", common.prompt_style(args.model), 0)
-    model, tok, _ = common.load_model(a, task, torch.device(args.device), torch.float32)
+    task = rewards.load_task("addition", models.prompt_style(args.model), 0)
+    model, tok, _ = models.load_model(a, task, torch.device(args.device), torch.float32)
     return model, tok
 
 
@@ -49,7 +50,8 @@ def synthetic(n_prompts, G, prompt_len, lengths, vocab, seed=0):
         for _ in range(G):
             if lengths.startswith("loguniform:"):
                 lo, hi = map(int, lengths.split(":")[1:])
-                n = int(math.exp(math.log(lo) + torch.rand(1, generator=g).item() * (math.log(hi) - math.log(lo))))
+                u = torch.rand(1, generator=g).item()
+                n = int(math.exp(math.log(lo) + u * (math.log(hi) - math.log(lo))))
             else:
                 n = int(lengths)
             prompts.append(p)
@@ -58,7 +60,8 @@ def synthetic(n_prompts, G, prompt_len, lengths, vocab, seed=0):
 
 
 def time_update(model, prompts, completions, micro, device, dtype, reps):
-    """Seconds (median of reps) of forward + backward over every micro-batch, and (computed, padded) tokens."""
+    """Seconds (median of reps) of forward + backward over every micro-batch, and (computed, padded) tokens.
+    """
     times, computed, padded = [], 0, 0
     for r in range(reps + 1):
         model.zero_grad(set_to_none=True)
@@ -67,11 +70,11 @@ def time_update(model, prompts, completions, micro, device, dtype, reps):
         t = time.perf_counter()
         computed = padded = 0
         for s in range(0, len(prompts), micro):
-            batch = common.make_batch(prompts[s:s + micro], completions[s:s + micro], 0, device)
+            batch = packing.make_batch(prompts[s:s + micro], completions[s:s + micro], 0, device)
             with common.autocast(device, dtype):
-                logp, _ = common.token_logprobs(model, batch, 1.0)
+                logp, _ = logprobs.token_logprobs(model, batch, 1.0)
             logp.sum().backward()
-            c, p = common.padded_tokens(batch, model)
+            c, p = packing.padded_tokens(batch, model)
             computed, padded = computed + c, padded + p
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -85,8 +88,8 @@ def table_update(args):
     models = {True: load(args, True)[0], False: load(args, False)[0]}
     vocab = models[True].config.vocab_size
     print("\n### Update: forward + backward of one rollout batch (micro-batches of whole groups)\n")
-    print("| prompts x G | prompt tokens | completion tokens | layout | token positions computed | padding share "
-          "| s | speed-up |")
+    print("| prompts x G | prompt tokens | completion tokens | layout | token positions computed | padding "
+          "share | s | speed-up |")
     print("|---|---|---|---|---|---|---|---|")
     cases = [(32, 8, 4, "3"), (32, 8, 64, "loguniform:8:256"), (16, 16, 64, "loguniform:8:256"),
              (32, 8, 16, "32"), (32, 8, 16, "128"), (8, 8, 256, "loguniform:8:256")]
@@ -95,21 +98,25 @@ def table_update(args):
         L = [len(c) for c in completions]
         res = {}
         for packed in (False, True):
-            res[packed] = time_update(models[packed], prompts, completions, args.micro_batch_size, device, dtype,
+            res[packed] = time_update(models[packed], prompts, completions, args.micro_batch_size, device,
+                                      dtype,
                                       args.reps)
         for packed in (False, True):
             s, computed, padded = res[packed]
-            print(f"| {n} x {G} | {P} | {lengths.replace('loguniform', 'log-uniform')} (mean {statistics.mean(L):.0f}, "
-                  f"max {max(L)}) | {'packed' if packed else 'padded'} | {computed:,} | {padded / computed:.1%} "
+            print(f"| {n} x {G} | {P} | {lengths.replace('loguniform', 'log-uniform')} (mean "
+                  f"{statistics.mean(L):.0f}, "
+                  f"max {max(L)}) | {'packed' if packed else 'padded'} | {computed:,} | "
+                  f"{padded / computed:.1%} "
                   f"| {s:.3f} | {res[False][0] / s:.2f}x |", flush=True)
 
 
 def table_sampling(args):
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     model, tok = load(args, True)
-    engine = common.Engine("hf", None, tok.eos_token_id, tok.pad_token_id)
+    sampler = engine.HFEngine(model, tok, device, dtype)
     from transformers import GenerationConfig
-    print("\n### HF engine sampling: our loop against transformers' generate (same prompts, budget, temperature 1)\n")
+    print("\n### HF engine sampling: our loop against transformers' generate (same prompts, budget, "
+          "temperature 1)\n")
     print("| prompts x G | max new tokens | ours s | generate s | speed-up | mean / max length (ours) |")
     print("|---|---|---|---|---|---|")
     vocab = model.config.vocab_size
@@ -118,12 +125,12 @@ def table_sampling(args):
         ours, theirs = [], []
         for r in range(args.reps + 1):
             t = time.perf_counter()
-            out = common._generate_hf(engine, model, prompts, G, budget, 1.0, r, device, dtype)
+            out = sampler.generate(prompts, G, budget, 1.0, r)
             if r:
                 ours.append(time.perf_counter() - t)
             ids = torch.tensor([p for p in prompts for _ in range(G)])  # equal lengths: no padding needed
             gen = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=budget,
-                                   eos_token_id=engine.eos_id, pad_token_id=engine.pad_id, use_cache=True)
+                                   eos_token_id=sampler.eos_id, pad_token_id=sampler.pad_id, use_cache=True)
             model.eval()
             t = time.perf_counter()
             with torch.no_grad(), common.autocast(device, dtype):
@@ -134,7 +141,8 @@ def table_sampling(args):
             model.train()
         L = [len(c) for c in out.completion_ids]
         a, b = statistics.median(ours), statistics.median(theirs)
-        print(f"| {n} x {G} | {budget} | {a:.3f} | {b:.3f} | {b / a:.2f}x | {statistics.mean(L):.1f} / {max(L)} |",
+        print(f"| {n} x {G} | {budget} | {a:.3f} | {b:.3f} | {b / a:.2f}x | {statistics.mean(L):.1f} / "
+              f"{max(L)} |",
               flush=True)
 
 
@@ -146,7 +154,8 @@ def table_scaling(args):
         with tempfile.TemporaryDirectory() as out:
             env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
             subprocess.run([sys.executable, os.path.join(ROOT, "train_grpo.py"), "--engine", "hf", "--steps",
-                            str(args.steps), "--prompts_per_step", str(n), "--group_size", str(G), "--out_dir", out,
+                            str(args.steps), "--prompts_per_step", str(n), "--group_size", str(G),
+                            "--out_dir", out,
                             "--run_name", "s", "--wandb", "false", "--save_every", "0"], check=True, env=env,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             with open(os.path.join(out, "s", "metrics.jsonl")) as f:

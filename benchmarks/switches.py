@@ -37,16 +37,20 @@ ROWS = [  # (switch, the run's flags); the first row of each block is its baseli
     ("--overlong_buffer 1", ["--overlong_buffer", "1"]),
     ("--overlong_buffer 1 --overlong_penalty 0.1", ["--overlong_buffer", "1", "--overlong_penalty", "0.1"]),
 ]
-COLUMNS = ["reward", "frac_reward_zero_std", "sampling/kept_zero_std", "sampling/rounds", "rollouts", "entropy",
+COLUMNS = ["reward", "frac_reward_zero_std", "sampling/kept_zero_std", "sampling/rounds", "rollouts",
+           "entropy",
            "entropy/threshold", "clip_frac", "adv/abs_mean", "len/mean", "len/truncated"]
 
 
 def run(name, flags, steps, seed, prompts, out):
-    cmd = [sys.executable, os.path.join(ROOT, "train_grpo.py"), "--engine", "hf", "--wandb", "false", "--steps",
-           str(steps), "--prompts_per_step", str(prompts), "--seed", str(seed), "--save_every", "0", "--out_dir", out,
+    cmd = [sys.executable, os.path.join(ROOT, "train_grpo.py"), "--engine", "hf", "--wandb", "false",
+           "--steps",
+           str(steps), "--prompts_per_step", str(prompts), "--seed", str(seed), "--save_every", "0",
+           "--out_dir", out,
            "--run_name", name, *flags]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "disabled"})
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "WANDB_MODE": "disabled"})
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in open(os.path.join(out, name, "metrics.jsonl"))]
@@ -58,7 +62,8 @@ def summary(rows, last, group_size, prompts):
     mean = lambda k: sum(r[k] for r in tail) / len(tail)
     out = {k: mean(k) for k in COLUMNS if k in tail[0]}
     out["reward"] = mean("reward/mean")
-    out["rollouts"] = sum(r["sampling/extra_rollouts"] for r in rows) + len(rows) * group_size * prompts  # all steps
+    # all steps
+    out["rollouts"] = sum(r["sampling/extra_rollouts"] for r in rows) + len(rows) * group_size * prompts
     return out
 
 
@@ -75,8 +80,8 @@ def main(argv=None):
             rows, seconds = run(f"row{i}", flags, a.steps, a.seed, a.prompts, out)
             table.append((label, summary(rows, a.last, 8, a.prompts)))
             print(f"{label}: done in {seconds:.0f} s", file=sys.stderr)
-    print(f"GRPO on `addition`, tiny model, HF engine, {a.prompts} prompts x 8, {a.steps} steps, seed {a.seed}; "
-          f"means over the last {a.last} steps (rollouts: all steps)\n")
+    print(f"GRPO on `addition`, tiny model, HF engine, {a.prompts} prompts x 8, {a.steps} steps, seed "
+          f"{a.seed}; means over the last {a.last} steps (rollouts: all steps)\n")
     print("| switch | " + " | ".join(COLUMNS) + " |")
     print("|---|" + "---|" * len(COLUMNS))
     for label, s in table:

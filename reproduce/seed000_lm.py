@@ -35,9 +35,11 @@ def run_one(algo: str, seed: int, a, threads: int) -> dict:
     label, script, flags = ALGOS[algo]
     name = f"{algo}-s{seed}"
     cmd = [sys.executable, os.path.join(ROOT, script), "--task", "calibration", "--engine", a.engine,
-           "--steps", str(a.steps), "--prompts_per_step", str(a.prompts_per_step), "--group_size", str(a.group_size),
+           "--steps", str(a.steps), "--prompts_per_step", str(a.prompts_per_step), "--group_size",
+           str(a.group_size),
            "--lr", str(a.lr), "--seed", str(seed), "--eval_every", str(a.steps), "--eval_n", str(a.eval_n),
-           "--eval_limit", str(a.eval_limit), "--save_every", str(a.steps), "--out_dir", a.out, "--run_name", name,
+           "--eval_limit", str(a.eval_limit), "--save_every", str(a.steps), "--out_dir", a.out, "--run_name",
+           name,
            "--overwrite", "true", "--wandb", "false", *flags]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     t0 = time.time()
@@ -46,8 +48,10 @@ def run_one(algo: str, seed: int, a, threads: int) -> dict:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     with open(os.path.join(a.out, name, "eval.json")) as f:
         ev = json.load(f)
-    return {"algo": algo, "label": label, "seed": seed, "seconds": time.time() - t0, "command": " ".join(cmd[1:]),
-            **{k.split("/")[1]: ev[k] for k in ("eval/ece", "eval/auroc", "eval/accuracy", "eval/brier", "eval/reward")},
+    return {"algo": algo, "label": label, "seed": seed, "seconds": time.time() - t0,
+            "command": " ".join(cmd[1:]),
+            **{k.split("/")[1]: ev[k] for k in ("eval/ece", "eval/auroc", "eval/accuracy", "eval/brier",
+                                                "eval/reward")},
             "predictions": ev["predictions"]}
 
 
@@ -57,7 +61,8 @@ def oracle(seed: int, eval_limit: int) -> dict:
     from eval import auroc, brier, expected_calibration_error
     test = rewards.load_task("calibration", seed=seed).test[: eval_limit or None]
     p, y = np.array([e["p_true"] for e in test]), np.array([e["answer"] for e in test])
-    return {"algo": "oracle", "label": "true rates p_c (oracle)", "seed": seed, "ece": expected_calibration_error(p, y),
+    return {"algo": "oracle", "label": "true rates p_c (oracle)", "seed": seed,
+            "ece": expected_calibration_error(p, y),
             "auroc": auroc(p, y), "accuracy": float(np.mean((p > 0.5) == (y == 1))), "brier": brier(p, y)}
 
 
@@ -71,10 +76,15 @@ def run_all(algos, seeds, a) -> list:
 
 def table(results: list, eval_limit: int) -> str:
     """Markdown, one row per algorithm: with one seed its values; with several, the interquartile mean over
-    seeds and its 95% stratified-bootstrap interval (eval.py's estimators, Agarwal et al. 2021); last, the true
-    rates of the same questions. With several seeds, a second table: P(GRPO's ECE is higher than X's), the
-    probability of improvement over pairs of seeds."""
-    from eval import aggregate_scores, probability_of_improvement, probability_of_improvement_ci, stratified_bootstrap_ci
+    seeds and its 95% stratified-bootstrap interval (eval.py's estimators, Agarwal et al. 2021); last, the
+    true rates of the same questions. With several seeds, a second table: P(GRPO's ECE is higher than X's),
+    the probability of improvement over pairs of seeds."""
+    from eval import (
+        aggregate_scores,
+        probability_of_improvement,
+        probability_of_improvement_ci,
+        stratified_bootstrap_ci,
+    )
     results = results + [oracle(s, eval_limit) for s in dict.fromkeys(r["seed"] for r in results)]
     lines = ["| algorithm | ECE | AUROC | accuracy | Brier | seeds |", "|---|---|---|---|---|---|"]
     for algo in dict.fromkeys(r["algo"] for r in results):
@@ -86,16 +96,18 @@ def table(results: list, eval_limit: int) -> str:
                 return f"{v[0]:.3f}"
             lo, hi = stratified_bootstrap_ci(v, "iqm")
             return f"{aggregate_scores(v, 'iqm'):.3f} [{lo:.3f}, {hi:.3f}]"
-        lines.append(f"| {rs[0]['label']} | {cell('ece')} | {cell('auroc')} | {cell('accuracy')} | {cell('brier')} "
-                     f"| {','.join(str(r['seed']) for r in rs)} |")
-    ece = {a: [r["ece"] for r in results if r["algo"] == a] for a in dict.fromkeys(r["algo"] for r in results)}
+        lines.append(f"| {rs[0]['label']} | {cell('ece')} | {cell('auroc')} | {cell('accuracy')} | "
+                     f"{cell('brier')} | {','.join(str(r['seed']) for r in rs)} |")
+    algos = dict.fromkeys(r["algo"] for r in results)
+    ece = {a: [r["ece"] for r in results if r["algo"] == a] for a in algos}
     if len(ece.get("grpo", [])) > 1:
         lines += ["", "| P(ECE of GRPO > ECE of X), pairs of seeds | P [95% interval] |", "|---|---|"]
         for algo, v in ece.items():
             if algo not in ("grpo", "oracle"):
                 lo, hi = probability_of_improvement_ci(ece["grpo"], v)
                 label = next(r["label"] for r in results if r["algo"] == algo)
-                lines.append(f"| {label} | {probability_of_improvement(ece['grpo'], v):.2f} [{lo:.2f}, {hi:.2f}] |")
+                lines.append(f"| {label} | {probability_of_improvement(ece['grpo'], v):.2f} [{lo:.2f}, "
+                             f"{hi:.2f}] |")
     return "\n".join(lines)
 
 
@@ -109,7 +121,8 @@ def parser():
     p.add_argument("--lr", type=float, default=3e-4, help="learning rate (same for every algorithm)")
     p.add_argument("--eval_n", type=int, default=8, help="samples per held-out question")
     p.add_argument("--eval_limit", type=int, default=2000, help="held-out questions (0 = all 2,000)")
-    p.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="rollout engine (hf is faster for the tiny model)")
+    p.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="rollout engine (hf is faster for "
+                                                                          "the tiny model)")
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel")
     p.add_argument("--out", default="runs/seed000_lm", help="folder for the runs, results.json and table.md")
     return p

@@ -15,6 +15,7 @@ takes the same number of gradient steps, so an off-policy row samples steps / up
 the paper nor the notes say which of the two its 50,000 steps counted).
 """
 import argparse
+import multiprocessing
 import os
 import sys
 import time
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common  # noqa: E402
 import train_grpo  # noqa: E402
 import train_ppo  # noqa: E402
 import train_rloo  # noqa: E402
@@ -45,7 +47,8 @@ PUBLISHED = {
     ("rloo", 10, 0.2): (0.004, 0.823, 0.751), ("rloo", 10, 0.001): (0.004, 0.823, 0.751),
 }
 GROUP_SIZE = {"grpo": 10, "grpo_nostd": 10, "rloo": 10, "ppo": 1, "reinforce": 1}  # rollouts per question
-NAMES = {"grpo": "GRPO", "grpo_nostd": "GRPO (no std)", "rloo": "RLOO", "ppo": "PPO", "reinforce": "REINFORCE"}
+NAMES = {"grpo": "GRPO", "grpo_nostd": "GRPO (no std)", "rloo": "RLOO", "ppo": "PPO",
+         "reinforce": "REINFORCE"}
 
 
 def make_data(seed: int = 2):
@@ -93,7 +96,8 @@ def aggregate_by_token(cells, advantages):
     each entry, its summed advantage and its number of samples."""
     n_cells = N_CATEGORIES * N_TOKENS
     pos, neg = advantages.clamp(min=0), advantages.clamp(max=0)
-    sums = torch.cat([torch.zeros(n_cells).index_add_(0, cells, pos), torch.zeros(n_cells).index_add_(0, cells, neg)])
+    sums = torch.cat([torch.zeros(n_cells).index_add_(0, cells, pos),
+                      torch.zeros(n_cells).index_add_(0, cells, neg)])
     counts = torch.cat([torch.zeros(n_cells).index_add_(0, cells, (advantages > 0).float()),
                         torch.zeros(n_cells).index_add_(0, cells, (advantages < 0).float())])
     keep = counts > 0
@@ -107,7 +111,7 @@ def surrogate_loss(module, logits, old_logp, cell, adv, n_samples, clip_eps):
     hp = types.SimpleNamespace(ratio_level="token", clip_eps=clip_eps, clip_eps_high=0.0, surrogate="clip")
     adv = adv.unsqueeze(1) if module is train_ppo else adv  # PPO's advantages are per token
     token_loss, stats = module.policy_loss(logp, old_logp[cell].unsqueeze(1), None, adv, mask, hp)
-    return module.aggregate(token_loss, mask, "token-mean", n_samples, n_samples, 1), stats
+    return common.aggregate(token_loss, mask, "token-mean", n_samples, n_samples, 1), stats
 
 
 def evaluate(logits, categories, outcomes, generator, n_samples: int = 100):
@@ -148,7 +152,8 @@ def train(algo: str, updates: int = 1, clip_eps: float | None = None, steps: int
         old_logp = torch.log_softmax(logits.detach(), -1).flatten()
         clipped = 0.0
         for _ in range(updates):
-            loss, stats = surrogate_loss(module, logits, old_logp, cell, adv_sum, len(rewards), clip_eps or 0.0)
+            loss, stats = surrogate_loss(module, logits, old_logp, cell, adv_sum, len(rewards),
+                                         clip_eps or 0.0)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -183,14 +188,16 @@ def row_name(r: dict) -> str:
 
 def table(results: list, ref: dict | None = None) -> str:
     """Markdown: ours next to the published numbers."""
-    lines = ["| algorithm | ECE (ours) | ECE (paper) | AUROC (ours) | AUROC (paper) | accuracy (ours) | accuracy (paper) |",
+    lines = ["| algorithm | ECE (ours) | ECE (paper) | AUROC (ours) | AUROC (paper) | accuracy (ours) | "
+             "accuracy (paper) |",
              "|---|---|---|---|---|---|---|"]
     for r in results:
         pub = r["published"] or (float("nan"),) * 3
-        lines.append(f"| {row_name(r)} | {r['ece']:.4f} | {pub[0]:g} | {r['auroc']:.4f} | {pub[1]:g} "
-                     f"| {r['accuracy']:.4f} | {pub[2]:g} |")
+        lines.append(f"| {row_name(r)} | {r['ece']:.4f} | {pub[0]:g} | {r['auroc']:.4f} | {pub[1]:g} | "
+                     f"{r['accuracy']:.4f} | {pub[2]:g} |")
     if ref:
-        lines.append(f"| true rates p_c (oracle) | {ref['ece']:.4f} | | {ref['auroc']:.4f} | | {ref['accuracy']:.4f} | |")
+        lines.append(f"| true rates p_c (oracle) | {ref['ece']:.4f} | | {ref['auroc']:.4f} | | "
+                     f"{ref['accuracy']:.4f} | |")
     return "\n".join(lines)
 
 
@@ -207,14 +214,16 @@ def run_rows(rows, steps: int, seed: int = 0, jobs: int = 2) -> list:
     kws = [dict(algo=a, updates=u, clip_eps=e, steps=steps, seed=seed) for a, u, e in rows]
     if jobs <= 1:
         return [_run(kw) for kw in kws]
-    with ProcessPoolExecutor(jobs) as pool:
+    # spawned, not forked: a child forked after the parent ran OpenMP regions can hang in libgomp (seen here)
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         return list(pool.map(_run, kws))
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=50_000, help="gradient steps per run (the notebook's 50,000)")
-    p.add_argument("--rows", default="all", choices=["all", "on", "off"], help="on-policy rows, off-policy rows or both")
+    p.add_argument("--rows", default="all", choices=["all", "on", "off"], help="on-policy rows, off-policy "
+                                                                               "rows or both")
     p.add_argument("--seed", type=int, default=0, help="torch seed for sampling (the notebook's 0)")
     p.add_argument("--jobs", type=int, default=max(1, min(4, os.cpu_count() or 1)), help="runs in parallel")
     p.add_argument("--out", default="runs/seed000_tabular", help="folder for results.json and table.md")

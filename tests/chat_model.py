@@ -8,8 +8,9 @@ import random
 import torch
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = ("{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
-                 "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+CHAT_TEMPLATE = ("{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+                 "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}{{ "
+                 "'<|im_start|>assistant\\n' }}{%- endif %}")
 
 
 def corpus(n: int = 3000, seed: int = 0) -> list:
@@ -40,8 +41,10 @@ def build_chat_model(path: str, vocab_size: int = 512, seed: int = 0) -> str:
                                      model_max_length=1024)
     hf_tok.chat_template = CHAT_TEMPLATE
     config = Qwen3Config(vocab_size=len(hf_tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=1024,
-                         tie_word_embeddings=True, eos_token_id=hf_tok.eos_token_id, pad_token_id=hf_tok.pad_token_id,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                         max_position_embeddings=1024,
+                         tie_word_embeddings=True, eos_token_id=hf_tok.eos_token_id,
+                         pad_token_id=hf_tok.pad_token_id,
                          bos_token_id=None)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -52,6 +55,7 @@ def build_chat_model(path: str, vocab_size: int = 512, seed: int = 0) -> str:
     return path
 
 
-if __name__ == "__main__":  # python tests/chat_model.py FOLDER: build it there (README, "Your own experiment")
+# python tests/chat_model.py FOLDER: build it there (docs/own-experiment.md)
+if __name__ == "__main__":
     import sys
     print(build_chat_model(sys.argv[1] if len(sys.argv) > 1 else "runs/chat-model"))

@@ -11,14 +11,14 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import common  # noqa: E402
 import rewards  # noqa: E402
+from rlmini import models, runlog  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 def read_metrics(run_dir):
-    return common.read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    return runlog.read_metrics(os.path.join(run_dir, "metrics.jsonl"))
 
 
 def run_script(script: str, args: list, timeout: int = 1200) -> subprocess.CompletedProcess:
@@ -27,7 +27,8 @@ def run_script(script: str, args: list, timeout: int = 1200) -> subprocess.Compl
     proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise AssertionError(f"{script} {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"{script} {' '.join(args)} "
+                             f"failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
 
 
@@ -36,8 +37,24 @@ def tiny_addition():
     """(model, tokenizer, path) of the built-in tiny model for the addition task."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     task = rewards.load_task("addition")
-    path = common.build_tiny_model(task.alphabet)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path), path
+    path = models.build_tiny_model(task.alphabet)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model, AutoTokenizer.from_pretrained(path), path
+
+
+def assert_grad_close(actual, expected, rel: float = 1e-5, name: str = "", floor: float = 0.0) -> None:
+    """fp32 gradients equal to `rel` of the expected gradient's norm (or of `floor`, e.g. the whole model's
+    gradient norm, where this tensor's gradient is zero but for rounding). The same sum in another order
+    (another CPU, thread count or kernel) moves single elements by more than a fixed per-element atol."""
+    err = (actual.double() - expected.double()).norm().item()
+    scale = max(expected.double().norm().item(), floor, 1e-30)
+    assert err <= rel * scale, f"{name}: |actual - expected| {err:.3g} > {rel:g} x {scale:.3g}"
+
+
+def undocumented(keys, algo: str) -> list:
+    """The logged metric names that neither docs/metrics.md nor the algorithm's page names (in backticks)."""
+    pages = "".join(open(os.path.join(ROOT, "docs", page)).read() for page in ("metrics.md", f"{algo}.md"))
+    return sorted(k for k in keys if k != "step" and f"`{k}`" not in pages)
 
 
 def mean_of(rows, key, lo, hi):
@@ -45,4 +62,4 @@ def mean_of(rows, key, lo, hi):
     return sum(vals) / len(vals)
 
 
-__all__ = ["read_metrics", "run_script", "mean_of", "json"]
+__all__ = ["read_metrics", "run_script", "mean_of", "assert_grad_close", "undocumented", "json"]

@@ -3,11 +3,11 @@
     python tests/dist_worker.py OUT RUNS_JSON                     # one process
     torchrun --nproc_per_node 2 tests/dist_worker.py OUT RUNS_JSON
 
-RUNS_JSON is a list of {"name", "script", "argv"}; each run is a train_*.py main() called in turn in
-this process. Generation is replaced by a deterministic double (tests/rollout_double.py): the completions
-of a prompt depend on the prompt's text alone, so the global batch is the same whatever the number of
-ranks and whichever rank samples it. Every gradient clip call (the policy's, then PPO's critic's) records the flattened gradient it is
-given, before clipping, into OUT/<name>.rank<r>.pt.
+RUNS_JSON is a list of {"name", "script", "argv"}; each run is a train_*.py main() called in turn in this
+process. Generation is replaced by a deterministic double (tests/rollout_double.py): the completions of a
+prompt depend on the prompt's text alone, so the global batch is the same whatever the number of ranks and
+whichever rank samples it. Every gradient clip call (the policy's, then PPO's critic's) records the flattened
+gradient it is given, before clipping, into OUT/<name>.rank<r>.pt.
 """
 import importlib
 import json
@@ -17,7 +17,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import common  # noqa: E402
+from rlmini import dist  # noqa: E402
+from rlmini.engine import HFEngine  # noqa: E402
 from rollout_double import generate_double  # noqa: E402
 
 out_dir, runs = sys.argv[1], json.load(open(sys.argv[2]))
@@ -29,27 +30,16 @@ clip = torch.nn.utils.clip_grad_norm_
 
 def recording_clip(parameters, *a, **k):
     params = list(parameters)
-    recorded.append(torch.cat([common.full_tensor(p.grad if p.grad is not None else torch.zeros_like(p)).detach()
-                               .flatten().cpu() for p in params]))  # FSDP2: each rank's shards, gathered
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    recorded.append(torch.cat([dist.full_tensor(g).detach().flatten().cpu() for g in grads]))  # FSDP2: whole
     return clip(params, *a, **k)
 
 
-common.generate = generate_double
+HFEngine.generate = generate_double
 torch.nn.utils.clip_grad_norm_ = recording_clip
-load_model = common.load_model
-
-
-def load_model_double(*a, **k):  # the generation double decodes prompts with the run's tokenizer
-    model, tok, path = load_model(*a, **k)
-    generate_double.tokenizer = tok
-    return model, tok, path
-
-
-common.load_model = load_model_double
 for spec in runs:
     recorded.clear()
-    importlib.import_module(spec["script"]).main(["--out_dir", out_dir, "--run_name", spec["name"], "--wandb", "false",
+    importlib.import_module(spec["script"]).main(["--out_dir", out_dir, "--run_name", spec["name"], "--wandb",
+                                                  "false",
                                                    "--engine", "hf", *spec["argv"]])
-    torch.save(list(recorded), os.path.join(out_dir, f"{spec['name']}.rank{common.rank()}.pt"))
-if torch.distributed.is_initialized():
-    torch.distributed.destroy_process_group()
+    torch.save(list(recorded), os.path.join(out_dir, f"{spec['name']}.rank{dist.rank()}.pt"))

@@ -2,11 +2,11 @@
 
     python tests/engine_double.py MODE REPORT train_grpo.py [flags...]
 
-MODE discard: the engine "sleeps" as on CUDA at level 2, which throws its weights away; the double
-overwrites vLLM's weights with random ones at every sleep (wake_up is a no-op), so anything that
-samples before the next push samples from garbage. MODE stale: every weight push silently does
-nothing, so vLLM keeps sampling from the initial weights. MODE noise: the sampler's log-probs are
-shifted by +0.5 (a sampler/trainer mismatch). REPORT receives {"sleeps": n, "pushes": n} as JSON.
+MODE discard: the engine "sleeps" as on CUDA at level 2, which throws its weights away; the double overwrites
+vLLM's weights with random ones at every sleep (waking is a no-op), so anything that samples before the next
+push samples from garbage. MODE stale: every weight push silently does nothing, so vLLM keeps sampling from
+the initial weights. MODE noise: the sampler's log-probs are shifted by +0.5 (a sampler/trainer mismatch).
+REPORT receives {"sleeps": n, "pushes": n} as JSON.
 """
 import atexit
 import json
@@ -17,43 +17,46 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import common  # noqa: E402
+from rlmini import engine  # noqa: E402
 
 mode, report, script, *flags = sys.argv[1:]
 counts = {"sleeps": 0, "pushes": 0}
 atexit.register(lambda: json.dump(counts, open(report, "w")))
-make_engine, push_weights, generate = common.make_engine, common.push_weights, common.generate
+make_engine, push, generate = engine.make_engine, engine.VLLMEngine.push, engine.VLLMEngine.generate
 
 
-def make_engine_double(args, model_path, tokenizer, device, dtype, max_len):
-    engine = make_engine(args, model_path, tokenizer, device, dtype, max_len)
-    if mode == "discard":
+def make_engine_double(args, path, *a, **k):
+    sampler = make_engine(args, path, *a, **k)
+    if mode == "discard":  # the real engine's sleep and push, over an LLM whose sleep discards its weights
         from transformers import AutoModelForCausalLM
-        shapes = [(n, p.shape) for n, p in AutoModelForCausalLM.from_pretrained(model_path).named_parameters()]
+        shapes = [(n, p.shape) for n, p in AutoModelForCausalLM.from_pretrained(path).named_parameters()]
 
         def sleep(level=1):
             assert level == 2
             counts["sleeps"] += 1
-            common.load_into_vllm(engine, [(n, 0.5 * torch.randn(s)) for n, s in shapes])
+            sampler.load([(n, 0.5 * torch.randn(s)) for n, s in shapes])
 
-        engine.sleep_mode = True
-        engine.llm.sleep, engine.llm.wake_up = sleep, lambda tags=None: None
-    return engine
+        sampler.sleep_mode = True
+        sampler.llm.sleep, sampler.llm.wake_up = sleep, lambda tags=None: None
+    return sampler
 
 
-def push_double(engine, model, dtype):
+def push_double(sampler):
     counts["pushes"] += 1
     if mode != "stale":
-        push_weights(engine, model, dtype)
+        push(sampler)
 
 
-def generate_double(*a, **k):
-    r = generate(*a, **k)
+def generate_double(sampler, *a, **k):
+    r = generate(sampler, *a, **k)
     if mode == "noise":
         r.sampler_logprobs = [[x + 0.5 for x in lp] for lp in r.sampler_logprobs]
     return r
 
 
-common.make_engine, common.push_weights, common.generate = make_engine_double, push_double, generate_double
+engine.make_engine, engine.VLLMEngine.push, engine.VLLMEngine.generate = make_engine_double, push_double, \
+    generate_double
 sys.argv = [script, *flags]
-runpy.run_path(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), script), run_name="__main__")
+runpy.run_path(
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), script), run_name="__main__"
+)

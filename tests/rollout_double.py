@@ -1,17 +1,18 @@
-"""A deterministic stand-in for generation (common.generate) on the addition and ordinal tasks: the
-completions of a prompt depend on the prompt's text alone (correct, off by one or two, or unfinished:
-no EOS within the budget), whichever process or rank samples it; the sampler's log-probs are the
-trainer's own. Set `generate_double.tokenizer` before use."""
+"""A deterministic stand-in for generation (HFEngine.generate) on the addition and ordinal tasks: the
+completions of a prompt depend on the prompt's text alone (correct, off by one or two, or unfinished: no EOS
+within the budget), whichever process or rank samples it; the sampler's log-probs are the trainer's own."""
 import hashlib
 
 import torch
 
-import common
+from rlmini import data, logprobs, models, packing
+from rlmini.engine import HFEngine
 
 
-def generate_double(engine, model, prompt_ids, n, max_new_tokens, temperature, seed, device, dtype):
-    tok = generate_double.tokenizer
-    r = common.Rollouts([], [], [], [], engine.pad_id)
+def generate_double(engine, prompt_ids, n, max_new_tokens, temperature, seed):
+    """HFEngine.generate's stand-in (the engine gives the tokenizer, the policy, device and dtype)."""
+    tok = engine.tokenizer
+    r = data.Rollouts([], [], [], [], engine.pad_id)
     for ids in prompt_ids:
         text = tok.decode(ids, skip_special_tokens=True)
         answer = sum(int(x) for x in text.rstrip("=").split("+"))
@@ -23,27 +24,26 @@ def generate_double(engine, model, prompt_ids, n, max_new_tokens, temperature, s
             r.prompt_ids.append(list(ids))
             r.completion_ids.append(toks[:max_new_tokens])
             r.finished.append(kind != 3)
-    return with_trainer_logprobs(r, model, temperature, device, dtype)
+    return with_trainer_logprobs(r, engine.model, temperature, engine.device, engine.dtype)
 
 
 def with_trainer_logprobs(r, model, temperature, device, dtype):
     """A double's rollouts get the trainer's own log-probs as the sampler's (an exact sampler)."""
-    batch = common.make_batch(r.prompt_ids, r.completion_ids, r.pad_id, device)
-    with torch.no_grad(), common.autocast(device, dtype):
-        logp, _ = common.token_logprobs(model, batch, temperature)
+    batch = packing.make_batch(r.prompt_ids, r.completion_ids, r.pad_id, device)
+    with torch.no_grad(), models.autocast(device, dtype):
+        logp, _ = logprobs.token_logprobs(model, batch, temperature)
     r.sampler_logprobs = [lp[m > 0].tolist() for lp, m in zip(logp.cpu(), batch["mask"].cpu())]
     return r
 
 
 def record_first_step(monkeypatch, script, argv):
-    """Run one training step of `script` (a train_*.py module) on this double, in this process; returns
-    (run, the rollout batches generated, each policy gradient clip call's gradients before clipping, tokenizer)."""
-    grads, batches, tokenizer = [], [], []
-    load_model, clip = common.load_model, torch.nn.utils.clip_grad_norm_
+    """Run one training step of `script` (a train_*.py module) on this double, in this process; returns (run,
+    the rollout batches generated, each policy gradient clip call's gradients before clipping, tokenizer)."""
+    grads, batches = [], []
+    clip = torch.nn.utils.clip_grad_norm_
 
-    def recording_double(engine, model, *a, **k):
-        generate_double.tokenizer = tokenizer[0]
-        batches.append(generate_double(engine, model, *a, **k))
+    def recording_double(engine, *a, **k):
+        batches.append(generate_double(engine, *a, **k))
         return batches[-1]
 
     def recording_clip(parameters, *a, **k):
@@ -51,21 +51,17 @@ def record_first_step(monkeypatch, script, argv):
         grads.append([p.grad.clone() for p in params])
         return clip(params, *a, **k)
 
-    def load_model_double(*a, **k):
-        model, tok, path = load_model(*a, **k)
-        tokenizer.append(tok)
-        return model, tok, path
-
-    monkeypatch.setattr(common, "generate", recording_double)
-    monkeypatch.setattr(common, "load_model", load_model_double)
+    monkeypatch.setattr(HFEngine, "generate", recording_double)
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recording_clip)
     run = script.main(["--wandb", "false", "--engine", "hf", "--steps", "1", "--save_every", "0", *argv])
-    return run, batches, grads, tokenizer[0]
+    return run, batches, grads, run.tokenizer
 
 
 def addition_rewards(run, tok, r):
-    """The task's reward of each completion of a rollout batch of the addition task (the answer from the prompt)."""
+    """The task's reward of each completion of a rollout batch of the addition task (the answer from the
+    prompt)."""
     def answer(p):
         return sum(int(x) for x in tok.decode(p, skip_special_tokens=True).rstrip("=").split("+"))
-    return torch.tensor([run.task.score(tok.decode(c, skip_special_tokens=True), {"answer": answer(p)}, f).reward
+    return torch.tensor([run.task.score(tok.decode(c, skip_special_tokens=True), {"answer": answer(p)},
+                                        f).reward
                          for p, c, f in zip(r.prompt_ids, r.completion_ids, r.finished)])

@@ -12,19 +12,22 @@ import sys
 import pytest
 import torch
 
-import common
 import train_gpg
 import train_grpo
 from conftest import ROOT, read_metrics
+from rlmini import engine, faults
+from rlmini.engine import HFEngine, VLLMEngine
 
 DOUBLE = os.path.join(ROOT, "tests", "engine_double.py")
 
 
 def run_double(tmp_path, mode, *flags):
     report = tmp_path / f"{mode}.json"
-    proc = subprocess.run([sys.executable, DOUBLE, mode, str(report), "train_grpo.py", "--out_dir", str(tmp_path),
+    proc = subprocess.run([sys.executable, DOUBLE, mode, str(report), "train_grpo.py", "--out_dir",
+                           str(tmp_path),
                            "--run_name", mode, "--wandb", "false", "--prompts_per_step", "8", *flags],
-                          cwd=ROOT, env={**os.environ, "WANDB_MODE": "disabled"}, capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "WANDB_MODE": "disabled"}, capture_output=True,
+                          text=True,
                           timeout=900)
     return proc, json.load(open(report))
 
@@ -50,39 +53,45 @@ def test_stale_engine_weights_stop_the_run_at_the_next_step(tmp_path):
 
 
 def test_a_sleeping_engine_refuses_to_generate():
-    engine = common.Engine("vllm", llm=None, sleep_mode=True, asleep=True)
-    with pytest.raises(common.EngineStateError, match="sleep level 2 discarded its weights"):
-        common.generate(engine, None, [[1, 2]], 2, 4, 1.0, 0, torch.device("cpu"), torch.float32)
+    tokenizer = type("Tokenizer", (), {"eos_token_id": 1, "pad_token_id": 0})()
+    sampler = VLLMEngine(None, None, tokenizer, sleep_mode=True)
+    sampler.asleep = True
+    with pytest.raises(engine.EngineStateError, match="sleep level 2 discarded its weights"):
+        sampler.generate([[1, 2]], 2, 4, 1.0, 0)
 
 
 def train(tmp_path, *argv, module=train_grpo):
-    return module.main(["--out_dir", str(tmp_path), "--wandb", "false", "--engine", "hf", "--prompts_per_step", "8",
+    return module.main(["--out_dir", str(tmp_path), "--wandb", "false", "--engine", "hf",
+                        "--prompts_per_step", "8",
                         *argv])
 
 
 def shift_sampler_logprobs(monkeypatch, noise):
     """Emulate a sampler that disagrees with the trainer: its log-probs are shifted token by token."""
-    generate = common.generate
+    generate = HFEngine.generate
 
     def shifted(*a, **k):
         r = generate(*a, **k)
         r.sampler_logprobs = [[x + noise(x) for x in lp] for lp in r.sampler_logprobs]
         return r
 
-    monkeypatch.setattr(common, "generate", shifted)
+    monkeypatch.setattr(HFEngine, "generate", shifted)
 
 
 def test_guard_names_the_step_and_the_causes(tmp_path, monkeypatch):
     shift_sampler_logprobs(monkeypatch, lambda x: 0.01)
-    with pytest.raises(common.RolloutMismatchError, match=r"step 1: .* by 0.01 on average .*> --sampler_diff_tol 0.001"):
+    with pytest.raises(faults.RolloutMismatchError, match=r"step 1: .* by 0.01 on average .*> "
+                                                          r"--sampler_diff_tol 0.001"):
         train(tmp_path, "--steps", "2", "--run_name", "g")
     assert not os.path.exists(tmp_path / "g" / "checkpoint.pt")
-    run = train(tmp_path, "--steps", "1", "--run_name", "g2", "--sampler_diff_tol", "0.02")  # the flag moves it
+    # the flag moves it
+    run = train(tmp_path, "--steps", "1", "--run_name", "g2", "--sampler_diff_tol", "0.02")
     assert read_metrics(run.run_dir)[0]["logprob/sampler_diff"] == pytest.approx(0.01, rel=1e-3)
 
 
 def _rows(run):
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in read_metrics(run.run_dir)]
+    return [{k: v for k,
+             v in r.items() if not k.startswith(("time/", "perf/"))} for r in read_metrics(run.run_dir)]
 
 
 @pytest.mark.parametrize("mode", ["token-tis", "token-mis", "seq-mis"])
@@ -94,7 +103,8 @@ def test_with_agreeing_fp32_engines_every_correction_leaves_the_run_unchanged(tm
     for a, b in zip(off, on):
         assert abs(b["is/mean"] - 1) < 1e-6 and b["is/clip_frac"] == 0 and b["is/kl"] < 1e-10
         for k in a:
-            assert (math.isnan(a[k]) and math.isnan(b[k])) or a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+            assert (math.isnan(a[k]) and math.isnan(b[k])) or a[k] == pytest.approx(b[k], rel=1e-4,
+                                                                                    abs=1e-6), k
 
 
 @pytest.mark.parametrize("mode", ["off", "token-tis", "token-mis", "seq-mis"])
@@ -105,7 +115,8 @@ def test_each_correction_reacts_to_an_injected_mismatch(tmp_path, monkeypatch, m
                               "--sampler_diff_tol", "10").run_dir)
     for r in rows:
         assert r["is/kl"] > 0.05 and 0.4 < r["logprob/sampler_diff"] < 0.8
-        assert (r["is/clip_frac"] == 0) == (mode == "off")  # N(0, .7) log-noise leaves [1/2, 2] for some tokens
+        # N(0, .7) log-noise leaves [1/2, 2] for some tokens
+        assert (r["is/clip_frac"] == 0) == (mode == "off")
         if mode == "seq-mis":
             assert r["is/clip_frac"] < 0.5  # whole completions dropped: their geometric mean is the outlier
 
@@ -113,6 +124,7 @@ def test_each_correction_reacts_to_an_injected_mismatch(tmp_path, monkeypatch, m
 def test_gpg_first_sampling_round_draws_what_grpo_draws(tmp_path):
     """One seed function for every script: at the same --seed, GPG's first round samples GRPO's batch."""
     a = read_metrics(train(tmp_path, "--steps", "1", "--run_name", "grpo").run_dir)[0]
-    b = read_metrics(train(tmp_path, "--steps", "1", "--run_name", "gpg", "--beta_th", "0", module=train_gpg).run_dir)[0]
+    b = read_metrics(train(tmp_path, "--steps", "1", "--run_name", "gpg", "--beta_th", "0",
+                           module=train_gpg).run_dir)[0]
     assert (a["len/mean"], a["reward/format"], a["len/truncated"]) == (b["len/mean"], b["reward/format"],
                                                                         b["len/truncated"])

@@ -59,12 +59,13 @@ def test_lr_warmup_is_linear_then_constant():
     assert common.lr_lambda(0)(0) == 1.0
 
 
-# ---------------------------------------------------------------------------------------------- pass@k, maj@k, CIs
+# ----------------------------------------------------------------------------------------- pass@k, maj@k, CIs
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures")
 
 
-@pytest.mark.parametrize("n,c,k", [(n, c, k) for n in range(1, 8) for c in range(n + 1) for k in range(1, n + 1)])
+@pytest.mark.parametrize("n,c,k",
+                         [(n, c, k) for n in range(1, 8) for c in range(n + 1) for k in range(1, n + 1)])
 def test_pass_at_k_equals_brute_force_enumeration(n, c, k):
     outcomes = [1] * c + [0] * (n - c)
     subsets = list(itertools.combinations(range(n), k))
@@ -120,14 +121,15 @@ def test_reliability_diagram_writes_a_png(tmp_path):
     assert w2 == w1 and h2 > 1.8 * h1  # a dict of dicts: one row of panels per key
 
 
-# ---------------------------------------------------------------------------------------------- contamination, audit
+# --------------------------------------------------------------------------------------- contamination, audit
 
 
 def test_contamination_finds_a_planted_overlap_and_decontaminate_drops_it():
     shared = "a farmer has seventeen sheep and all but nine run away how many are left now"
     train = [{"prompt": "completely different words here about apples and pears"},
              {"prompt": f"Question: {shared}? Think."}, {"prompt": "short"}]
-    test = [{"prompt": f"{shared} today"}, {"prompt": "nothing in common with the training prompts at all really"}]
+    test = [{"prompt": f"{shared} today"},
+            {"prompt": "nothing in common with the training prompts at all really"}]
     found = rewards.ngram_overlap([e["prompt"] for e in train], [e["prompt"] for e in test], n=13)
     assert found["share"] == 0.5 and [(p["eval"], p["train"]) for p in found["pairs"]] == [(0, 1)]
     assert len(found["pairs"][0]["ngram"].split()) == 13
@@ -153,17 +155,19 @@ def test_verifier_audit_names_bad_rows():
         ev.verifier_audit(rewards.score_exact, [{"completion": "x", "answer": "x", "label": "yes"}])
 
 
-# ---------------------------------------------------------------------------------------------- the command line
+# ------------------------------------------------------------------------------------------- the command line
 
 
 def test_cli_end_to_end_on_a_tiny_trained_checkpoint(tmp_path):
     import train_grpo
     for name in ("a", "b"):
         train_grpo.main(["--engine", "hf", "--task", "calibration", "--steps", "3", "--prompts_per_step", "8",
-                         "--out_dir", str(tmp_path), "--run_name", name, "--wandb", "false", "--eval_every", "3",
+                         "--out_dir", str(tmp_path), "--run_name", name, "--wandb", "false", "--eval_every",
+                         "3",
                          "--eval_limit", "50", "--seed", str(ord(name))])
     out = tmp_path / "eval"
-    run_script("eval.py", ["--model", str(tmp_path / "a" / "final"), "--task", "calibration", "--n", "4", "--k", "1,2,4",
+    run_script("eval.py",
+               ["--model", str(tmp_path / "a" / "final"), "--task", "calibration", "--n", "4", "--k", "1,2,4",
                            "--limit", "40", "--engine", "hf", "--out", str(out)])
     result = json.load(open(out / "eval.json"))
     assert result["questions"] == 40 and result["n"] == 4
@@ -172,7 +176,7 @@ def test_cli_end_to_end_on_a_tiny_trained_checkpoint(tmp_path):
     assert result["pass@1"] <= result["pass@2"] <= result["pass@4"]
     lo, hi = result["pass@1_ci95"]
     assert lo <= result["pass@1"] <= hi
-    assert (out / "eval.md").exists() and (out / "pass_at_k.png").exists() and (out / "reliability.png").exists()
+    assert all((out / name).exists() for name in ("eval.md", "pass_at_k.png", "reliability.png"))
     cmp = tmp_path / "cmp"
     run_script("eval.py", ["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(cmp)])
     rows = json.load(open(cmp / "comparison.json"))["runs"]
@@ -183,10 +187,12 @@ def test_cli_end_to_end_on_a_tiny_trained_checkpoint(tmp_path):
 def test_cli_audit_and_contamination(tmp_path):
     labelled = tmp_path / "labels.jsonl"
     labelled.write_text("\n".join(json.dumps(r) for r in [
-        {"completion": "\\boxed{4}", "answer": "4", "label": 1}, {"completion": "4", "answer": "4", "label": 1}]))
+        {"completion": "\\boxed{4}", "answer": "4", "label": 1},
+        {"completion": "4", "answer": "4", "label": 1}]))
     proc = run_script("eval.py", ["audit", "--file", str(labelled), "--out", str(tmp_path)])
     assert "recall 0.500" in proc.stdout and json.load(open(tmp_path / "audit.json"))["fn"] == 1
-    proc = run_script("eval.py", ["contamination", "--task", f"gsm8k:{FIX}/gsm8k_{{split}}.jsonl", "--ngram", "5"])
+    proc = run_script("eval.py",
+                      ["contamination", "--task", f"gsm8k:{FIX}/gsm8k_{{split}}.jsonl", "--ngram", "5"])
     assert "of 1 held-out prompts" in proc.stdout
 
 
@@ -198,7 +204,8 @@ def test_cli_audit_and_contamination(tmp_path):
     (["--k", "1,x"], "--k 1,x: a comma-separated list of integers"),  # was: a ValueError traceback
     (["--limit", "-25"], "--limit -25: must be >= 0"),
     (["compare", os.path.join(FIX, "nostep")], "row 1 has no 'step': not a metrics.jsonl"),  # was: KeyError
-    (["contamination", "--task", "addition", "--ngram", "0"], "--ngram 0: must be >= 1"),  # was: 100% contaminated
+    # was: 100% contaminated
+    (["contamination", "--task", "addition", "--ngram", "0"], "--ngram 0: must be >= 1"),
 ])
 def test_cli_bad_input_gives_a_clear_error(argv, message):
     with pytest.raises(AssertionError, match=message) as e:

@@ -35,14 +35,16 @@ def test_memory_by_hand():
     p = memory.parameters(s)
     one = memory.memory(s, 1, sharded=False, compute_bytes=4, tokens=10, logit_tokens=5, checkpointing=False)
     gb = 1e9
-    assert one["weights"] == pytest.approx(4 * p["total"] / gb) and one["adam"] == pytest.approx(8 * p["total"] / gb)
+    assert one["weights"] == pytest.approx(4 * p["total"] / gb)
+    assert one["adam"] == pytest.approx(8 * p["total"] / gb)
     assert one["working"] == 0  # fp32 compute: no cast copies
     per_token_layer = 4 * (10 * 64 + 4 * 32 + 4 * 96)
     assert one["activations"] == pytest.approx((10 * 3 * per_token_layer + 3 * 5 * 100 * 4) / gb)
     four = memory.memory(s, 4, sharded=True, compute_bytes=4, tokens=10, logit_tokens=5, checkpointing=False)
     for k in ("weights", "grads", "adam"):  # FSDP2 splits the states over the ranks
         assert four[k] == pytest.approx(one[k] / 4)
-    assert four["working"] == pytest.approx((2 * 4 * (p["root"] + 2 * p["layer"]) + 8 * (p["root"] + p["layer"])) / gb)
+    gathered, gradients = 2 * 4 * (p["root"] + 2 * p["layer"]), 8 * (p["root"] + p["layer"])
+    assert four["working"] == pytest.approx((gathered + gradients) / gb)
     ckpt = memory.memory(s, 1, sharded=False, compute_bytes=4, tokens=10, logit_tokens=5, checkpointing=True)
     assert ckpt["activations"] == pytest.approx((10 * (3 * 4 * 64 + per_token_layer) + 3 * 5 * 100 * 4) / gb)
     awake = memory.memory(s, 1, sharded=False, vllm_gb=50.0)
@@ -53,18 +55,23 @@ def test_lora_memory_by_hand():
     s = {**SMALL, "tied": False}
     p, gb = memory.parameters(s), 1e9
     h, i, kv = 64, 96, 32
-    adapters = 3 * 8 * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + i) + (i + h))  # r = 8: r (in + out) per layer
+    # r = 8: r (in + out) per layer
+    adapters = 3 * 8 * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + i) + (i + h))
     assert memory.lora_parameters(s, 8) == adapters
     full = memory.memory(s, 1, sharded=False, compute_bytes=2, tokens=10, logit_tokens=5, reference=True)
-    lora = memory.memory(s, 1, sharded=False, compute_bytes=2, tokens=10, logit_tokens=5, reference=True, lora_rank=8)
+    lora = memory.memory(s, 1, sharded=False, compute_bytes=2, tokens=10, logit_tokens=5, reference=True,
+                         lora_rank=8)
     assert lora["weights"] == pytest.approx((2 * p["total"] + 4 * adapters) / gb)  # bf16 base + fp32 adapters
-    assert lora["grads"] == pytest.approx(4 * adapters / gb) and lora["adam"] == pytest.approx(8 * adapters / gb)
+    assert lora["grads"] == pytest.approx(4 * adapters / gb)
+    assert lora["adam"] == pytest.approx(8 * adapters / gb)
     assert lora["reference"] == 0 and full["reference"] > 0  # the reference is the base with the adapters off
     assert lora["working"] == pytest.approx(2 * adapters / gb)  # only the adapters are cast by autocast
     assert lora["activations"] == full["activations"]
-    from transformers import AutoModelForCausalLM, Qwen2Config
     from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, Qwen2Config
     cfg = Qwen2Config(hidden_size=64, num_hidden_layers=3, intermediate_size=96, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=100, tie_word_embeddings=False)
-    model = get_peft_model(AutoModelForCausalLM.from_config(cfg), LoraConfig(r=8, target_modules="all-linear"))
+    model = get_peft_model(
+        AutoModelForCausalLM.from_config(cfg), LoraConfig(r=8, target_modules="all-linear")
+    )
     assert adapters == sum(p.numel() for p in model.parameters() if p.requires_grad)  # what peft creates

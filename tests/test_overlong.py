@@ -5,11 +5,13 @@ import torch
 
 import common
 import train_grpo
+from conftest import assert_grad_close
+from rlmini import data, logprobs, models, packing
 from rollout_double import addition_rewards, record_first_step
 
 
 def test_soft_overlong_penalty_by_hand():
-    r = common.Rollouts([], [[0] * n for n in (5, 6, 7, 8, 10)], [], [], 0)
+    r = data.Rollouts([], [[0] * n for n in (5, 6, 7, 8, 10)], [], [], 0)
     assert common.overlong_penalty(r, 10, 4, 1.0).tolist() == pytest.approx([0.0, 0.0, -0.25, -0.5, -1.0])
     assert common.overlong_penalty(r, 10, 4, 0.5).tolist() == pytest.approx([0.0, 0.0, -0.125, -0.25, -0.5])
     assert common.overlong_penalty(r, 10, 0, 1.0).tolist() == [0.0] * 5  # off
@@ -25,13 +27,14 @@ def test_mask_truncated_gives_the_gradient_of_the_finished_completions_only(tmp_
         "--loss_agg", loss_agg, "--mask_truncated", "true"])
     r = batches[0]
     assert 0 < sum(r.finished) < len(r.finished)  # the batch has both kinds
-    model = common.load_model(run.args, run.task, torch.device("cpu"), torch.float32)[0]  # the initial weights again
+    # the initial weights again
+    model = models.load_model(run.args, run.task, torch.device("cpu"), torch.float32)[0]
     rewards = addition_rewards(run, tok, r)
     advantages = train_grpo.compute_advantages(rewards, 4)
     kept = [i for i, f in enumerate(r.finished) if f]
-    batch = common.make_batch([r.prompt_ids[i] for i in kept], [r.completion_ids[i] for i in kept], r.pad_id,
+    batch = packing.make_batch([r.prompt_ids[i] for i in kept], [r.completion_ids[i] for i in kept], r.pad_id,
                               torch.device("cpu"))
-    logp, _ = common.token_logprobs(model, batch, 1.0)
+    logp, _ = logprobs.token_logprobs(model, batch, 1.0)
     per_seq = (logp * batch["mask"]).sum(1)
     if loss_agg == "token-mean":
         loss = -(advantages[kept] * per_seq).sum() / batch["mask"].sum()
@@ -39,4 +42,4 @@ def test_mask_truncated_gives_the_gradient_of_the_finished_completions_only(tmp_
         loss = -(advantages[kept] * per_seq / batch["mask"].sum(1)).sum() / len(kept)
     loss.backward()
     for ours, (name, p) in zip(grads[0], model.named_parameters()):
-        torch.testing.assert_close(ours, p.grad, rtol=1e-4, atol=1e-7, msg=name)
+        assert_grad_close(ours, p.grad, rel=1e-4, name=name)

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-import common
 import rewards
+from rlmini import models
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures")
 
@@ -108,18 +108,21 @@ def test_bad_input_names_file_and_row(spec, message):
 
 
 def test_line_numbers_are_the_files_own_and_bad_files_are_named(tmp_path):
-    """1-based physical lines, blank lines counted (they used to be skipped by one count and not the other)."""
+    """1-based physical lines, blank lines counted (they used to be skipped by one count and not the other).
+    """
     bad = tmp_path / "blank.jsonl"
     bad.write_text('{"prompt": "a", "answer": "1"}\n\n\n{"prompt": "b"}\n')
     with pytest.raises(rewards.DataError, match=r"blank.jsonl: line 4: missing column 'answer'"):
         rewards.load_task(f"jsonl:{bad}")
     latin = tmp_path / "latin.jsonl"
-    latin.write_bytes('{"prompt": "a", "answer": "1"}\n{"prompt": "caf\u00e9", "answer": "2"}\n'.encode("latin-1"))
+    latin.write_bytes('{"prompt": "a", "answer": "1"}\n{"prompt": "caf\u00e9", "answer": '
+                      '"2"}\n'.encode("latin-1"))
     with pytest.raises(rewards.DataError, match=r"latin.jsonl: line 2: not UTF-8 text \(byte 15 of the line"):
         rewards.load_task(f"jsonl:{latin}")
     with pytest.raises(rewards.DataError, match="is a folder, not a JSONL file"):
         rewards.load_task(f"jsonl:{tmp_path}")
-    for spec in ("mixed:-1", "mixed:2", "mixed:x"):  # were: IndexError, 2,000 all-hard prompts, a bare ValueError
+    # were: IndexError, 2,000 all-hard prompts, a bare ValueError
+    for spec in ("mixed:-1", "mixed:2", "mixed:x"):
         with pytest.raises(rewards.DataError, match=r"share of hard prompts in \[0, 1\]"):
             rewards.load_task(spec)
 
@@ -133,11 +136,11 @@ def test_tiny_tokenizer_round_trips_every_task_alphabet():
     from transformers import AutoTokenizer
     for name in ("addition", "calibration", "ordinal"):
         task = rewards.load_task(name)
-        tok = AutoTokenizer.from_pretrained(common.build_tiny_model(task.alphabet))
+        tok = AutoTokenizer.from_pretrained(models.build_tiny_model(task.alphabet))
         for ex in task.train[:20]:
             ids = tok(ex["prompt"], add_special_tokens=False)["input_ids"]
             assert tok.unk_token_id not in ids
             assert tok.decode(ids) == ex["prompt"]
-    tok = AutoTokenizer.from_pretrained(common.build_tiny_model(rewards.load_task("calibration").alphabet))
+    tok = AutoTokenizer.from_pretrained(models.build_tiny_model(rewards.load_task("calibration").alphabet))
     ids = tok("37%", add_special_tokens=False)["input_ids"]
     assert len(ids) == 1 and tok.decode(ids + [tok.eos_token_id], skip_special_tokens=True) == "37%"

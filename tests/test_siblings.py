@@ -11,7 +11,8 @@ import train_gpg
 import train_grpo
 import train_ppo
 import train_rloo
-from conftest import mean_of, read_metrics
+from conftest import mean_of, read_metrics, undocumented
+from rlmini import data, packing
 from test_train_grpo import SHARED_METRICS, _rows_without_timing, _same
 
 
@@ -25,7 +26,8 @@ def train(module, tmp_path, *argv):
 def test_rloo_advantage_is_leave_one_out():
     r = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.3, 0.9, 0.1, 0.5])
     a = train_rloo.compute_advantages(r, 4)
-    brute = torch.tensor([r[g * 4 + i] - (r[g * 4:(g + 1) * 4].sum() - r[g * 4 + i]) / 3 for g in range(2) for i in range(4)])
+    brute = torch.tensor([r[g * 4 + i] - (r[g * 4:(g + 1) * 4].sum() - r[g * 4 + i]) / 3
+                          for g in range(2) for i in range(4)])
     torch.testing.assert_close(a, brute)
     assert a[:4].tolist() == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3])
 
@@ -61,7 +63,8 @@ def test_corpo_never_rewards_a_failure_where_grpo_does():
 def test_corpo_adaptive_becomes_the_group_mean_and_static_stays():
     r = torch.tensor([1.0, 0.5, 0.8, 0.2])  # mean 0.625 above the threshold 0.5
     assert train_corpo.compute_advantages(r, 4, 0.5).tolist() == pytest.approx([0.375, -0.125, 0.175, -0.425])
-    assert train_corpo.compute_advantages(r, 4, 0.5, "static").tolist() == pytest.approx([0.5, 0.0, 0.3, -0.3])
+    assert train_corpo.compute_advantages(r, 4, 0.5,
+                                          "static").tolist() == pytest.approx([0.5, 0.0, 0.3, -0.3])
 
 
 # ---------------------------------------------------------------------------------------------- GPG
@@ -83,20 +86,22 @@ def test_gpg_loss_is_the_plain_policy_gradient():
     logp = torch.tensor([[-1.0, -2.0], [-0.5, 0.0]], requires_grad=True)
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     adv = torch.tensor([2.0, -1.0])
-    token_loss, stats = train_gpg.policy_loss(logp, logp.detach() - 5.0, None, adv, mask, None)  # no ratio involved
-    loss = train_gpg.aggregate(token_loss, mask, "token-mean", 2, 3, 2)
+    # no ratio involved
+    token_loss, stats = train_gpg.policy_loss(logp, logp.detach() - 5.0, None, adv, mask, None)
+    loss = common.aggregate(token_loss, mask, "token-mean", 2, 3, 2)
     (g,) = torch.autograd.grad(loss, logp)
     torch.testing.assert_close(g, torch.tensor([[-2.0, -2.0], [1.0, 0.0]]) / 3)
     assert stats["clipped"].sum() == 0
 
 
 def test_groups_split_and_join_round_trip():
-    r = common.Rollouts([[1], [1], [2], [2]], [[5, 1], [6], [7, 1], [8]], [[-1.0, -2.0], [-3.0], [-4.0, -5.0], [-6.0]],
+    r = data.Rollouts([[1], [1], [2], [2]], [[5, 1], [6], [7, 1], [8]],
+                      [[-1.0, -2.0], [-3.0], [-4.0, -5.0], [-6.0]],
                         [True, False, True, False])
     rewards, correct, fmt = torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.tensor([1.0, 0, 0, 0]), torch.ones(4)
-    groups = common.split_groups(["a", "b"], r, rewards, correct, fmt, 2)
+    groups = data.split_groups(["a", "b"], r, rewards, correct, fmt, 2)
     assert [g[0] for g in groups] == ["a", "b"] and groups[1][1].completion_ids == [[7, 1], [8]]
-    ex, back, rw, cr, fm = common.join_groups(groups[::-1])
+    ex, back, rw, cr, fm = data.join_groups(groups[::-1])
     assert ex == ["b", "a"] and back.completion_ids == [[7, 1], [8], [5, 1], [6]]
     assert rw.tolist() == [0.0, 0.0, 1.0, 0.0] and back.finished == [True, False, True, False]
 
@@ -143,7 +148,8 @@ def test_gae_against_hand_computation_with_masks():
 
 
 def test_clipped_value_loss_values():
-    v, v_old, ret, mask = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.5, 0.0]]), torch.tensor([[2.0, 1.0]]), torch.ones(1, 2)
+    v, v_old, ret = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.5, 0.0]]), torch.tensor([[2.0, 1.0]])
+    mask = torch.ones(1, 2)
     # token 1: unclipped (1-2)^2 = 1, clipped V = 0.7 -> (0.7-2)^2 = 1.69 -> max 1.69; token 2: 1
     assert train_ppo.value_loss(v, v_old, ret, mask, 0.2, 2).item() == pytest.approx(0.5 * (1.69 + 1.0) / 2)
     assert train_ppo.value_loss(v, v_old, ret, mask, 0.0, 2).item() == pytest.approx(0.5 * (1.0 + 1.0) / 2)
@@ -159,10 +165,13 @@ def test_value_loss_falls_on_a_fixed_target(tiny_addition, lora_rank):
     if lora_rank:  # its own adapters and its whole value head train; the backbone is frozen
         trainable = [n for n, p in critic.named_parameters() if p.requires_grad]
         assert any("score" in n for n in trainable) and all("lora_" in n or "score" in n for n in trainable)
-        assert not any("score" in n and "lora_" in n for n in trainable)  # the head is not adapted, it trains whole
+        # the head is not adapted, it trains whole
+        assert not any("score" in n and "lora_" in n for n in trainable)
     opt = torch.optim.AdamW(common.trainable_parameters(critic), lr=1e-3)
-    batch = common.make_batch([[4, 13, 5, 14], [6, 13, 7, 14]], [[5, 6, 1], [12, 1]], tok.pad_token_id, torch.device("cpu"))
-    target = torch.tensor([[0, 0, 0, 0.3, -0.5, 0.8], [0, 0, 0, 1.0, -1.0, 0]])[:, :batch["mask"].shape[1]] * batch["mask"]
+    batch = packing.make_batch([[4, 13, 5, 14], [6, 13, 7, 14]], [[5, 6, 1], [12, 1]], tok.pad_token_id,
+                               torch.device("cpu"))
+    target = torch.tensor([[0, 0, 0, 0.3, -0.5, 0.8], [0, 0, 0, 1.0, -1.0, 0]])[:, :batch["mask"].shape[1]]
+    target = target * batch["mask"]
     losses = []
     for _ in range(60):
         values = train_ppo.critic_values(critic, batch)
@@ -175,7 +184,8 @@ def test_value_loss_falls_on_a_fixed_target(tiny_addition, lora_rank):
 
 
 def test_ppo_resume_restores_the_critic(tmp_path):
-    opts = ["--steps", "4", "--save_every", "2", "--prompts_per_step", "8", "--task", "calibration", "--group_size", "2"]
+    opts = ["--steps", "4", "--save_every", "2", "--prompts_per_step", "8", "--task", "calibration",
+            "--group_size", "2"]
     train(train_ppo, tmp_path, *opts, "--run_name", "straight")
     train(train_ppo, tmp_path, *opts[:1], "2", *opts[2:], "--run_name", "split")
     train(train_ppo, tmp_path, *opts, "--run_name", "split", "--resume", "true")
@@ -194,7 +204,7 @@ def test_ppo_critic_warmup_keeps_the_policy_still(tmp_path):
     base = AutoModelForCausalLM.from_pretrained(run.model_path)
     for (n, a), (_, b) in zip(base.named_parameters(), run.model.named_parameters()):
         assert torch.equal(a, b.detach()), n
-    critic, _ = run.algo_state["critic"]
+    critic = run.critic
     assert critic.score.weight.abs().sum() > 0  # the critic trained (its head starts at 0)
 
 
@@ -210,14 +220,17 @@ def test_ppo_critic_warmup_keeps_the_policy_still(tmp_path):
 def test_each_algorithm_learns_addition(tmp_path, module, extra):
     run = train(module, tmp_path, "--steps", "150", "--run_name", "learn", *extra)
     rows = read_metrics(run.run_dir)
-    assert SHARED_METRICS <= set(rows[0])
+    assert SHARED_METRICS <= set(rows[0]) and not undocumented(rows[0], run.algo)  # docs/metrics.md names all
     start, end = mean_of(rows, "reward/mean", 0, 10), mean_of(rows, "reward/mean", 130, 150)
     assert end > start + 0.15, (start, end)
 
 
 def test_corpo_and_grpo_learn_ordinal_and_only_grpo_rewards_failures(tmp_path):
-    corpo = read_metrics(train(train_corpo, tmp_path, "--task", "ordinal", "--steps", "150", "--run_name", "c").run_dir)
-    grpo = read_metrics(train(train_grpo, tmp_path, "--task", "ordinal", "--steps", "150", "--run_name", "g").run_dir)
+    corpo = read_metrics(train(train_corpo, tmp_path, "--task", "ordinal", "--steps", "150", "--run_name",
+                               "c").run_dir)
+    grpo = read_metrics(
+        train(train_grpo, tmp_path, "--task", "ordinal", "--steps", "150", "--run_name", "g").run_dir
+    )
     for rows in (corpo, grpo):
         start, end = mean_of(rows, "reward/mean", 0, 10), mean_of(rows, "reward/mean", 130, 150)
         assert end > start + 0.4, (start, end)

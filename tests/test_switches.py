@@ -4,31 +4,30 @@ sampling (Yu et al. 2025, sec. 3.2) and the completion log (rollouts.jsonl, eval
 import json
 import math
 import os
-
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-import common
 import eval as evaluation
 import train_grpo
 import train_rloo
-from conftest import read_metrics
+from conftest import assert_grad_close, read_metrics
+from rlmini import dist, logprobs, models, packing, runlog
 from rollout_double import addition_rewards, record_first_step
-
 
 # ---------------------------------------------------------------------------------------------- --std_level
 
 
 def test_batch_std_is_reinforce_pp_baseline_by_hand():
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])
-    # group-centred: [.75, -.25, -.25, -.25], [.5, .5, -.5, -.5]; their batch std (unbiased): sqrt(1.75 / 7) = 0.5
+    # group-centred: [.75, -.25, -.25, -.25], [.5, .5, -.5, -.5]; unbiased batch std: sqrt(1.75 / 7) = .5
     batch = train_grpo.compute_advantages(rewards, 4, std_norm=True, eps=0.0, std_level="batch")
     assert batch.tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5, 1.0, 1.0, -1.0, -1.0])
     # group level divides each group by its own std: sqrt(0.25) = 0.5 and sqrt(1/3)
     group = train_grpo.compute_advantages(rewards, 4, std_norm=True, eps=0.0, std_level="group")
-    assert group.tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5] + [0.5 * 3 ** 0.5] * 2 + [-0.5 * 3 ** 0.5] * 2)
+    assert group.tolist() == pytest.approx([1.5, -0.5, -0.5,
+                                            -0.5] + [0.5 * 3 ** 0.5] * 2 + [-0.5 * 3 ** 0.5] * 2)
     # not TRL's "batch" (std of the raw rewards, 0.5345 here): that would give 1.4031 for the first completion
     assert batch[0].item() != pytest.approx(0.75 / rewards.std().item())
     # an all-equal batch has no signal: exactly zero, not NaN
@@ -38,19 +37,20 @@ def test_batch_std_is_reinforce_pp_baseline_by_hand():
         train_grpo.compute_advantages(rewards, 4, std_norm=False).tolist()
 
 
-# ---------------------------------------------------------------------------------------------- top-entropy tokens
+# ----------------------------------------------------------------------------------------- top-entropy tokens
 
 
 def test_top_share_threshold_keeps_the_right_tokens():
     x = torch.tensor([0.1, 0.5, 0.3, 0.9, 0.7, 0.2, 0.4, 0.6, 0.8, 1.0])
-    assert common.top_share_threshold([x], 0.2) == pytest.approx(0.9)   # 2 of 10 (0.2 * 10 is not rounded up to 3)
-    assert common.top_share_threshold([x], 0.25) == pytest.approx(0.8)  # ceil(2.5) = 3 tokens: 1.0, 0.9, 0.8
-    assert common.top_share_threshold([x], 1.0) == pytest.approx(0.1)   # all
-    assert common.top_share_threshold([x], 0.01) == pytest.approx(1.0)  # at least one token
-    assert int((x >= common.top_share_threshold([x], 0.5)).sum()) == 5
+    # 2 of 10 (0.2 * 10 is not rounded up to 3)
+    assert dist.top_share_threshold([x], 0.2) == pytest.approx(0.9)
+    assert dist.top_share_threshold([x], 0.25) == pytest.approx(0.8)  # ceil(2.5) = 3 tokens: 1.0, 0.9, 0.8
+    assert dist.top_share_threshold([x], 1.0) == pytest.approx(0.1)   # all
+    assert dist.top_share_threshold([x], 0.01) == pytest.approx(1.0)  # at least one token
+    assert int((x >= dist.top_share_threshold([x], 0.5)).sum()) == 5
     ties = torch.tensor([1.0, 1.0, 1.0, 0.0])
-    assert int((ties >= common.top_share_threshold([ties[:2], ties[2:]], 0.25)).sum()) == 3  # ties all stay
-    assert common.top_share_threshold([], 0.2) == float("inf")  # nothing in the loss: no token passes
+    assert int((ties >= dist.top_share_threshold([ties[:2], ties[2:]], 0.25)).sum()) == 3  # ties all stay
+    assert dist.top_share_threshold([], 0.2) == float("inf")  # nothing in the loss: no token passes
 
 
 def test_entropy_gradient_through_the_chunked_projection_is_the_analytic_one():
@@ -58,7 +58,7 @@ def test_entropy_gradient_through_the_chunked_projection_is_the_analytic_one():
     dH/dh = dz W; our checkpointed, chunked projection must give exactly these gradients."""
     torch.manual_seed(0)
     d, V, T = 6, 11, 0.7
-    batch = common.make_batch([[3, 4], [6]], [[8, 9, 1], [10, 1, 2, 5]], 0, torch.device("cpu"))
+    batch = packing.make_batch([[3, 4], [6]], [[8, 9, 1], [10, 1, 2, 5]], 0, torch.device("cpu"))
     head = torch.nn.Linear(d, V, bias=False)
     hidden = torch.randn(*batch["input_ids"].shape, d, requires_grad=True)
 
@@ -69,7 +69,8 @@ def test_entropy_gradient_through_the_chunked_projection_is_the_analytic_one():
         def get_output_embeddings(self):
             return head
     model = Model()
-    _, entropy = common.token_logprobs(model, batch, T, chunk_tokens=2, with_entropy=True)  # 7 tokens: 4 chunks
+    # 7 tokens: 4 chunks
+    _, entropy = logprobs.token_logprobs(model, batch, T, chunk_tokens=2, with_entropy=True)
     assert entropy.requires_grad
     (entropy * batch["mask"]).sum().backward()
     with torch.no_grad():
@@ -81,22 +82,24 @@ def test_entropy_gradient_through_the_chunked_projection_is_the_analytic_one():
         torch.testing.assert_close(H.squeeze(1), entropy[at].detach())
         dh = torch.zeros_like(hidden)
         dh[:, :-1][at] = dz @ head.weight
-    torch.testing.assert_close(head.weight.grad, dz.T @ h, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(hidden.grad, dh, rtol=1e-5, atol=1e-6)
+    assert_grad_close(head.weight.grad, dz.T @ h, rel=1e-5, name="dH/dW")
+    assert_grad_close(hidden.grad, dh, rel=1e-5, name="dH/dh")
 
 
 @pytest.mark.parametrize("rho,coef", [(0.3, 0.0), (0.3, 0.05), (1.0, 0.05)])
 def test_top_entropy_mask_and_entropy_bonus_give_the_textbook_gradient(tmp_path, monkeypatch, rho, coef):
-    """On-policy GRPO, token-mean: grad of -(sum_i A_i sum_t 1[H_it >= tau] log pi_it + c sum_it H_it) / N_tokens,
-    tau the smallest of the top ceil(rho N) entropies of the batch (Wang et al. 2025); N counts every token."""
+    """On-policy GRPO, token-mean: grad of -(sum_i A_i sum_t 1[H_it >= tau] log pi_it + c sum_it H_it) /
+    N_tokens, tau the smallest of the top ceil(rho N) entropies of the batch (Wang et al. 2025); N counts
+    every token."""
     run, batches, grads, tok = record_first_step(monkeypatch, train_grpo, [
         "--out_dir", str(tmp_path), "--prompts_per_step", "4", "--group_size", "4", "--micro_batch_size", "3",
         "--loss_agg", "token-mean", "--top_entropy_quantile", str(rho), "--entropy_coef", str(coef)])
     r = batches[0]
-    model = common.load_model(run.args, run.task, torch.device("cpu"), torch.float32)[0]  # the initial weights again
+    # the initial weights again
+    model = models.load_model(run.args, run.task, torch.device("cpu"), torch.float32)[0]
     advantages = train_grpo.compute_advantages(addition_rewards(run, tok, r), 4)
-    batch = common.make_batch(r.prompt_ids, r.completion_ids, r.pad_id, torch.device("cpu"))
-    logp, entropy = common.token_logprobs(model, batch, 1.0, with_entropy=True)
+    batch = packing.make_batch(r.prompt_ids, r.completion_ids, r.pad_id, torch.device("cpu"))
+    logp, entropy = logprobs.token_logprobs(model, batch, 1.0, with_entropy=True)
     mask = batch["mask"]
     H = entropy.detach()[mask > 0]
     k = max(1, math.ceil(round(rho * H.numel(), 6)))  # ceil(rho * N) without float noise
@@ -106,20 +109,22 @@ def test_top_entropy_mask_and_entropy_bonus_give_the_textbook_gradient(tmp_path,
     loss = -(advantages[:, None] * logp * top).sum() / mask.sum() - coef * (entropy * mask).sum() / mask.sum()
     loss.backward()
     for ours, (name, p) in zip(grads[0], model.named_parameters()):
-        torch.testing.assert_close(ours, p.grad, rtol=1e-4, atol=1e-7, msg=name)
+        assert_grad_close(ours, p.grad, rel=1e-4, name=name)
     threshold = read_metrics(run.run_dir)[0]["entropy/threshold"]
-    assert threshold == pytest.approx(tau.item(), rel=1e-5) if rho < 1 else math.isnan(threshold)  # NaN when off
+    # NaN when off
+    assert threshold == pytest.approx(tau.item(), rel=1e-5) if rho < 1 else math.isnan(threshold)
 
 
-# ---------------------------------------------------------------------------------------------- dynamic sampling
+# ------------------------------------------------------------------------------------------- dynamic sampling
 
 
 @pytest.mark.parametrize("script", [train_grpo, train_rloo])
 def test_dynamic_sampling_keeps_only_groups_with_both_outcomes(tmp_path, monkeypatch, script):
-    """On the rollout double (completions fixed by the prompt's text: some groups all wrong), the trained batch
-    holds, in order, the first groups with a correct and a wrong completion over the sampling rounds."""
+    """On the rollout double (completions fixed by the prompt's text: some groups all wrong), the trained
+    batch holds, in order, the first groups with a correct and a wrong completion over the sampling rounds."""
     run, batches, _, tok = record_first_step(monkeypatch, script, [
-        "--out_dir", str(tmp_path), "--prompts_per_step", "8", "--group_size", "4", "--dynamic_sampling", "true",
+        "--out_dir", str(tmp_path), "--prompts_per_step", "8", "--group_size", "4", "--dynamic_sampling",
+        "true",
         "--max_sampling_rounds", "10", "--log_completions", "32"])
     row = read_metrics(run.run_dir)[0]
     mixed, zero_first = [], None
@@ -145,7 +150,8 @@ def test_dynamic_sampling_tops_up_at_the_round_limit(tmp_path, monkeypatch):
     """At --max_sampling_rounds the batch is filled up with the last round's zero-variance groups (after the
     kept ones), as GPG does, so that every rank trains on the same number of completions."""
     run, batches, _, tok = record_first_step(monkeypatch, train_grpo, [
-        "--out_dir", str(tmp_path), "--prompts_per_step", "8", "--group_size", "4", "--dynamic_sampling", "true",
+        "--out_dir", str(tmp_path), "--prompts_per_step", "8", "--group_size", "4", "--dynamic_sampling",
+        "true",
         "--max_sampling_rounds", "1", "--log_completions", "32"])
     row = read_metrics(run.run_dir)[0]
     assert len(batches) == row["sampling/rounds"] == 1 and row["sampling/extra_rollouts"] == 0
@@ -156,7 +162,7 @@ def test_dynamic_sampling_tops_up_at_the_round_limit(tmp_path, monkeypatch):
     assert len(logged) == 32 and varied == sorted(varied, reverse=True)  # kept groups first, then the others
 
 
-# ---------------------------------------------------------------------------------------------- completion log
+# --------------------------------------------------------------------------------------------- completion log
 
 
 def test_completion_log_rows_resume_and_the_eval_command(tmp_path, capsys):
@@ -166,15 +172,17 @@ def test_completion_log_rows_resume_and_the_eval_command(tmp_path, capsys):
     path = os.path.join(run.run_dir, "rollouts.jsonl")
     rows = [json.loads(line) for line in open(path)]
     assert [r["step"] for r in rows] == [1, 1, 1, 2, 2, 2]
-    assert set(rows[0]) >= {"step", "prompt", "completion", "reward", "correct", "format", "advantage", "length",
+    assert set(rows[0]) >= {"step", "prompt", "completion", "reward", "correct", "format", "advantage",
+                            "length",
                             "truncated"}
     for r in rows:
         assert r["prompt"].endswith("=") and r["length"] >= 1 and isinstance(r["truncated"], bool)
         assert not r["truncated"] or r["length"] == run.max_new_tokens
-    train_grpo.main([*argv, "--steps", "3", "--resume", "true"])  # from step 2's checkpoint: no duplicate step
+    # from step 2's checkpoint: no duplicate step
+    train_grpo.main([*argv, "--steps", "3", "--resume", "true"])
     assert [json.loads(line)["step"] for line in open(path)] == [1, 1, 1, 2, 2, 2, 3, 3, 3]
     # a resume from an older checkpoint rewrites the later steps
-    common._truncate_metrics(path, 1)
+    runlog.truncate_metrics(path, 1)
     assert [json.loads(line)["step"] for line in open(path)] == [1, 1, 1]
     out = evaluation.main(["completions", run.run_dir, "--worst", "2", "--best", "1"])
     printed = capsys.readouterr().out
@@ -188,8 +196,8 @@ def test_completion_log_rows_resume_and_the_eval_command(tmp_path, capsys):
 def test_dynamic_sampling_learns_faster_per_optimizer_step(tmp_path):
     """From the random tiny model most addition groups are all wrong (zero variance, no signal); with dynamic
     sampling every optimizer step sees 16 groups with signal. Measured on the current code, reward over steps
-    21-40 with it / without, seeds 0-4: 0.090 / 0.013, 0.066 / 0.042, 0.068 / 0.037, 0.095 / 0.043, 0.157 / 0.052
-    (at least 1.57x and +0.024; over steps 31-40 alone seed 1 gives only 1.37x)."""
+    21-40 with it / without, seeds 0-4: 0.090 / 0.013, 0.066 / 0.042, 0.068 / 0.037, 0.095 / 0.043, 0.157 /
+    0.052 (at least 1.57x and +0.024; over steps 31-40 alone seed 1 gives only 1.37x)."""
     argv = ["--out_dir", str(tmp_path), "--wandb", "false", "--engine", "hf", "--steps", "40",
             "--prompts_per_step", "16", "--save_every", "0"]
     with_ds = read_metrics(train_grpo.main([*argv, "--run_name", "ds", "--dynamic_sampling", "true",
@@ -198,13 +206,14 @@ def test_dynamic_sampling_learns_faster_per_optimizer_step(tmp_path):
     assert all(r["sampling/kept_zero_std"] == 0 for r in with_ds if r["sampling/rounds"] < 8)
     assert max(r["sampling/rounds"] for r in with_ds) > 1 and all(r["sampling/rounds"] == 1 for r in without)
     late = lambda rows: sum(r["reward/mean"] for r in rows[20:]) / 20  # the policy's own rate (first round)
-    assert late(with_ds) > 1.3 * late(without) and late(with_ds) > late(without) + 0.015, (late(with_ds), late(without))
+    assert late(with_ds) > 1.3 * late(without) and late(with_ds) > late(without) + 0.015, (late(with_ds),
+                                                                                           late(without))
 
 
 def test_completion_log_goes_to_a_wandb_table_keyed_by_the_step(tmp_path):
     import wandb
     logged = []
-    log = common.RunLog.__new__(common.RunLog)  # rank 0's logger, with a stand-in for the wandb run
+    log = runlog.RunLog.__new__(runlog.RunLog)  # rank 0's logger, with a stand-in for the wandb run
     log.rank0, log.path = True, str(tmp_path / "metrics.jsonl")
     log.wandb = SimpleNamespace(log=lambda data, step: logged.append((data, step)))
     rows = [{"step": 3, "prompt": "1+2=", "completion": "3", "reward": 1.0, "truncated": False},

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 import train_grpo
-from conftest import mean_of, read_metrics, run_script
+from conftest import mean_of, read_metrics, run_script, undocumented
 
-SHARED_METRICS = {"reward/mean", "reward/correct", "reward/format", "adv/mean", "adv/failed_pos_frac", "loss/policy",
+SHARED_METRICS = {"reward/mean", "reward/correct", "reward/format", "adv/mean", "adv/failed_pos_frac",
+                  "loss/policy",
                   "kl", "clip_frac", "entropy", "len/mean", "time/rollout", "time/update", "time/push",
                   "perf/tokens_per_s"}
 NOT_REPRODUCIBLE = ("time/", "perf/")
@@ -25,7 +26,7 @@ def test_addition_reward_rises_hf_engine(tmp_path, seed):
     rows = read_metrics(run.run_dir)
     start, end = mean_of(rows, "reward/mean", 0, 10), mean_of(rows, "reward/mean", 130, 150)
     assert start < 0.1 and end > start + 0.15, (start, end)
-    assert SHARED_METRICS <= set(rows[0])
+    assert SHARED_METRICS <= set(rows[0]) and not undocumented(rows[0], "grpo")  # docs/metrics.md names all
     # the final policy is exported in HF format and loads back with the trained weights
     from transformers import AutoModelForCausalLM
     final = AutoModelForCausalLM.from_pretrained(os.path.join(run.run_dir, "final"))
@@ -64,10 +65,12 @@ OFF_POLICY = ["--updates_per_rollout", "2", "--minibatches", "2", "--prompts_per
 
 
 def test_resume_gives_the_same_metrics_hf(tmp_path):
-    train(tmp_path, "--engine", "hf", "--steps", "6", "--save_every", "3", "--run_name", "straight", *OFF_POLICY)
+    train(tmp_path, "--engine", "hf", "--steps", "6", "--save_every", "3", "--run_name", "straight",
+          *OFF_POLICY)
     train(tmp_path, "--engine", "hf", "--steps", "3", "--save_every", "3", "--run_name", "split", *OFF_POLICY)
     # a crash after step 3's checkpoint: the resumed run rewrites steps 4.. and matches
-    train(tmp_path, "--engine", "hf", "--steps", "6", "--save_every", "3", "--run_name", "split", "--resume", "true",
+    train(tmp_path, "--engine", "hf", "--steps", "6", "--save_every", "3", "--run_name", "split", "--resume",
+          "true",
           *OFF_POLICY)
     _same(_rows_without_timing(tmp_path / "straight"), _rows_without_timing(tmp_path / "split"))
     a = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=False)
@@ -90,11 +93,13 @@ def test_resume_gives_the_same_metrics_vllm(tmp_path):
     ["--loss_agg", "token-mean", "--clip_eps_high", "0.28"],                   # DAPO
     ["--ratio_level", "sequence", "--clip_eps", "3e-4", "--clip_eps_high", "4e-4"],  # GSPO
     ["--loss_agg", "seq-mean-token-sum-norm", "--std_norm", "false"],          # Dr. GRPO
-    ["--beta", "0.04", "--updates_per_rollout", "2", "--micro_batch_size", "5", "--task", "calibration"],  # KL
+    # KL
+    ["--beta", "0.04", "--updates_per_rollout", "2", "--micro_batch_size", "5", "--task", "calibration"],
     ["--task", "ordinal", "--gradient_checkpointing", "true"],
 ])
 def test_every_variant_runs_and_logs_sane_metrics(tmp_path, extra):
-    run = train(tmp_path, "--engine", "hf", "--steps", "3", "--prompts_per_step", "8", "--run_name", "v", *extra)
+    run = train(tmp_path, "--engine", "hf", "--steps", "3", "--prompts_per_step", "8", "--run_name", "v",
+                *extra)
     rows = read_metrics(run.run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
@@ -128,6 +133,7 @@ def test_decontaminate_drops_overlapping_training_prompts(tmp_path):
         {"prompt": "another clean one", "answer": "3"}]))
     (tmp_path / "d.test.jsonl").write_text(json.dumps({"prompt": f"so {shared}", "answer": "1"}))
     run = train(tmp_path, "--engine", "hf", "--task", f"jsonl:{tmp_path}/d.jsonl", "--steps", "1",
-                "--prompts_per_step", "2", "--group_size", "2", "--max_new_tokens", "4", "--decontaminate", "13",
+                "--prompts_per_step", "2", "--group_size", "2", "--max_new_tokens", "4", "--decontaminate",
+                "13",
                 "--run_name", "dc")
     assert [e["answer"] for e in run.task.train] == ["2", "3"]

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 import common
+from rlmini import checkpoint as ckpt
+from rlmini import engine, logprobs, packing
 
 CPU = torch.device("cpu")
 # fp32 on CPU: vLLM's sampled-token log-probs and the trainer's agree to ~5e-7 here; allow 1e-4
@@ -19,25 +21,25 @@ def vllm_setup(tiny_addition, tmp_path_factory):
     model, tok, _ = tiny_addition
     model = copy.deepcopy(model)
     final = str(tmp_path_factory.mktemp("export") / "final")
-    common.save_final(model, tok, final)
+    ckpt.save_final(model, tok, final)
     args = common.Args(engine="vllm", seed=0)
-    engine = common.make_engine(args, final, tok, CPU, torch.float32, max_len=64)
+    sampler = engine.make_engine(args, final, model, tok, CPU, torch.float32, max_len=64)
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ["3+4=", "12+9=", "0+0="]]
-    return engine, model, tok, prompts
+    return sampler, model, tok, prompts
 
 
 def _trainer_logprobs(model, r, temperature):
-    batch = common.make_batch(r.prompt_ids, r.completion_ids, 0, CPU)
+    batch = packing.make_batch(r.prompt_ids, r.completion_ids, 0, CPU)
     with torch.no_grad():
-        lp, _ = common.token_logprobs(model, batch, temperature)
+        lp, _ = logprobs.token_logprobs(model, batch, temperature)
     return torch.cat([lp[i][batch["mask"][i] > 0] for i in range(len(r.completion_ids))])
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_vllm_and_trainer_logprobs_agree(vllm_setup, temperature):
-    engine, model, tok, prompts = vllm_setup
-    common.push_weights(engine, model, torch.float32)
-    r = common.generate(engine, None, prompts, 8, 4, temperature, seed=11, device=CPU, dtype=torch.float32)
+    sampler, model, tok, prompts = vllm_setup
+    sampler.push()
+    r = sampler.generate(prompts, 8, 4, temperature, 11)
     assert sum(len(c) for c in r.completion_ids) > 30  # multi-token completions
     sampler = torch.tensor([x for s in r.sampler_logprobs for x in s])
     torch.testing.assert_close(sampler, _trainer_logprobs(model, r, temperature), atol=LOGPROB_TOL, rtol=0)
@@ -46,67 +48,69 @@ def test_vllm_and_trainer_logprobs_agree(vllm_setup, temperature):
 
 
 def test_per_request_seeds_reproduce(vllm_setup):
-    engine, _, _, prompts = vllm_setup
-    a = common.generate(engine, None, prompts, 4, 4, 1.0, seed=3, device=CPU, dtype=torch.float32)
-    b = common.generate(engine, None, prompts, 4, 4, 1.0, seed=3, device=CPU, dtype=torch.float32)
-    c = common.generate(engine, None, prompts, 4, 4, 1.0, seed=4, device=CPU, dtype=torch.float32)
+    sampler, _, _, prompts = vllm_setup
+    a = sampler.generate(prompts, 4, 4, 1.0, 3)
+    b = sampler.generate(prompts, 4, 4, 1.0, 3)
+    c = sampler.generate(prompts, 4, 4, 1.0, 4)
     assert a.completion_ids == b.completion_ids != c.completion_ids
 
 
 def test_push_changes_samples_and_passes_the_probe(vllm_setup):
-    engine, model, tok, prompts = vllm_setup
-    common.push_weights(engine, model, torch.float32)
-    before = common.generate(engine, None, prompts, 8, 4, 1.0, seed=5, device=CPU, dtype=torch.float32)
+    sampler, model, tok, prompts = vllm_setup
+    sampler.push()
+    before = sampler.generate(prompts, 8, 4, 1.0, 5)
     with torch.no_grad():  # make "7" + EOS overwhelmingly likely: only the weights changed
         model.get_output_embeddings().weight[tok.convert_tokens_to_ids("7")] += 3.0
-    common.push_weights(engine, model, torch.float32)
-    after = common.generate(engine, None, prompts, 8, 4, 1.0, seed=5, device=CPU, dtype=torch.float32)
+    sampler.push()
+    after = sampler.generate(prompts, 8, 4, 1.0, 5)
     assert after.completion_ids != before.completion_ids
     share7 = lambda r: sum(t == tok.convert_tokens_to_ids("7") for c in r.completion_ids for t in c) / \
         sum(len(c) for c in r.completion_ids)
     assert share7(after) > share7(before) + 0.2
     probe = (prompts[0], [5, 6, 1])
-    assert common.check_push(engine, model, probe, 1.0, 1e-4, CPU, torch.float32) < 1e-4
+    assert sampler.check_push(probe, 1e-4) < 1e-4
 
 
-@pytest.mark.parametrize("part", ["embed_tokens", "layers.0.self_attn.q_proj", "layers.1.mlp.down_proj", "norm"])
+@pytest.mark.parametrize(
+    "part", ["embed_tokens", "layers.0.self_attn.q_proj", "layers.1.mlp.down_proj", "norm"]
+)
 def test_every_kind_of_weight_reaches_vllm(vllm_setup, part):
     """Regression: with tied embeddings vLLM's in-place reload used to restore the old LM head."""
-    engine, model, _, prompts = vllm_setup
+    sampler, model, _, prompts = vllm_setup
     with torch.no_grad():
         for name, p in model.named_parameters():
             if part in name:
                 p.add_(0.05 * torch.randn_like(p))
-    common.push_weights(engine, model, torch.float32)
-    assert common.check_push(engine, model, (prompts[1], [5, 6, 1]), 1.0, 1e-4, CPU, torch.float32) < 1e-4
+    sampler.push()
+    assert sampler.check_push((prompts[1], [5, 6, 1]), 1e-4) < 1e-4
 
 
 def test_a_push_that_silently_does_nothing_is_caught(vllm_setup, monkeypatch):
-    engine, model, _, prompts = vllm_setup
-    common.push_weights(engine, model, torch.float32)
+    sampler, model, _, prompts = vllm_setup
+    sampler.push()
     probe = (prompts[0], [5, 6, 1])
-    common.check_push(engine, model, probe, 1.0, 1e-4, CPU, torch.float32)
+    sampler.check_push(probe, 1e-4)
     # inject a failure: the RPC returns without touching the weights
-    monkeypatch.setattr(engine.llm, "collective_rpc", lambda *a, **k: [None])
+    monkeypatch.setattr(sampler.llm, "collective_rpc", lambda *a, **k: [None])
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(1.05)
-    common.push_weights(engine, model, torch.float32)
-    with pytest.raises(common.PushError, match="did not take effect"):
-        common.check_push(engine, model, probe, 1.0, 1e-4, CPU, torch.float32)
+    sampler.push()
+    with pytest.raises(engine.PushError, match="did not take effect"):
+        sampler.check_push(probe, 1e-4)
     monkeypatch.undo()
-    common.push_weights(engine, model, torch.float32)  # the real push repairs it
-    common.check_push(engine, model, probe, 1.0, 1e-4, CPU, torch.float32)
+    sampler.push()  # the real push repairs it
+    sampler.check_push(probe, 1e-4)
 
 
 def test_unloaded_parameters_reported_by_vllm_fail_the_push(vllm_setup, monkeypatch):
-    engine, model, _, _ = vllm_setup
+    sampler, model, _, _ = vllm_setup
     import logging
 
     def rpc(*a, **k):
         logging.getLogger("vllm").warning("QKVParallelLinear: Failed to load weights")
         return [None]
 
-    monkeypatch.setattr(engine.llm, "collective_rpc", rpc)
-    with pytest.raises(common.PushError, match="unloaded"):
-        common.push_weights(engine, model, torch.float32)
+    monkeypatch.setattr(sampler.llm, "collective_rpc", rpc)
+    with pytest.raises(engine.PushError, match="unloaded"):
+        sampler.push()

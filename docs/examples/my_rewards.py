@@ -1,4 +1,4 @@
-"""Reward functions of your own, for --reward (README, "Your own experiment"). Each is called once per
+"""Reward functions of your own, for --reward (docs/own-experiment.md). Each is called once per
 completion with keyword arguments and returns a float (or a rewards.Score, whose correct/format_ok then
 replace the task verifier's):
 

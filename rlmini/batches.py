@@ -1,0 +1,121 @@
+"""What flows through a step: the rollout batch (whole groups, scored), what the pre-update pass computed, and
+the minibatches and micro-batches of the update, laid out for the trainer."""
+from dataclasses import dataclass
+
+import torch
+
+from rlmini.data import Rollouts
+from rlmini.logprobs import to_padded
+from rlmini.packing import make_batch, padded_tokens
+
+
+@dataclass
+class Keep:
+    """Which groups a step trains on: those whose `on` values ("correct" or "rewards") differ, since the
+    others carry no advantage. New prompts are sampled until every rank's batch is full or, with `min_valid`,
+    until that many groups (all ranks) were kept, for at most `max_rounds` rounds; then the batch is topped up
+    with the last round's other groups. DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2); GPG's beta_th
+    rule."""
+    on: str = "correct"
+    max_rounds: int = 20
+    min_valid: float | None = None
+
+
+@dataclass
+class Batch:
+    """This rank's share of a step's rollouts: whole groups of G completions, scored."""
+    examples: list
+    rollouts: Rollouts
+    rewards: torch.Tensor   # the task's reward + --format_weight x format + the overlong penalty
+    correct: torch.Tensor
+    fmt: torch.Tensor
+    first: tuple            # (rewards, correct, format, --reward parts) of the first round: the policy's
+    rounds: int             # sampling rounds (Keep)
+    generated: int          # completions sampled over every round
+    spread_on: str          # the values whose spread decides a group ("correct" or "rewards")
+    in_loss: torch.Tensor   # 1 for a completion in the loss, 0 for one cut by the limit (--mask_truncated)
+
+    def __post_init__(self):
+        self.lengths = torch.tensor([len(c) for c in self.rollouts.completion_ids], dtype=torch.float32)
+        self.sampler_logp = [torch.tensor(lp, dtype=torch.float32) for lp in self.rollouts.sampler_logprobs]
+
+    def __len__(self):
+        return len(self.rollouts.completion_ids)
+
+
+@dataclass
+class Micro:
+    """Completions `rows` of the batch, laid out for the trainer (packing.make_batch)."""
+    rows: list
+    epoch: int              # the pass over the batch (--updates_per_rollout) it belongs to
+    layout: dict
+    loss_mask: torch.Tensor  # the completion tokens in the loss
+    sampler_logp: torch.Tensor
+    computed: int           # token positions the forward computes ...
+    padded: int             # ... and how many of them are padding (perf/pad_frac)
+
+    @property
+    def mask(self):
+        return self.layout["mask"]
+
+    def per_token(self, ragged: list) -> torch.Tensor:
+        """Per-completion 1-D tensors of the whole batch -> [b, T-1] for these rows."""
+        return to_padded(ragged, self.rows, self.mask)
+
+    def per_seq(self, values: torch.Tensor) -> torch.Tensor:
+        """One value per completion of the batch -> these rows', on the trainer's device."""
+        return values[self.rows].to(self.mask.device)
+
+
+def micro_batch(batch: Batch, rows: list, model, device, epoch: int = 0) -> Micro:
+    r = batch.rollouts
+    prompts, completions = [r.prompt_ids[i] for i in rows], [r.completion_ids[i] for i in rows]
+    layout = make_batch(prompts, completions, r.pad_id, device)
+    mask = layout["mask"]
+    loss_mask = mask * batch.in_loss[rows].unsqueeze(1).to(device)
+    return Micro(rows, epoch, layout, loss_mask, to_padded(batch.sampler_logp, rows, mask),
+                 *padded_tokens(layout, model))
+
+
+@dataclass
+class Minibatch:
+    """One optimizer step's completions (whole groups); iterating it yields its micro-batches. The loss
+    normalisers count the completions and tokens in the loss over all ranks, divided by the number of ranks
+    since FSDP2 averages gradients over ranks."""
+    batch: Batch
+    rows: list
+    epoch: int
+    n_seqs: float
+    n_tokens: float
+    micro_batch_size: int
+    model: object
+    device: torch.device
+
+    def __iter__(self):
+        for s in range(0, len(self.rows), self.micro_batch_size):
+            rows = self.rows[s:s + self.micro_batch_size]
+            yield micro_batch(self.batch, rows, self.model, self.device, self.epoch)
+
+
+def group_permutation(n: int, group_size: int, generator) -> torch.Tensor:
+    """A random order of n completions that keeps each group of `group_size` together, in order."""
+    groups = torch.randperm(n // group_size, generator=generator)
+    return (groups[:, None] * group_size + torch.arange(group_size)).flatten()
+
+
+@dataclass
+class PreUpdate:
+    """What the update needs from before it, per completion (ragged lists): pi_old, the reference's
+    log-probs, entropies and values."""
+    on_policy: bool         # pi_old is the update's own first forward (detached)
+    old: list
+    ref: list | None        # None: no reference model
+    entropy: list
+    values: list
+    tau: float = float("nan")  # --top_entropy_quantile: the entropy threshold over the global batch
+
+    def old_logp(self, micro: Micro, logp: torch.Tensor) -> torch.Tensor:
+        return logp.detach() if self.on_policy else micro.per_token(self.old)
+
+    def ref_logp(self, micro: Micro):
+        return micro.per_token(self.ref) if self.ref is not None else None

@@ -1,0 +1,274 @@
+"""The run folder and everything written into it to continue or use a run: the folder's lock, the options a
+resumed run may change, atomic checkpoints (one file, or torch.distributed.checkpoint shards under torchrun),
+exact restore, and final/ (the policy in HF format)."""
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import sys
+
+import torch
+
+from rlmini import dist
+from rlmini.data import rng_state
+from rlmini.engine import named_weights
+from rlmini.faults import NonFiniteError
+from rlmini.models import is_lora
+
+# what a finished or running run leaves in its folder; --overwrite removes them
+RUN_FILES = ("metrics.jsonl", "rollouts.jsonl", "config.json", "eval.json", "checkpoint.pt", "checkpoint",
+             "checkpoint.old", "checkpoint.tmp", "final")
+# options a resumed run may change freely: how it is run, logged and checked, not what it learns
+RESUMABLE_CHANGES = {
+    "steps", "resume", "out_dir", "run_name", "config", "overwrite", "allow_option_changes", "eval_every",
+    "eval_n", "eval_limit", "save_every", "wandb", "wandb_project", "wandb_group", "wandb_tags",
+    "log_completions", "push_check_every", "push_check_tol", "sampler_diff_tol", "dist_timeout",
+    "on_nonfinite", "micro_batch_size", "gradient_checkpointing", "engine", "vllm_gpu_memory_utilization",
+    "vllm_sleep", "print_every", "verbose", "packing"}
+
+
+def prepare_run_dir(args) -> str:
+    """The run's folder, checked before anything is written: --resume needs a checkpoint there; without it an
+    existing run is refused unless --overwrite (then its files are removed). Rank 0 then takes a lock on the
+    folder for the life of the process (released on exit, a crash included)."""
+    run_dir = os.path.join(args.out_dir, args.run_name)
+    if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+        raise SystemExit(f"--out_dir {args.out_dir}: is a file, not a folder")
+    found = [f for f in RUN_FILES if os.path.exists(os.path.join(run_dir, f))]
+    checkpoints = [f for f in ("checkpoint.pt", "checkpoint", "checkpoint.old") if f in found]
+    if args.resume and not checkpoints:
+        raise SystemExit(f"--resume true: no checkpoint in {run_dir} (checkpoint.pt, or checkpoint/ under "
+                         f"torchrun)")
+    if found and not args.resume and not args.overwrite:
+        raise SystemExit(f"{run_dir} already holds a run ({', '.join(found)}): pass --resume true to "
+                         f"continue it, --overwrite true to replace it, or another --run_name")
+    # a later run in the same torchrun process: every rank has looked before rank 0 writes
+    if dist.many_ranks():
+        torch.distributed.barrier()
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+    except OSError as e:  # --out_dir under a file, no permission, ...
+        raise SystemExit(f"--out_dir {args.out_dir}: cannot create {run_dir} ({e.strerror})") from None
+    if dist.rank() == 0:
+        lock_run_dir(run_dir)
+        if args.overwrite and not args.resume:
+            for f in found:
+                path = os.path.join(run_dir, f)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    return run_dir
+
+
+_LOCKS = {}  # run folder -> the open lock file this process holds
+
+
+def lock_run_dir(run_dir: str) -> None:
+    """An exclusive POSIX lock on run_dir/.lock: a second process training into the same folder stops at once.
+    POSIX locks belong to the process (a resumed run in the same process takes it again) and the system drops
+    them when the process ends, however it ends: a crash leaves no stale lock."""
+    import fcntl
+    path = os.path.join(os.path.abspath(run_dir), ".lock")
+    if path in _LOCKS:
+        return
+    f = open(path, "a+")
+    try:
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise SystemExit(f"{run_dir} is in use by another training process (pid {holder}, lock {path}): wait "
+                         f"for it to finish or choose another --run_name") from None
+    f.seek(0), f.truncate(), f.write(str(os.getpid())), f.flush()
+    _LOCKS[path] = f
+
+
+def check_resumed_options(saved: dict, args, algo: str, run_dir: str) -> None:
+    """A resumed run continues the same experiment: the same algorithm, and the same options but for those in
+    RESUMABLE_CHANGES (unless --allow_option_changes; the changes are printed either way)."""
+    if saved.get("algo", algo) != algo:
+        raise SystemExit(f"--resume: {run_dir} was trained by train_{saved['algo']}.py, not train_{algo}.py; "
+                         f"resume it with train_{saved['algo']}.py or start a new run (another --run_name)")
+    now = dataclasses.asdict(args)
+    changed = [f"--{k} {saved['args'][k]!r} -> {now[k]!r}" for k in sorted(now)
+               if k in saved.get("args", {}) and k not in RESUMABLE_CHANGES and saved["args"][k] != now[k]]
+    if changed and not args.allow_option_changes:
+        raise SystemExit(f"--resume: options differ from the checkpoint's in {run_dir}: "
+                         f"{'; '.join(changed)}. Pass --allow_option_changes true to continue with them "
+                         f"anyway")
+    if changed:
+        print(f"--resume with changed options (--allow_option_changes): {'; '.join(changed)}",
+              file=sys.stderr)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(path: str, state: dict) -> None:
+    """Write to a temporary file, fsync, then rename over the old one: an interrupted save leaves the previous
+    checkpoint intact."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:  # disk full, quota, I/O error: say so in one line; the previous file is untouched
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise SystemExit(f"could not write {path} ({e.strerror or e}); the previous checkpoint is "
+                         f"intact") from None
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str) -> dict:
+    if not os.path.exists(path):
+        raise SystemExit(f"--resume: no checkpoint at {path}")
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def save_sharded_checkpoint(path: str, state: dict, meta: dict) -> None:
+    """torchrun: every rank writes its own shards of `state` (torch.distributed.checkpoint) into path.tmp,
+    rank 0 adds `meta` (meta.pt) and swaps the folder in for `path`: an interrupted save leaves the previous
+    checkpoint intact. Across nodes, path must be on storage every node sees."""
+    import torch.distributed.checkpoint as dcp
+    tmp = f"{path}.tmp"
+    if dist.rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    torch.distributed.barrier()
+    dcp.save(state, checkpoint_id=tmp)
+    if dist.rank() == 0:
+        save_checkpoint(os.path.join(tmp, "meta.pt"), meta)
+        _swap_in(tmp, path)
+    torch.distributed.barrier()
+
+
+def _swap_in(tmp: str, path: str) -> None:
+    """Replace folder `path` by the finished folder `tmp`: the old one is renamed aside first and removed
+    last, so a crash in between leaves path.old (sharded_checkpoint_dir falls back to it)."""
+    old = f"{path}.old"
+    if os.path.exists(path):
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(path, old)
+    os.rename(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def sharded_checkpoint_dir(run_dir: str) -> str:
+    """The torchrun checkpoint folder; after a save cut off between its two renames, the previous one."""
+    path = os.path.join(run_dir, "checkpoint")
+    return path if os.path.exists(path) or not os.path.exists(f"{path}.old") else f"{path}.old"
+
+
+def load_resumed(run_dir: str) -> dict:
+    """The saved state of a --resume run (torchrun: its meta.pt; the shards are read by restore)."""
+    if dist.distributed():
+        return load_checkpoint(os.path.join(sharded_checkpoint_dir(run_dir), "meta.pt"))
+    return load_checkpoint(os.path.join(run_dir, "checkpoint.pt"))
+
+
+def save(run) -> None:
+    """Everything needed to continue: the policy and its optimizer, PPO's critic and its optimizer, the
+    scheduler, RNGs, step, data position and HA-DW's state. One process: checkpoint.pt, written by rank 0.
+    torchrun: checkpoint/, each rank writing its shards (torch.distributed.checkpoint)."""
+    pairs = {"critic": (run.critic, run.critic_optimizer)} if run.critic is not None else {}
+    meta = {"scheduler": run.scheduler.state_dict(), "rng": rng_state(), "step": run.step,
+            "data_pos": run.data_pos, "algo_state": {"hadw": run.hadw} if run.hadw else {},
+            "args": dataclasses.asdict(run.args), "algo": run.algo}
+    shards = [p.to_local() if hasattr(p, "to_local") else p for p in run.model.parameters()]  # FSDP2: its own
+    bad = dist.all_sum(sum(int((~torch.isfinite(p.detach())).sum()) for p in shards))  # every rank's shards
+    if bad:
+        raise NonFiniteError(f"step {run.step}: the policy holds {int(bad)} non-finite weights; no "
+                             f"checkpoint was written (the last one is intact)")
+    if dist.distributed():
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        state = {}
+        for key, (module, optimizer) in {"policy": (run.model, run.optimizer), **pairs}.items():
+            parts = get_state_dict(module, optimizer, options=_state_options(module))
+            state[key] = dict(zip(("model", "optimizer"), parts))
+        save_sharded_checkpoint(os.path.join(run.run_dir, "checkpoint"), state, meta)
+    elif dist.rank() == 0:
+        meta["algo_state"].update({k: {"model": model_state(m), "optimizer": o.state_dict()}
+                                   for k, (m, o) in pairs.items()})
+        save_checkpoint(os.path.join(run.run_dir, "checkpoint.pt"),
+                        {"model": model_state(run.model), "optimizer": run.optimizer.state_dict(), **meta})
+
+
+def model_state(model) -> dict:
+    """The weights a checkpoint holds: all, or with LoRA only the trainable ones (the base is on disk
+    already)."""
+    if not is_lora(model):
+        return model.state_dict()
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in model.state_dict().items() if k in trainable}
+
+
+def load_model_state(model, state: dict) -> None:
+    """model_state's inverse; with LoRA every trainable weight must be there, and nothing else."""
+    if not is_lora(model):
+        model.load_state_dict(state)
+        return
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    if unexpected or trainable & set(missing):
+        raise SystemExit(f"--resume: the checkpoint's adapters do not fit this model (missing "
+                         f"{sorted(trainable & set(missing))[:3]}, unexpected {unexpected[:3]}): same "
+                         f"--lora_* options?")
+
+
+def _state_options(module):
+    """torch.distributed.checkpoint: a LoRA model saves and loads its trainable weights only."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    return StateDictOptions(ignore_frozen_params=is_lora(module), strict=not is_lora(module))
+
+
+def restore(run, key: str, module, optimizer) -> None:
+    """Load the (module, optimizer) pair saved under `key` ("policy" or "critic") from the checkpoint of a
+    --resume run, in place; under torchrun each rank reads its shards."""
+    if not dist.distributed():  # taken out of run.resumed: the run keeps no second copy of the weights
+        state = run.resumed if key == "policy" else run.resumed["algo_state"].pop(key)
+        load_model_state(module, state.pop("model"))
+        optimizer.load_state_dict(state.pop("optimizer"))
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    parts = get_state_dict(module, optimizer, options=_state_options(module))
+    state = {key: dict(zip(("model", "optimizer"), parts))}
+    dcp.load(state, checkpoint_id=sharded_checkpoint_dir(run.run_dir))
+    set_state_dict(module, optimizer, model_state_dict=state[key]["model"],
+                   optim_state_dict=state[key]["optimizer"], options=_state_options(module))
+
+
+def save_final(model, tokenizer, path: str, style: str = "chat") -> None:
+    """The final policy in HF format (loadable by transformers and vLLM), written atomically by rank 0. Under
+    FSDP2 the whole weights are gathered once, into rank 0's CPU memory (every rank calls this). LoRA: the
+    merged model (W + (alpha / r) B A, in the base's dtype), and the adapters alone in path/adapter (peft's
+    format: PeftModel.from_pretrained(base, path/adapter))."""
+    state, adapters = None, None
+    if is_lora(model):
+        base_dtype = next(p.dtype for p in model.parameters() if not p.requires_grad)
+        # a collective per tensor under FSDP2: every rank iterates, rank 0 keeps (host memory: one copy)
+        merged = named_weights(model, base_dtype)
+        state = {n: w.cpu() for n, w in merged if dist.rank() == 0}
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        adapters = {n: dist.full_tensor(p.detach()).cpu() for n, p in trainable}
+    elif dist.distributed():
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.rank() != 0:
+        return
+    tmp = f"{path}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    (model.get_base_model() if adapters is not None else model).save_pretrained(tmp, state_dict=state)
+    if adapters is not None:
+        model.save_pretrained(os.path.join(tmp, "adapter"), state_dict=adapters)
+    tokenizer.save_pretrained(tmp)
+    with open(os.path.join(tmp, "rlmini.json"), "w") as f:
+        json.dump({"prompt_style": style}, f)
+    _swap_in(tmp, path)

@@ -1,0 +1,178 @@
+"""Seeds, the prompt stream, prompt token ids, and a rollout batch's groups and scores."""
+import hashlib
+import json
+import random
+import sys
+import typing
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import rewards
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rollout_seed(seed: int, step: int, rank: int, sampling_round: int = 0) -> int:
+    """The sampling seed of one generate call: distinct for every (--seed, step, rank, sampling round), the
+    same in every script; evaluation uses step -1 (the same draws at every evaluation)."""
+    digest = hashlib.sha256(f"rollout/{seed}/{step}/{rank}/{sampling_round}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFF_FFFF
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def load_task(args, style: str):
+    """The task of --task with its options: --system_prompt, --reward functions, --decontaminate."""
+    task = rewards.load_task(args.task, style=style, seed=args.seed, brier=args.brier,
+                             jsonl_reward=args.jsonl_reward, prompt_column=args.prompt_column,
+                             answer_column=args.answer_column)
+    if args.system_prompt and style != "chat":
+        raise SystemExit("--system_prompt: the built-in tiny model has no chat template; use a chat model "
+                         "(--model)")
+    task = rewards.with_system_prompt(task, args.system_prompt)
+    task = rewards.with_reward_functions(task, args.reward, args.reward_weights, args.on_nonfinite)
+    if args.decontaminate:
+        task.train, dropped = rewards.decontaminate(task.train, task.test, args.decontaminate)
+        if not task.train:
+            raise SystemExit(f"--decontaminate {args.decontaminate}: every training prompt overlaps the "
+                             f"held-out split")
+        print(f"decontaminate: dropped {dropped} training prompts sharing a {args.decontaminate}-gram with "
+              f"the test split")
+    return task
+
+
+def fit_prompts(task, tokenizer, chat: bool, max_new: int, context: int, flag: str) -> int:
+    """Drop (and count) the prompts of each split that leave no room for a completion of `max_new` tokens in
+    the model's context; returns the longest prompt kept, in tokens."""
+    max_prompt = 0
+    for split in ("train", "test"):
+        examples = getattr(task, split)
+        lengths = [len(p) for p in encode_prompts(tokenizer, [e["prompt"] for e in examples], chat)]
+        fits = [n + max_new <= context for n in lengths]
+        if not any(fits):
+            raise SystemExit(f"--task {flag}: every {split} prompt is longer than the model's context "
+                             f"({context} tokens) less --max_new_tokens {max_new}")
+        if not all(fits):
+            first = fits.index(False)
+            print(f"--task {flag}: dropped {fits.count(False)} of {len(fits)} {split} prompts longer than "
+                  "the "
+                  f"model's context ({context} tokens) less --max_new_tokens {max_new}; the first, "
+                  f"#{first + 1} "
+                  f"({lengths[first]} tokens): {examples[first]['prompt'][:60]!r}", file=sys.stderr)
+            setattr(task, split, [e for e, ok in zip(examples, fits) if ok])
+        max_prompt = max(max_prompt, max(n for n, ok in zip(lengths, fits) if ok))
+    return max_prompt
+
+
+def prompt_batch(examples: list, pos: int, n: int, seed: int) -> tuple[list, int]:
+    """n examples from position `pos` of an endless, epoch-wise shuffled stream; returns the new position. The
+    order depends only on (seed, epoch), so a resumed run sees the same prompts."""
+    out, orders, size = [], {}, len(examples)
+    while len(out) < n:
+        epoch, i = divmod(pos, size)
+        if epoch not in orders:
+            orders[epoch] = list(range(size))
+            random.Random(seed * 7919 + epoch).shuffle(orders[epoch])
+        out.append(examples[orders[epoch][i]])
+        pos += 1
+    return out, pos
+
+
+def encode_prompts(tokenizer, prompts: list, chat: bool) -> list:
+    """Token ids of each prompt; a pretrained model with a chat template gets it applied (a text prompt as the
+    user's message, a conversation as it is), the prompt ending with the assistant's turn opening."""
+    template = chat and getattr(tokenizer, "chat_template", None)
+    if not template and any(isinstance(p, list) for p in prompts):
+        raise rewards.DataError("conversational prompts (lists of messages) need a model with a chat "
+                                "template; this one has none (the built-in tiny model never does)")
+    cache = _PROMPT_IDS.setdefault(tokenizer, {})  # the same prompts come back every epoch: tokenised once
+    out = []
+    for p in prompts:
+        key = (bool(template), p if isinstance(p, str) else json.dumps(p, sort_keys=True))
+        if key not in cache:
+            messages = [{"role": "user", "content": p}] if isinstance(p, str) else p
+            cache[key] = (tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False)
+                          if template else tokenizer(p, add_special_tokens=False)["input_ids"])
+        out.append(list(cache[key]))
+    return out
+
+
+_PROMPT_IDS = weakref.WeakKeyDictionary()  # tokenizer -> {(chat template?, prompt): token ids}
+
+
+@dataclass
+class Rollouts:
+    """What an engine returns: n completions per prompt, grouped by prompt."""
+    prompt_ids: list        # per completion (prompts repeated group_size times, grouped)
+    completion_ids: list    # sampled tokens, EOS included when sampled
+    sampler_logprobs: list  # the sampler's log-prob of each sampled token (temperature applied)
+    finished: list          # True where the completion ended with EOS ("stop"), False at "length"
+    pad_id: int = 0         # padding id for the trainer's batches
+
+
+class Group(typing.NamedTuple):
+    """One prompt's G completions and their scores: the unit that resampling keeps or drops."""
+    example: dict
+    rollouts: Rollouts
+    rewards: torch.Tensor
+    correct: torch.Tensor
+    fmt: torch.Tensor
+
+
+def split_groups(examples, rollouts, rewards, correct, fmt, group_size) -> list:
+    """One Group per prompt of a rollout batch (completions are grouped by prompt)."""
+    out = []
+    for g, ex in enumerate(examples):
+        k = slice(g * group_size, (g + 1) * group_size)
+        part = Rollouts(rollouts.prompt_ids[k], rollouts.completion_ids[k], rollouts.sampler_logprobs[k],
+                        rollouts.finished[k], rollouts.pad_id)
+        out.append(Group(ex, part, rewards[k], correct[k], fmt[k]))
+    return out
+
+
+def join_groups(groups: list) -> tuple:
+    """The inverse: (examples, rollouts, rewards, correct, fmt) of a list of Groups, in order."""
+    fields = ("prompt_ids", "completion_ids", "sampler_logprobs", "finished")
+    rollouts = Rollouts(*[[x for g in groups for x in getattr(g.rollouts, f)] for f in fields],
+                        groups[0].rollouts.pad_id)
+    return ([g.example for g in groups], rollouts,
+            *[torch.cat([getattr(g, f) for g in groups]) for f in ("rewards", "correct", "fmt")])
+
+
+def score_rollouts(task, tokenizer, examples: list, rollouts: Rollouts, group_size: int):
+    """(reward, correct, format score, Score objects), one per completion (examples are repeated group_size
+    times). The task's reward only: any bonus is the training loop's business."""
+    scores = []
+    for k, toks in enumerate(rollouts.completion_ids):
+        text = tokenizer.decode(toks, skip_special_tokens=True)
+        scores.append(task.score(text, examples[k // group_size], rollouts.finished[k]))
+    reward = torch.tensor([s.reward for s in scores], dtype=torch.float32)
+    correct = torch.tensor([s.correct for s in scores], dtype=torch.float32)
+    fmt = torch.tensor([s.format_ok for s in scores], dtype=torch.float32)
+    return reward, correct, fmt, scores
+
+
+def reward_parts(scores: list, names: list) -> torch.Tensor:
+    """[completions, functions]: each --reward function's unweighted value (logged as reward/<name>)."""
+    return torch.tensor([list(s.parts) for s in scores], dtype=torch.float32).view(len(scores), len(names))

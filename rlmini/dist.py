@@ -1,0 +1,179 @@
+"""Ranks, devices and collectives under torchrun (the identity in one process), and FSDP2 sharding.
+
+Every batch statistic is built from global sums and counts (all_sum) or from every rank's values in one
+process's order (all_gather), never averaged per rank, so each logged metric equals its 1-rank value.
+"""
+import atexit
+import datetime
+import math
+import os
+
+import torch
+
+
+def rank() -> int:
+    """This process's rank under torchrun (0 on one process)."""
+    return int(os.environ.get("RANK", 0))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def setup_device(args) -> tuple[torch.device, torch.dtype]:
+    """This rank's device and the compute dtype; under torchrun (any number of ranks), starts the process
+    group (NCCL on CUDA, gloo on CPU) with a bounded wait: a rank stuck in a collective stops the run with an
+    error after --dist_timeout seconds instead of hanging it."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if (world_size() > 1 or "TORCHELASTIC_RUN_ID" in os.environ) and not torch.distributed.is_initialized():
+        timeout = datetime.timedelta(seconds=getattr(args, "dist_timeout", 1800))
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+        atexit.register(_end_process_group)
+    name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    return device, getattr(torch, name)
+
+
+def barrier() -> None:
+    """Every rank has come this far (at the end of a run: every rank has written its last save)."""
+    if many_ranks():
+        torch.distributed.barrier()
+
+
+def _end_process_group() -> None:
+    """At exit (registered by setup_device), the process group ends before the interpreter does: left to the
+    interpreter's own teardown, gloo's threads die unjoined now and then ("terminate called without an active
+    exception", SIGABRT) and torchrun reports a finished run as FAILED. Not at the end of a run: a second run
+    in the same process would build a new default group on the old one's store keys and hang."""
+    if distributed():
+        torch.distributed.destroy_process_group()
+
+
+def distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def many_ranks() -> bool:
+    """A process group of more than one rank: collectives have something to do. (vLLM in one process
+    initialises a group of one; a sum or gather over it is the identity, so none is run.)"""
+    return distributed() and torch.distributed.get_world_size() > 1
+
+
+def _comm_device() -> torch.device:
+    """Where collective buffers live: NCCL needs CUDA tensors, gloo CPU ones."""
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_sum(values):
+    """Sum over ranks, in float64, of a number or of each value of a dict of numbers (identity on one
+    process)."""
+    if not many_ranks():
+        return values
+    keys = sorted(values) if isinstance(values, dict) else [None]
+    t = torch.tensor([float(values[k] if k is not None else values) for k in keys], dtype=torch.float64,
+                     device=_comm_device())
+    torch.distributed.all_reduce(t)
+    out = dict(zip(keys, t.tolist()))
+    return out if isinstance(values, dict) else out[None]
+
+
+def all_gather(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's tensor concatenated along dim 0 in rank order: the global batch, in the order of one
+    process (shard() gives each rank a contiguous block). Every rank passes the same shape."""
+    if not many_ranks():
+        return x
+    if 0 in x.shape[1:]:  # e.g. no --reward functions: empty on every rank alike
+        return x.new_empty((x.shape[0] * world_size(), *x.shape[1:]))
+    local = x.to(_comm_device())
+    parts = [torch.empty_like(local) for _ in range(world_size())]
+    torch.distributed.all_gather(parts, local)
+    return torch.cat(parts).to(x.device)
+
+
+def all_gather_objects(items: list) -> list:
+    """Every rank's list of picklable objects, concatenated in rank order (lengths may differ)."""
+    if not many_ranks():
+        return items
+    parts = [None] * world_size()
+    torch.distributed.all_gather_object(parts, items)
+    return [x for part in parts for x in part]
+
+
+def all_mean_var(x: torch.Tensor) -> tuple[float, float]:
+    """Mean and unbiased variance of the values of x on every rank together, in float64 and in two passes (the
+    mean first), so that a constant batch has exactly its value as mean and 0 variance."""
+    x = x.detach().double().flatten().cpu()
+    n = all_sum({"n": x.numel(), "sum": x.sum().item()})
+    mean = n["sum"] / n["n"] if n["n"] else float("nan")
+    squares = all_sum(((x - mean) ** 2).sum().item())
+    return mean, squares / (n["n"] - 1) if n["n"] > 1 else float("nan")
+
+
+def local_slice(n: int) -> slice:
+    """This rank's rows of a gathered batch in which every rank holds n rows."""
+    return slice(rank() * n, (rank() + 1) * n)
+
+
+def shard(items: list) -> list:
+    """This rank's contiguous block of a list: rank r of W takes items [r n / W, (r + 1) n / W), so the ranks'
+    blocks concatenated in rank order are the list itself (see all_gather)."""
+    n, ranks, r = len(items), world_size(), rank()
+    return items[r * n // ranks:(r + 1) * n // ranks]
+
+
+def shard_model(model, dtype):
+    """FSDP2 (torch's fully_shard) under torchrun, the identity in a plain process. Each decoder layer (the
+    model's `_no_split_modules`) and then the whole model become units whose parameters, gradients and
+    optimizer state live sharded over the ranks: a unit all-gathers its parameters for its forward and
+    backward and reduce-scatters (averages) the gradients. Mixed precision: the sharded master weights stay
+    fp32, compute runs in `dtype`, gradients are reduced in fp32. The root unit keeps its parameters gathered
+    from forward to backward (reshard_after_forward=False; FSDP2's own default for the root), so
+    token_logprobs' chunked projection, which runs after the forward, reads the whole output embedding, and
+    its gradient is reduce-scattered with the root's."""
+    if not distributed():
+        return model
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(f"FSDP2: {type(model).__name__} names no decoder layer class in _no_split_modules")
+    for layer in layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=False)
+    return model
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a sharded (DTensor) parameter or value, gathered from every rank (a collective:
+    every rank calls it, in the same order); a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def clip_grad_norm(parameters: list, max_norm: float) -> float:
+    """Clip the global gradient norm (over every rank's shard) to max_norm (0 = off); the norm before
+    clipping."""
+    norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm or float("inf"))
+    return full_tensor(norm).item()
+
+
+def top_share_threshold(values: list, share: float) -> float:
+    """The smallest of the largest ceil(share * N) of the values (a list of tensors, on any device), N counted
+    over every rank (values >= it are the top `share`; ties may add a few). Exact: every rank's values are
+    gathered."""
+    local = torch.cat([v.detach().float().flatten() for v in values]).cpu() if values else torch.zeros(0)
+    x = torch.cat(all_gather_objects([local]))
+    if x.numel() == 0:
+        return float("inf")
+    k = max(1, math.ceil(share * x.numel() - 1e-9))  # 0.2 * 10 is 2.0000000000000004 in floating point
+    return x.kthvalue(x.numel() - k + 1).values.item()

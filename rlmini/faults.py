@@ -1,0 +1,96 @@
+"""Guards and user errors: a non-finite reward, loss or gradient stops the run (or skips the update), rollouts
+that did not come from the policy stop it, a collapsed policy is warned about, and bad input ends in one line
+naming it (exit 2) instead of a traceback."""
+import contextlib
+import math
+import sys
+
+import torch
+
+import rewards
+from rlmini import dist
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN or infinite reward, loss or gradient norm, with --on_nonfinite stop."""
+
+
+class RolloutMismatchError(RuntimeError):
+    """The trainer does not reproduce the sampler's log-probs: the rollouts came from another policy."""
+
+
+def check_rewards(rewards, examples: list, group_size: int, step: int, on_nonfinite: str) -> None:
+    """Every reward finite, or the run stops naming the first bad one (its prompt and value); with
+    --on_nonfinite skip a warning names it, and the step's update is skipped by the gradient guard (a NaN
+    reward makes its group's advantages, the loss and the gradient NaN). Every rank decides alike."""
+    bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
+    if not dist.all_sum(len(bad)):
+        return
+    msg = f"step {step}: a non-finite reward on another rank"
+    if bad:
+        k = bad[0]
+        msg = (f"step {step}: {len(bad)} non-finite reward(s), the first {rewards[k].item()} for completion "
+               f"{k % group_size + 1} of prompt {examples[k // group_size]['prompt'][:80]!r} (from the "
+               f"task's reward, --reward, --format_weight or the overlong penalty)")
+    if on_nonfinite == "stop":
+        raise NonFiniteError(f"{msg}; stopped (--on_nonfinite skip would skip the update)")
+    print(f"warning: {msg}; the update of this step is skipped", file=sys.stderr)
+
+
+def nonfinite(value: float, what: str, step: int, on_nonfinite: str) -> bool:
+    """True when `value` (the same on every rank: a global norm or sum) is NaN or infinite and --on_nonfinite
+    is skip (the caller skips the update); raises NonFiniteError with --on_nonfinite stop. False if finite."""
+    if math.isfinite(value):
+        return False
+    msg = f"step {step}: the {what} is {value}"
+    if on_nonfinite == "stop":
+        raise NonFiniteError(f"{msg}; stopped before the optimizer step, so the weights and the last "
+                             f"checkpoint are finite (lower --lr, keep --grad_clip on; --on_nonfinite skip "
+                             f"skips such updates)")
+    if dist.rank() == 0:
+        print(f"warning: {msg}; this update is skipped (--on_nonfinite skip)", file=sys.stderr)
+    return True
+
+
+def default_sampler_diff_tol(dtype) -> float:
+    """Mean |sampler - trainer| log-prob of sampled tokens beyond which a step is broken, not noisy: fp32
+    engines agree to ~1e-7 (HF and vLLM on CPU); in bf16 vLLM and the trainer differed by 1.4e-3 here (CPU,
+    tiny model), more with GPU kernels and long completions; stale weights by 0.1 and up."""
+    return 1e-3 if dtype == torch.float32 else 0.1
+
+
+def check_sampler_diff(diff: float, step: int, tol: float) -> None:
+    """The per-step guard: the trainer recomputes the log-prob of every sampled token; if the mean difference
+    to the sampler's values is beyond `tol` the rollouts did not come from this policy."""
+    if not diff <= tol:  # NaN fails too
+        raise RolloutMismatchError(
+            f"step {step}: the trainer's log-probs of the sampled tokens differ from the sampler's by "
+            f"{diff:.4g} on average (> --sampler_diff_tol {tol:.3g}). The rollouts did not come from the "
+            f"policy being trained. Likely causes: vLLM sampled from stale or discarded weights (a weight "
+            f"push that did not take effect; an engine woken from sleep level 2 without a push), a different "
+            f"dtype or temperature in the engine and the trainer, or a tokenizer/chat-template mismatch. "
+            f"Nothing of this step was saved.")
+
+
+def warn_on_collapse(run, metrics: dict, steps: int = 5) -> None:
+    """Warn once per streak when the policy has had no gradient, or an entropy at its floor, for `steps` steps
+    in a row: a collapsed policy (an --lr far too high) or a reward that never varies trains on and learns
+    nothing, silently."""
+    quiet = metrics["grad_norm"] < 1e-12 or metrics["entropy"] < 1e-4
+    run.quiet_steps = run.quiet_steps + 1 if quiet else 0
+    if run.quiet_steps == steps and dist.rank() == 0:
+        print(f"warning: step {run.step}: no learning signal for {steps} steps (grad_norm "
+              f"{metrics['grad_norm']:.3g}, entropy {metrics['entropy']:.3g}, reward/mean "
+              f"{metrics['reward/mean']:.3g}): the policy may have collapsed (--lr {run.args.lr} too high?) "
+              f"or every group's rewards are equal", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def user_errors():
+    """A train_*.py entry point: bad data and non-finite values end in one line naming the problem and exit
+    status 2, not a traceback (a traceback is for our bugs)."""
+    try:
+        yield
+    except (rewards.DataError, NonFiniteError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

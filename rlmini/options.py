@@ -1,0 +1,137 @@
+"""Options: each field's help and valid range (arg), the check of a whole set of options (validate), and the
+parser (parse_args): --config files become command-line flags, so one parser types every value."""
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import typing
+from dataclasses import field
+from typing import Literal
+
+from rlmini.dist import world_size
+
+
+def arg(default, help: str, ge=None, gt=None, le=None, lt=None):
+    """A dataclass field with its one-line help (--help) and its valid range, checked when options are parsed.
+    """
+    return field(default=default, metadata={"help": help, "range": (ge, gt, le, lt)})
+
+
+def validate(args) -> None:
+    """Choices and ranges of every option (from each field's arg(...)) and the options that must agree; raises
+    ValueError naming the flag."""
+    for f in dataclasses.fields(args):
+        v, flag = getattr(args, f.name), f"--{f.name}"
+        if v is None:  # an optional option left unset
+            continue
+        if typing.get_origin(f.type) is Literal and v not in typing.get_args(f.type):
+            raise ValueError(f"{flag} {v!r}: choose one of {', '.join(typing.get_args(f.type))}")
+        if isinstance(v, float) and not math.isfinite(v):  # --lr inf, --beta nan: never meaningful
+            raise ValueError(f"{flag} {v!r}: must be a finite number")
+        ge, gt, le, lt = f.metadata.get("range", (None,) * 4)
+        if not ((ge is None or v >= ge) and (gt is None or v > gt) and (le is None or v <= le)
+                and (lt is None or v < lt)):
+            raise ValueError(f"{flag} {v!r}: must be {range_text(ge, gt, le, lt)}")
+    if args.group_size < args.min_group_size:
+        why = " (the group baseline needs two completions of each prompt)" if args.min_group_size > 1 else ""
+        raise ValueError(f"--group_size {args.group_size}: must be >= {args.min_group_size}{why}")
+    if (args.prompts_per_step * args.group_size) % args.minibatches:
+        raise ValueError(f"--minibatches {args.minibatches} must divide prompts_per_step * group_size = "
+                         f"{args.prompts_per_step * args.group_size}")
+    if args.is_low > args.is_high:
+        raise ValueError(f"--is_low {args.is_low} must not exceed --is_high {args.is_high}")
+
+
+def range_text(ge=None, gt=None, le=None, lt=None) -> str:
+    """'>= 1', '> 0', 'in [0, 1]', 'in (0, 1]', ... (--help and the errors)."""
+    low = (">=", ge, "[") if ge is not None else (">", gt, "(") if gt is not None else None
+    high = ("<=", le, "]") if le is not None else ("<", lt, ")") if lt is not None else None
+    if low and high:
+        return f"in {low[2]}{low[1]:g}, {high[1]:g}{high[2]}"
+    op, bound, _ = low or high
+    return f"{op} {bound:g}"
+
+
+def parse_args(cls, argv=None):
+    """`cls` (a subclass of Args) from the command line; a --config file's options become command-line flags
+    placed before the others (so the parser types them, and a flag given again overrides). Flags are never
+    abbreviated (--temp is not --temperature). A bad option ends in one line naming it."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    source = "command line"
+    if "--config" in argv:
+        path = argv[argv.index("--config") + 1] if argv.index("--config") + 1 < len(argv) else "--"
+        argv = config_flags(path, cls) + argv
+        source = f"command line or --config {path}"
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):  # argparse would print its usage and exit 2: one line instead
+            raise SystemExit(f"bad option ({source}): {message}")
+
+    about = (sys.modules[cls.__module__].__doc__ or "").split("\n\n")[0]
+    parser = Parser(description=about, allow_abbrev=False)
+    for f in dataclasses.fields(cls):
+        kind = next((t for t in typing.get_args(f.type) if t is not type(None)), f.type)  # X | None -> X
+        options = {"default": f.default, "help": f.metadata.get("help", ""), "type": kind}
+        if typing.get_origin(f.type) is Literal:
+            options.update(type=str, choices=typing.get_args(f.type))
+        elif kind is bool:  # --flag, --flag true, --flag false
+            options.update(type=_boolean, nargs="?", const=True)
+        parser.add_argument(f"--{f.name}", **options)
+    values, unknown = parser.parse_known_args(argv)
+    if unknown:  # flags are never abbreviated: --temp is not --temperature
+        raise SystemExit(f"unknown option(s) {unknown}: see --help for the options")
+    try:
+        return cls(**vars(values))
+    except ValueError as e:
+        raise SystemExit(f"bad option ({source}): {e}") from None
+
+
+def _boolean(text: str) -> bool:
+    if text.lower() in ("true", "yes", "1"):
+        return True
+    if text.lower() in ("false", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def config_flags(path: str, cls) -> list:
+    """The options of a YAML or JSON file as command-line flags; one line naming the file if it cannot be
+    read."""
+    if path.startswith("--"):
+        raise SystemExit("--config needs a file: --config run.yaml (YAML or JSON)")
+    if not os.path.isfile(path):
+        raise SystemExit(f"--config {path}: file not found")
+    import yaml
+    yaml_file = path.endswith((".yaml", ".yml"))
+    with open(path) as f:
+        try:
+            cfg = (yaml.safe_load(f) if yaml_file else json.load(f)) or {}
+        except (yaml.YAMLError, json.JSONDecodeError) as e:
+            raise SystemExit(f"--config {path}: not valid {'YAML' if yaml_file else 'JSON'}: "
+                             f"{' '.join(str(e).split())}") from None
+    if not isinstance(cfg, dict):
+        raise SystemExit(f"--config {path}: expected a mapping of option: value, got a {type(cfg).__name__}")
+    unknown = sorted(set(cfg) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise SystemExit(f"--config {path}: unknown option(s) {unknown}")
+    nested = sorted(k for k, v in cfg.items() if isinstance(v, (dict, list)))
+    if nested:
+        raise SystemExit(f"--config {path}: option(s) {nested} need a single value")
+    return [x for k, v in cfg.items() if v is not None for x in (f"--{k}", str(v))]
+
+
+def check_ranks(args) -> None:
+    """torchrun: every rank must do the same work (the same forwards, backwards and optimizer steps), or a
+    collective waits for a rank that never comes. Checked when a training run starts."""
+    ranks = world_size()
+    if args.prompts_per_step % ranks:
+        raise SystemExit(f"--prompts_per_step {args.prompts_per_step} must be a multiple of the number of "
+                         f"ranks ({ranks}, torchrun): each rank samples the same share of the prompts")
+    per_rank = args.prompts_per_step // ranks * args.group_size
+    if per_rank % args.minibatches:
+        raise SystemExit(f"--minibatches {args.minibatches} must divide each rank's completions per step, "
+                         f"prompts_per_step / ranks * group_size = {per_rank}")
+
+

@@ -1,0 +1,205 @@
+"""Batch layouts of the trainer and packed attention.
+
+make_batch lays out a micro-batch twice: padded rows (prompt + completion, right-padded), and one packed,
+padding-free sequence in which each distinct prompt appears once, followed by every completion. With packing
+on, attention runs through packed_attention (registered in transformers' AttentionInterface), so the G
+completions of a prompt share its one forward pass and no position is padding.
+"""
+import itertools
+import sys
+
+import torch
+import torch.nn.functional as F
+
+
+def make_batch(prompt_ids: list, completion_ids: list, pad_id: int, device) -> dict:
+    """One micro-batch in two layouts. Padded: right-padded prompt+completion rows, `mask` [b, T-1] marking
+    completion tokens in the shifted targets (position t predicts token t+1). Packed (`packed`): the micro-
+    batch as one padding-free sequence in which each distinct prompt appears once, followed by every
+    completion; position ids restart per sequence and attention stays inside each prompt+completion, so the
+    G completions of a prompt share its one forward pass (see packed_attention). `targets`: the completion
+    tokens in `mask`'s nonzero order; `target_index`: that order's (row, position) pairs."""
+    b = len(prompt_ids)
+    P = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long)
+    L = torch.tensor([len(c) for c in completion_ids], dtype=torch.long)
+    n = P + L
+    width = int(n.max())
+    rows = itertools.chain.from_iterable(x for pc in zip(prompt_ids, completion_ids) for x in pc)
+    seq = torch.tensor(list(rows), dtype=torch.long)
+    col = torch.arange(width)
+    inside = col < n[:, None]
+    input_ids = torch.full((b, width), pad_id, dtype=torch.long).masked_scatter_(inside, seq)
+    mask = ((col[:-1] >= P[:, None] - 1) & (col[:-1] < (n - 1)[:, None])).float()  # position t predicts t + 1
+    targets = torch.tensor(list(itertools.chain.from_iterable(completion_ids)), dtype=torch.long)
+    batch = {"input_ids": input_ids.to(device), "attention_mask": inside.long().to(device),
+             "mask": mask.to(device), "targets": targets.to(device),
+             "target_index": tuple(i.to(device) for i in mask.nonzero(as_tuple=True))}
+    batch["packed"] = _pack(prompt_ids, completion_ids, P, L, targets, device)
+    return batch
+
+
+def _pack(prompt_ids, completion_ids, P, L, targets, device) -> dict:
+    """The packed layout of make_batch: [distinct prompts][completions, by length class], with position ids,
+    the attention rows of packed_attention and, per completion token (targets order), the packed position that
+    predicts it (its prompt's last token for the first one). Completions are grouped into length classes
+    (up to 16 tokens, 17-32, 33-64, ...), one attention row set each, so that a long tail of lengths does not
+    pad every short completion's attention to the longest one."""
+    first, owner = {}, []  # distinct prompts by content: identical tokens give identical keys and values
+    for p in prompt_ids:
+        owner.append(first.setdefault(tuple(p), len(first)))
+    prompts = list(first)
+    owner = torch.tensor(owner, dtype=torch.long)
+    Pu = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    p_start = torch.cumsum(Pu, 0) - Pu
+    n_prompt = int(Pu.sum())
+    length_class = torch.log2(L.clamp(min=16).double()).ceil().long()
+    order = torch.sort(length_class, stable=True).indices  # the completions' order in the packed sequence
+    c_start = torch.empty_like(L)
+    c_start[order] = n_prompt + torch.cumsum(L[order], 0) - L[order]
+    completions = itertools.chain.from_iterable(completion_ids[i] for i in order.tolist())
+    ids = itertools.chain(itertools.chain.from_iterable(prompts), completions)
+    ids = torch.tensor(list(ids), dtype=torch.long)
+    # position of each token within its own sequence: prompts 0..P-1, a completion continues its prompt
+    pos_p = torch.arange(n_prompt) - torch.repeat_interleave(p_start, Pu)
+    pos_c = (torch.repeat_interleave(P[order], L[order]) + torch.arange(int(L.sum()))
+             - torch.repeat_interleave(c_start[order] - n_prompt, L[order]))
+    seq = torch.repeat_interleave(torch.arange(len(L)), L)  # per target: its completion; j: its index there
+    j = torch.arange(int(L.sum())) - torch.repeat_interleave(torch.cumsum(L, 0) - L, L)
+    pred = torch.where(j == 0, (p_start[owner] + P - 1)[seq], c_start[seq] + j - 1)
+    none = torch.zeros_like(Pu)
+    rows = [_attention_rows(p_start, Pu, none, p_start, none)]  # prompts: themselves
+    for c in torch.unique(length_class).tolist():  # completions: their prompt, then themselves
+        i = order[length_class[order] == c]
+        rows.append(_attention_rows(c_start[i], L[i], P[i], p_start[owner[i]], P[i]))
+    return {"input_ids": ids[None].to(device), "position_ids": torch.cat([pos_p, pos_c])[None].to(device),
+            "rows": [tuple(t.to(device) for t in r) for r in rows], "pred": pred.to(device),
+            "computed": len(ids)}
+
+
+def _attention_rows(q_start, q_len, q_pos0, ctx_start, ctx_len):
+    """Index tensors of one set of attention rows over the packed sequence. Row r queries the q_len[r] tokens
+    from q_start[r] (positions q_pos0[r] on); its keys are ctx_len[r] context tokens from ctx_start[r]
+    (positions 0 on: its prompt) followed by its queries, each query seeing the context and the queries up to
+    itself. Returns (query index [R, Lq], query valid [R, Lq], key index [R, Lk], allowed [R, Lq, Lk],
+    query positions, key positions); padding slots index token 0 and are masked."""
+    R = len(q_len)
+    s, t = torch.arange(max(int(q_len.max()), 1)), torch.arange(int(ctx_len.max()))
+    q_valid, ctx_valid = s < q_len[:, None], t < ctx_len[:, None]
+    q_idx = torch.where(q_valid, q_start[:, None] + s, 0)
+    q_pos = q_pos0[:, None] + s
+    k_idx = torch.cat([torch.where(ctx_valid, ctx_start[:, None] + t, 0), q_idx], 1)
+    k_valid = torch.cat([ctx_valid, q_valid], 1)
+    k_pos = torch.cat([t.expand(R, len(t)), q_pos], 1)
+    allowed = q_valid[:, :, None] & k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
+    allowed[:, :, 0] |= ~q_valid  # padding queries see one key (else NaN); their outputs are dropped
+    return q_idx, q_valid, k_idx, allowed, q_pos, k_pos
+
+
+def index_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[index] along dim 0 ([*index.shape, *x.shape[1:]]), with a backward that sums repeated rows (a
+    prompt's keys, read by each of its G completions) in a fixed order: on CPU indexing's backward adds
+    them with atomics across threads (another float sum on every run), on CUDA index_select's does
+    (torch's use_deterministic_algorithms list), so each device takes the other one."""
+    if x.device.type == "cpu":
+        return x.index_select(0, index.reshape(-1)).view(*index.shape, *x.shape[1:])
+    return x[index]
+
+
+def packed_attention(delegate):
+    """An attention function for transformers' AttentionInterface: with `packed_rows` (a make_batch packed
+    layout) it attends within each prompt+completion of the packed sequence, one scaled-dot-product call per
+    row set (distinct prompts; completions, whose keys are their prompt's keys and values followed by their
+    own); without, it is `delegate` (sdpa, flash, ...), so generation and every other call are unchanged.
+    Per-token layers (projections, MLP, norms) see each packed token once: no padding, each prompt once."""
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                  packed_rows=None, **kwargs):
+        if packed_rows is None:
+            return delegate(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                            sliding_window=sliding_window, **kwargs)
+        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, head_dim]
+        out = []
+        for q_idx, q_valid, k_idx, allowed, q_pos, k_pos in packed_rows:
+            if sliding_window is not None:  # sliding-window layers (Mistral, Qwen2 with use_sliding_window)
+                allowed = allowed & (q_pos[:, :, None] - k_pos[:, None, :] < sliding_window)
+                allowed[:, :, 0] |= ~q_valid
+            qs, ks, vs = (index_rows(x, i).transpose(1, 2) for x, i in ((q, q_idx), (k, k_idx), (v, k_idx)))
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed[:, None], dropout_p=dropout,
+                                               scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
+            out.append(o.transpose(1, 2)[q_valid])  # row-major valid queries: this row set's packed order
+        return torch.cat(out)[None], None
+    return attention
+
+
+def enable_packing(model) -> bool:
+    """Route `model`'s attention through packed_attention (registered as 'packed_<its implementation>', mask
+    creation unchanged), so that model_forward can run make_batch's packed layout, after checking on a small
+    batch that packed and padded forwards agree. False (padded batches, with a note) when the model does not
+    use transformers' attention interface (eager attention, custom code) or computes something the packed
+    rows do not (soft-capped logits, attention sinks, ...)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    impl = model.config._attn_implementation
+    if impl.startswith("packed_"):
+        return True
+    known = AttentionInterface._global_mapping, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    if impl not in known[0] or impl not in known[1]:
+        return False
+    name = "packed_" + impl
+    if name not in AttentionInterface._global_mapping:
+        AttentionInterface.register(name, packed_attention(AttentionInterface._global_mapping[impl]))
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[impl])
+    device = next(model.parameters()).device
+    probe = make_batch([[2, 3, 4], [2, 3, 4], [5]], [[6, 7], [8], [3, 2, 9, 4]], 0, device)
+    was_training = model.training
+    with torch.no_grad():
+        model.eval()
+        padded = model_forward(model, probe, output_hidden_states=True)
+        model.set_attn_implementation(name)
+        packed = model_forward(model, probe, output_hidden_states=True)
+        model.train(was_training)
+    a, b = (pick(out.hidden_states[-1]).float() for out, pick in (packed, padded))
+    diff, scale = (a - b).abs().max().item(), b.abs().max().item()
+    if not diff <= (1e-4 if next(model.parameters()).dtype == torch.float32 else 5e-2) * max(scale, 1.0):
+        model.set_attn_implementation(impl)
+        print(f"note: --packing is off for this model ({type(model).__name__}): its packed forward differs "
+              f"from the padded one by {diff:.3g} on a test batch; the update uses padded rows",
+              file=sys.stderr)
+        return False
+    return True
+
+
+def packing_enabled(model) -> bool:
+    model = getattr(model, "policy", model)  # AdaptersOff: its policy's
+    return str(getattr(getattr(model, "config", None), "_attn_implementation", "")).startswith("packed_")
+
+
+def model_forward(model, batch: dict, **kwargs):
+    """(output, pick): `model` on `batch`, packed when the model allows it, else padded; pick(x) takes any
+    per-position output x [B, T, ...] at the positions that predict the completion tokens, in
+    batch["targets"] order (pick(out.hidden_states[-1]) is [n_targets, hidden]). Packed, a prompt's last
+    position predicts the first token of each of its completions, so it is taken G times (index_rows: a
+    fixed-order backward)."""
+    if packing_enabled(model):
+        p = batch["packed"]
+        # transformers takes a 4-D mask as given, so it builds no [N, N] mask; packed_attention uses the rows
+        unused = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=p["input_ids"].device)
+        out = model(input_ids=p["input_ids"], position_ids=p["position_ids"], attention_mask=unused,
+                    packed_rows=p["rows"], **kwargs)
+        return out, lambda x: index_rows(x[0], p["pred"])
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **kwargs)
+    return out, lambda x: x[batch["target_index"]]  # each position once
+
+
+def to_batch_layout(values, batch: dict):
+    """Values per completion token (batch["targets"] order) -> [b, T-1] laid out like batch["mask"]."""
+    out = torch.zeros(batch["mask"].shape, dtype=values.dtype, device=values.device)
+    return out.index_put(batch["target_index"], values)
+
+
+def padded_tokens(batch: dict, model) -> tuple:
+    """(token positions `model` computes on `batch`, of which padding): perf/pad_frac."""
+    if packing_enabled(model):
+        return batch["packed"]["computed"], 0
+    real = int(batch["attention_mask"].sum())
+    return batch["input_ids"].numel(), batch["input_ids"].numel() - real
+

@@ -1,0 +1,137 @@
+"""What a run logs: metrics.jsonl (always), wandb (optional), rollouts.jsonl (sampled completions), and a
+progress bar or, without a terminal, a line every --print_every steps."""
+import dataclasses
+import datetime
+import json
+import math
+import os
+import secrets
+import sys
+import time
+
+import torch
+
+import rewards
+from rlmini import dist
+from rlmini.checkpoint import atomic_write_text
+
+
+class RunLog:
+    """metrics.jsonl (always), wandb (optional), and a progress bar; rank 0 writes, the other ranks do
+    nothing."""
+
+    def __init__(self, args, run_dir: str, start_step: int, total: int, algo: str):
+        self.rank0 = dist.rank() == 0
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.wandb = None
+        self.bar = None
+        if not self.rank0:
+            return
+        # a resumed run rewrites the steps after its checkpoint
+        for name in ("metrics.jsonl", "rollouts.jsonl"):
+            truncate_metrics(os.path.join(run_dir, name), start_step)
+        config = {"algo": algo, "script": f"train_{algo}.py", "run_id": run_id(run_dir, args),
+                  **dataclasses.asdict(args)}
+        atomic_write_text(os.path.join(run_dir, "config.json"), json.dumps(config, indent=2))
+        if args.wandb:
+            import wandb
+            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+            tags = [t.strip() for t in args.wandb_tags.split(",") if t.strip()]
+            self.wandb = wandb.init(project=args.wandb_project, name=args.run_name, id=config["run_id"],
+                                    group=args.wandb_group or None, tags=tags or None, config=config,
+                                    dir=run_dir, mode=mode, resume="allow")
+        from tqdm import tqdm
+        self.bar = tqdm(total=total, initial=start_step, dynamic_ncols=True, disable=not sys.stderr.isatty()
+                        and not os.environ.get("RLMINI_PROGRESS"))
+        # no terminal: a line every N steps
+        self.print_every = 0 if not self.bar.disable else args.print_every
+        self.start, self.start_step, self.total = time.perf_counter(), start_step, total
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.rank0:
+            return
+        row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(row, step=step)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(reward=f"{row.get('reward/mean', float('nan')):.3f}")
+        if self.print_every and (step % self.print_every == 0 or step == self.total):
+            seconds = (time.perf_counter() - self.start) / (step - self.start_step)
+            print(progress_line(step, self.total, row, seconds), flush=True)
+
+    def completions(self, step: int, rows: list) -> None:
+        """rows (dicts, one per completion) to rollouts.jsonl and, with wandb, a Table keyed by the step."""
+        if not self.rank0 or not rows:
+            return
+        with open(os.path.join(os.path.dirname(self.path), "rollouts.jsonl"), "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        if self.wandb is not None:
+            import wandb
+            columns = list(rows[0])
+            table = wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])
+            self.wandb.log({"completions": table}, step=step)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def run_id(run_dir: str, args) -> str:
+    """The run folder's own id (the wandb run id), kept in its config.json: a resumed run keeps it, a new run
+    or an --overwrite gets a fresh one, so two runs of one name in different out_dirs never share a wandb run.
+    A folder written before ids existed keeps the name it was logged under."""
+    path = os.path.join(run_dir, "config.json")
+    if args.resume and os.path.exists(path):
+        return json.load(open(path)).get("run_id") or args.run_name.replace("/", "-")
+    return f"{args.run_name.replace('/', '-')}-{secrets.token_hex(4)}"  # the OS's randomness: no RNG consumed
+
+
+def log_completions(run, examples: list, rollouts, reward_values, correct, fmt, advantages, n: int) -> None:
+    """n completions of this step's global batch, drawn by a generator seeded with (seed, step), written by
+    rank 0 to rollouts.jsonl (and wandb): step, prompt, completion, reward, correct, format, advantage (per
+    completion; PPO: its tokens' mean), length, truncated. Every rank passes its own shard."""
+    if n == 0:
+        return
+    B, G = len(rollouts.completion_ids), run.args.group_size
+    total, first = int(dist.all_sum(B)), dist.rank() * B  # every rank holds B completions, in rank order
+    draws = torch.Generator().manual_seed(run.args.seed * 1_000_003 + run.step)
+    chosen = torch.randperm(total, generator=draws)
+    rows = []
+    for g in sorted(chosen[:n].tolist()):
+        if first <= g < first + B:
+            k = g - first
+            example, completion = examples[k // G], rollouts.completion_ids[k]
+            rows.append({"step": run.step, "index": g, "prompt": rewards.prompt_text(example["prompt"]),
+                         "answer": str(example.get("answer", "")),
+                         "completion": run.tokenizer.decode(completion, skip_special_tokens=True),
+                         "reward": float(reward_values[k]), "correct": float(correct[k]),
+                         "format": float(fmt[k]), "advantage": float(advantages[k]),
+                         "length": len(completion), "truncated": not rollouts.finished[k]})
+    run.log.completions(run.step, dist.all_gather_objects(rows))
+
+
+def progress_line(step: int, total: int, row: dict, seconds_per_step: float) -> str:
+    """One compact line for logs without a terminal: step, the key metrics, time per step and ETA."""
+    keys = [("reward/mean", "reward"), ("reward/correct", "correct"), ("len/mean", "len"),
+            ("entropy", "entropy"), ("kl", "kl"), ("grad_norm", "grad"), ("eval/pass@1", "eval pass@1")]
+    parts = [f"{name} {row[k]:.3g}" for k, name in keys if k in row and math.isfinite(row[k])]
+    eta = datetime.timedelta(seconds=round(seconds_per_step * (total - step)))
+    return f"step {step}/{total} | " + " | ".join(parts) + f" | {seconds_per_step:.2f} s/step | ETA {eta}"
+
+
+def truncate_metrics(path: str, start_step: int) -> None:
+    """Keep the rows of steps up to start_step (a resumed run rewrites the later ones). A torn last line (a
+    crash in the middle of a write) is dropped; a bad line before it stops the run, naming it."""
+    if os.path.exists(path):
+        rows = rewards.read_jsonl_numbered(path, allow_empty=True, drop_torn_last=True)[0]
+        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows if r["step"] <= start_step))
+
+
+def read_metrics(path: str) -> list:
+    """The rows of a metrics.jsonl (or rollouts.jsonl); DataError naming the file and line of a bad one."""
+    return rewards.read_jsonl_numbered(path, allow_empty=True)[0]
