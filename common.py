@@ -252,8 +252,9 @@ def rollout(run, keep: Keep | None = None) -> Batch:
         faults.check_rewards(rewards, examples, G, run.step + 1, args.on_nonfinite)  # NaN/inf: stop or skip
         first = first or (rewards, correct, fmt, data.reward_parts(scores, run.task.reward_names))
         groups = data.split_groups(examples, rollouts, rewards, correct, fmt, G)
-        same = [g for g in groups if getattr(g, on).min() == getattr(g, on).max()]
-        kept += [g for g in groups if getattr(g, on).min() < getattr(g, on).max()] if keep else groups
+        spread = [getattr(g, on).min() < getattr(g, on).max() for g in groups]
+        same = [g for g, s in zip(groups, spread) if not s]  # the last round's: they top the batch up
+        kept += [g for g, s in zip(groups, spread) if s] if keep else groups
         rounds, generated = rounds + 1, generated + len(rollouts.completion_ids)
         if keep is None:
             break
@@ -438,10 +439,11 @@ class StepStats:
         self.tokens, self.updates, self.skipped, self.grad_norm, self.has_kl = 0.0, 0, 0, 0.0, False
         self.totals = {}
 
-    def add(self, micro: Micro, loss, logp, old, entropy, info: dict, is_info: dict, value_loss=None,
+    def add(self, micro: Micro, loss, old, entropy, info: dict, is_info: dict, value_loss=None,
             value_clipped=None) -> None:
-        """One micro-batch: its loss (this rank's share), the surrogate's `info` (clipped, ratio, kl), the
-        rollout correction's `is_info`; PPO's value loss and clipped values."""
+        """One micro-batch: its loss (this rank's share), pi_old and the entropies of its tokens, the
+        surrogate's `info` (clipped, ratio, kl), the rollout correction's `is_info`; PPO's value loss and
+        clipped values."""
         s, mask = self.sums, micro.mask
         s["perf/computed"] += micro.computed
         s["perf/padded"] += micro.padded

@@ -390,8 +390,8 @@ def _dataset_rows(spec: str) -> tuple[dict, str]:
     return {name: list(split) for name, split in data.items()}, path
 
 
-def read_jsonl_numbered(path: str, allow_empty: bool = False, drop_torn_last: bool = False) -> tuple[list,
-                                                                                                     list]:
+def read_jsonl_numbered(path: str, allow_empty: bool = False,
+                        drop_torn_last: bool = False) -> tuple[list, list]:
     """(objects, their 1-based line numbers) of the non-blank lines of a UTF-8 JSONL file; DataError naming
     the file and the line on any problem. drop_torn_last: a last line cut short by a crash mid-write (a log
     this project appends to) is dropped with a note instead."""

@@ -123,7 +123,7 @@ def main(argv=None):
                 loss = common.aggregate(token_loss, micro.loss_mask, args.loss_agg, mb.n_seqs, mb.n_tokens,
                                         run.max_new_tokens)
                 loss.backward()
-                stats.add(micro, loss, logp, old, entropy, info, is_info)
+                stats.add(micro, loss, old, entropy, info, is_info)
             common.optimizer_step(run, stats)  # clip; a NaN/inf norm stops the run or skips the update
 
         # ---- guard, push, log, evaluate, checkpoint

@@ -71,11 +71,13 @@ def load_critic(path, device, dtype, args):
     own, not the policy's: with --lora_rank, its own frozen copy of the base in `dtype` with its own adapters,
     the head trained in full (fp32)."""
     from transformers import AutoModelForTokenClassification
-    critic = AutoModelForTokenClassification.from_pretrained(path, num_labels=1,
-                                                             dtype=dtype if args.lora_rank else torch.float32)
+    base_dtype = dtype if args.lora_rank else torch.float32
+    critic = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=base_dtype)
     head_name, head = [(n, m) for n, m in critic.named_modules() if isinstance(m, torch.nn.Linear)
                        and m.out_features == 1][-1]
-    torch.nn.init.zeros_(head.float().weight), head.bias is not None and torch.nn.init.zeros_(head.bias)
+    torch.nn.init.zeros_(head.float().weight)  # the head trains in fp32, from V = 0
+    if head.bias is not None:
+        torch.nn.init.zeros_(head.bias)
     critic = common.prepare_for_training(critic, args.gradient_checkpointing, args.packing)
     if args.lora_rank:
         critic = common.add_lora(critic, args, extra_trainable=[head], exclude=[head_name])
@@ -144,7 +146,8 @@ def main(argv=None):
         # ---- rollout: G completions per prompt, sampled by the engine from the weights it was last pushed
         batch = common.rollout(run)
         run.engine.sleep()  # CUDA vLLM: free its memory for the update (level 2: weights discarded)
-        pre = common.pre_update(run, batch, ref_model, values=lambda x: critic_values(run.critic, x))  # and V
+        # pi_old (off-policy), pi_ref, entropies, and the critic's V(s_t) before the update
+        pre = common.pre_update(run, batch, ref_model, values=lambda x: critic_values(run.critic, x))
 
         # ---- ALGORITHM: GAE on the pre-update values, per token of this rank's completions
         values = torch.nn.utils.rnn.pad_sequence([v.cpu() for v in pre.values], batch_first=True)
@@ -176,7 +179,7 @@ def main(argv=None):
                 v_loss = value_loss(v, v_old, returns, micro.loss_mask, args.vf_clip, mb.n_tokens)
                 v_loss.backward()
                 v_clipped = ((v - v_old).abs() > args.vf_clip).float() * micro.mask * (args.vf_clip > 0)
-                stats.add(micro, loss, logp, old, entropy, info, is_info, v_loss, v_clipped)
+                stats.add(micro, loss, old, entropy, info, is_info, v_loss, v_clipped)
             common.optimizer_step(run, stats)  # policy and critic; a NaN/inf norm stops or skips the update
 
         # ---- guard, push, log, evaluate, checkpoint

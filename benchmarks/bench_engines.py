@@ -39,11 +39,11 @@ def main():
         mean = lambda k: statistics.mean(r[k] for r in m)
         k = max(1, min(10, len(m) // 5))
         rows.append((engine, 1 / statistics.mean(step_s), mean("time/rollout"), mean("time/update"),
-                     mean("time/push"),
-                     mean("perf/tokens_per_s"), statistics.mean(r["reward/mean"] for r in m[:k]),
+                     mean("time/push"), mean("perf/tokens_per_s"),
+                     statistics.mean(r["reward/mean"] for r in m[:k]),
                      statistics.mean(r["reward/mean"] for r in m[-k:]), wall))
-    print("| engine | steps/s | rollout s | update s | push s | tokens/s | reward first | reward last | wall "
-          "s |")
+    print("| engine | steps/s | rollout s | update s | push s | tokens/s | reward first | reward last "
+          "| wall s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r[0]} | {r[1]:.2f} | {r[2]:.3f} | {r[3]:.3f} | {r[4]:.3f} | {r[5]:.0f} | {r[6]:.3f} | "

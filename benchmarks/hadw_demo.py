@@ -64,8 +64,8 @@ def main():
                                check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 with open(os.path.join(out, name, "metrics.jsonl")) as f:
                     anchor = json.loads(f.readlines()[-1]).get("hadw/anchor", float("nan"))
-                results[variant].append((*accuracy_by_difficulty(os.path.join(out, name, "final"), task, a.n,
-                                                                 10_000 + seed), anchor))
+                accuracy = accuracy_by_difficulty(os.path.join(out, name, "final"), task, a.n, 10_000 + seed)
+                results[variant].append((*accuracy, anchor))
     wall = time.perf_counter() - t0
 
     def cell(vals):

@@ -197,14 +197,14 @@ def main():
     p.add_argument("--model", default="0.5B,1.5B,7B,14B", help=f"comma-separated, of {', '.join(SHAPES)}")
     p.add_argument("--gpus", default="1,8,16", help="comma-separated GPU counts (above 1: FSDP2)")
     p.add_argument("--gpu_gb", type=float, default=80.0)
-    p.add_argument("--tokens", type=int, default=8192, help="tokens per micro-batch (e.g. 8 sequences of "
-                                                            "1024)")
+    p.add_argument("--tokens", type=int, default=8192,
+                   help="tokens per micro-batch (e.g. 8 sequences of 1024)")
     p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
                    help="without --gradient_checkpointing (default: with)")
     p.add_argument("--beta", type=float, default=0.0, help="> 0: a reference model is loaded")
     p.add_argument("--critic", action="store_true", help="PPO: a critic as large as the policy")
-    p.add_argument("--lora_rank", type=int, default=0, help="LoRA adapters of this rank on a frozen base (0 "
-                                                            "= full)")
+    p.add_argument("--lora_rank", type=int, default=0,
+                   help="LoRA adapters of this rank on a frozen base (0 = full)")
     p.add_argument("--vllm_share", type=float, default=0.3, help="--vllm_gpu_memory_utilization")
     p.add_argument("--measure", action="store_true", help="compare the model with a measured CPU run")
     p.add_argument("--measure-worker", dest="worker", action="store_true", help=argparse.SUPPRESS)

@@ -39,16 +39,16 @@ def main():
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--engine", default="vllm")
     p.add_argument("--task", default="addition")
-    p.add_argument("--sampler_temperature", type=float, default=0.0, help="sample at this temperature (0 = "
-                                                                          "as trained)")
+    p.add_argument("--sampler_temperature", type=float, default=0.0,
+                   help="sample at this temperature (0 = as trained)")
     args = p.parse_args()
     # the engine samples at --sampler_temperature: generate wrapped, then the script run as __main__
-    launch = [sys.executable, "-c", HOT.format(t=args.sampler_temperature)] if args.sampler_temperature else [
-        sys.executable, os.path.join(ROOT, "train_grpo.py")]
+    launch = ([sys.executable, "-c", HOT.format(t=args.sampler_temperature)] if args.sampler_temperature
+              else [sys.executable, os.path.join(ROOT, "train_grpo.py")])
     extra = ["--sampler_diff_tol", "100"] if args.sampler_temperature else []
     k = max(1, min(10, args.steps // 10))
-    print(f"| mode | reward, first {k} | reward, last {k} | sampler_diff | is/kl | is/mean | is/clip_frac | "
-          f"wall s |")
+    print(f"| mode | reward, first {k} | reward, last {k} | sampler_diff | is/kl | is/mean | is/clip_frac "
+          f"| wall s |")
     print("|---|---|---|---|---|---|---|---|")
     for mode in MODES:
         with tempfile.TemporaryDirectory() as out:

@@ -104,10 +104,9 @@ def table_update(args):
         for packed in (False, True):
             s, computed, padded = res[packed]
             print(f"| {n} x {G} | {P} | {lengths.replace('loguniform', 'log-uniform')} (mean "
-                  f"{statistics.mean(L):.0f}, "
-                  f"max {max(L)}) | {'packed' if packed else 'padded'} | {computed:,} | "
-                  f"{padded / computed:.1%} "
-                  f"| {s:.3f} | {res[False][0] / s:.2f}x |", flush=True)
+                  f"{statistics.mean(L):.0f}, max {max(L)}) | {'packed' if packed else 'padded'} "
+                  f"| {computed:,} | {padded / computed:.1%} | {s:.3f} | {res[False][0] / s:.2f}x |",
+                  flush=True)
 
 
 def table_sampling(args):

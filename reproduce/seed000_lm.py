@@ -50,8 +50,7 @@ def run_one(algo: str, seed: int, a, threads: int) -> dict:
         ev = json.load(f)
     return {"algo": algo, "label": label, "seed": seed, "seconds": time.time() - t0,
             "command": " ".join(cmd[1:]),
-            **{k.split("/")[1]: ev[k] for k in ("eval/ece", "eval/auroc", "eval/accuracy", "eval/brier",
-                                                "eval/reward")},
+            **{k: ev[f"eval/{k}"] for k in ("ece", "auroc", "accuracy", "brier", "reward")},
             "predictions": ev["predictions"]}
 
 
@@ -121,8 +120,8 @@ def parser():
     p.add_argument("--lr", type=float, default=3e-4, help="learning rate (same for every algorithm)")
     p.add_argument("--eval_n", type=int, default=8, help="samples per held-out question")
     p.add_argument("--eval_limit", type=int, default=2000, help="held-out questions (0 = all 2,000)")
-    p.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="rollout engine (hf is faster for "
-                                                                          "the tiny model)")
+    p.add_argument("--engine", default="hf", choices=["hf", "vllm"],
+                   help="rollout engine (hf is faster for the tiny model)")
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel")
     p.add_argument("--out", default="runs/seed000_lm", help="folder for the runs, results.json and table.md")
     return p

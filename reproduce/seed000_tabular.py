@@ -222,8 +222,8 @@ def run_rows(rows, steps: int, seed: int = 0, jobs: int = 2) -> list:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=50_000, help="gradient steps per run (the notebook's 50,000)")
-    p.add_argument("--rows", default="all", choices=["all", "on", "off"], help="on-policy rows, off-policy "
-                                                                               "rows or both")
+    p.add_argument("--rows", default="all", choices=["all", "on", "off"],
+                   help="on-policy rows, off-policy rows or both")
     p.add_argument("--seed", type=int, default=0, help="torch seed for sampling (the notebook's 0)")
     p.add_argument("--jobs", type=int, default=max(1, min(4, os.cpu_count() or 1)), help="runs in parallel")
     p.add_argument("--out", default="runs/seed000_tabular", help="folder for results.json and table.md")

@@ -181,7 +181,7 @@ def save(run) -> None:
     meta = {"scheduler": run.scheduler.state_dict(), "rng": rng_state(), "step": run.step,
             "data_pos": run.data_pos, "algo_state": {"hadw": run.hadw} if run.hadw else {},
             "args": dataclasses.asdict(run.args), "algo": run.algo}
-    shards = [p.to_local() if hasattr(p, "to_local") else p for p in run.model.parameters()]  # FSDP2: its own
+    shards = [p.to_local() if hasattr(p, "to_local") else p for p in run.model.parameters()]  # FSDP2: mine
     bad = dist.all_sum(sum(int((~torch.isfinite(p.detach())).sum()) for p in shards))  # every rank's shards
     if bad:
         raise NonFiniteError(f"step {run.step}: the policy holds {int(bad)} non-finite weights; no "

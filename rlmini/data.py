@@ -75,10 +75,9 @@ def fit_prompts(task, tokenizer, chat: bool, max_new: int, context: int, flag: s
         if not all(fits):
             first = fits.index(False)
             print(f"--task {flag}: dropped {fits.count(False)} of {len(fits)} {split} prompts longer than "
-                  "the "
-                  f"model's context ({context} tokens) less --max_new_tokens {max_new}; the first, "
-                  f"#{first + 1} "
-                  f"({lengths[first]} tokens): {examples[first]['prompt'][:60]!r}", file=sys.stderr)
+                  f"the model's context ({context} tokens) less --max_new_tokens {max_new}; the first, "
+                  f"#{first + 1} ({lengths[first]} tokens): {examples[first]['prompt'][:60]!r}",
+                  file=sys.stderr)
             setattr(task, split, [e for e, ok in zip(examples, fits) if ok])
         max_prompt = max(max_prompt, max(n for n, ok in zip(lengths, fits) if ok))
     return max_prompt

@@ -83,8 +83,7 @@ class HFEngine:
         cache.batch_repeat_interleave(n)  # the n samples of a prompt share its prefill
         attn, next_pos = attn.repeat_interleave(n, 0), P.repeat_interleave(n).to(device)
         active = torch.arange(B, device=device)  # the batch rows still in the cache, in cache order
-        # per cache row (only a placeholder can be done)
-        done = torch.zeros(B, dtype=torch.bool, device=device)
+        done = torch.zeros(B, dtype=torch.bool, device=device)  # per cache row; only a placeholder can be
         for t in range(max_new_tokens):
             logp = torch.log_softmax(logits.float() / temperature, -1)
             tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
@@ -224,9 +223,10 @@ class VLLMEngine:
         if self.tied:  # re-tie shared tensors (e.g. lm_head = embed_tokens) that the reload split apart
             llm.apply_model(lambda m: _retie(m, self.tied))
         # vLLM reports layers it could not fill; rotary caches hold no weights and tied heads were re-tied
-        expected = ("Rotary",) + (("LMHead",) if self.tied else ())
-        missed = [m for m in capture.messages if ("not loaded" in m or "Failed to load" in m)
-                  and not m.split(":")[0].endswith(expected) and "Rotary" not in m.split(":")[0]]
+        failed = [(m, m.split(":")[0]) for m in capture.messages
+                  if "not loaded" in m or "Failed to load" in m]
+        missed = [m for m, layer in failed
+                  if "Rotary" not in layer and not (self.tied and layer.endswith("LMHead"))]
         if missed:
             raise PushError(f"weight push left vLLM parameters unloaded: {missed}")
         llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights

@@ -59,6 +59,7 @@ def parse_args(cls, argv=None):
     placed before the others (so the parser types them, and a flag given again overrides). Flags are never
     abbreviated (--temp is not --temperature). A bad option ends in one line naming it."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    argv = [x for a in argv for x in (a.split("=", 1) if a.startswith("--config=") else [a])]
     source = "command line"
     if "--config" in argv:
         path = argv[argv.index("--config") + 1] if argv.index("--config") + 1 < len(argv) else "--"

@@ -23,8 +23,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["--engine", "hf", "--steps", "3", "--prompts_per_step", "8", "--group_size", "4",
-        "--micro_batch_size", "8",
-        "--save_every", "0", "--seed", "1"]
+        "--micro_batch_size", "8", "--save_every", "0", "--seed", "1"]
 OWN_REWARD = ["--reward", "task,docs/examples/my_rewards.py:starts_with_answer_digit", "--reward_weights",
               "1,0.5"]
 # (name, script, argv, ranks); a name ending in "+resume" is the same run stopped after 2 steps and resumed
@@ -48,16 +47,15 @@ CASES = [
                                            "--dynamic_sampling", "true"], 2),
     # the switches every script shares (on GRPO), then each script's own
     ("grpo-offpolicy", "train_grpo.py", ["--updates_per_rollout", "2", "--minibatches", "2"], 1),
-    ("grpo-overlong", "train_grpo.py",
-     ["--max_new_tokens", "3", "--mask_truncated", "true", "--overlong_buffer", "2"],
-     1),
+    ("grpo-overlong", "train_grpo.py", ["--max_new_tokens", "3", "--mask_truncated", "true",
+                                        "--overlong_buffer", "2"], 1),
     ("grpo-entropy", "train_grpo.py", ["--entropy_coef", "0.01", "--top_entropy_quantile", "0.2"], 1),
     ("grpo-tis", "train_grpo.py", ["--rollout_correction", "token-tis", "--is_cap", "1.5"], 1),
     ("grpo-mis", "train_grpo.py", ["--rollout_correction", "token-mis", "--minibatches", "2"], 1),
     ("grpo-seqmis", "train_grpo.py", ["--rollout_correction", "seq-mis", "--updates_per_rollout", "2"], 1),
     ("grpo-padded", "train_grpo.py", ["--packing", "false"], 1),
-    ("grpo-checkpointing", "train_grpo.py", ["--gradient_checkpointing", "true", "--micro_batch_size", "5"],
-     1),
+    ("grpo-checkpointing", "train_grpo.py",
+     ["--gradient_checkpointing", "true", "--micro_batch_size", "5"], 1),
     ("grpo-rewards", "train_grpo.py", [*OWN_REWARD, "--format_weight", "0.5"], 1),
     ("grpo-optim", "train_grpo.py", ["--warmup", "2", "--weight_decay", "0.1", "--grad_clip", "0.05",
                                      "--temperature", "0.7", "--lr", "1e-3"], 1),
@@ -259,12 +257,12 @@ def compare(before: dict, after: dict) -> bool:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("command", nargs="?", choices=["record", "compare"], help="record one tree, or compare "
-                                                                             "two records")
+    p.add_argument("command", nargs="?", choices=["record", "compare"],
+                   help="record one tree, or compare two records")
     p.add_argument("files", nargs="*", help="record: OUT.json; compare: BEFORE.json AFTER.json")
     p.add_argument("--tree", default=ROOT, help="record: the code tree to run (default: this one)")
-    p.add_argument("--before", default="", help="a git revision: record it (in a worktree) and this tree, "
-                                                "compare")
+    p.add_argument("--before", default="",
+                   help="a git revision: record it (in a worktree) and this tree, compare")
     p.add_argument("--only", default="", help="comma-separated case names (default: all)")
     p.add_argument("--out", default="same_training", help="--before: folder for the two records")
     a = p.parse_args(argv)

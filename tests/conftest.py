@@ -27,8 +27,8 @@ def run_script(script: str, args: list, timeout: int = 1200) -> subprocess.Compl
     proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise AssertionError(f"{script} {' '.join(args)} "
-                             f"failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"{script} {' '.join(args)} failed:\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
 
 

@@ -39,7 +39,6 @@ HFEngine.generate = generate_double
 torch.nn.utils.clip_grad_norm_ = recording_clip
 for spec in runs:
     recorded.clear()
-    importlib.import_module(spec["script"]).main(["--out_dir", out_dir, "--run_name", spec["name"], "--wandb",
-                                                  "false",
-                                                   "--engine", "hf", *spec["argv"]])
+    argv = ["--out_dir", out_dir, "--run_name", spec["name"], "--wandb", "false", "--engine", "hf"]
+    importlib.import_module(spec["script"]).main(argv + spec["argv"])
     torch.save(list(recorded), os.path.join(out_dir, f"{spec['name']}.rank{dist.rank()}.pt"))

