@@ -423,12 +423,20 @@ def read_jsonl_numbered(path: str, allow_empty: bool = False,
     return rows, lines
 
 
-def _hub_rows(path: str, name: str | None, split: str) -> list:
+def _hub_rows(path: str, name: str | None, split: str, task: str) -> list:
+    """The rows of a hub dataset's split; a one-line DataError when it cannot be had (offline, a wrong id)."""
     from datasets import load_dataset
-    return list(load_dataset(path, name, split=split))
+    try:
+        return list(load_dataset(path, name, split=split))
+    except Exception as e:
+        offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
+        why = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+        local = f"--task {task}:PATH/{{split}}.jsonl"
+        raise DataError(f"--task {task}: the dataset {path} could not be loaded{offline}: "
+                        f"{type(e).__name__}: {why}; to read local files instead: {local}") from None
 
 
-def _rows(local: str | None, hub: tuple, split: str) -> tuple[list, str, list | None]:
+def _rows(local: str | None, hub: tuple, split: str, task: str = "") -> tuple[list, str, list | None]:
     """(rows, source, line numbers or None) from a local file (offline) or from the hub (the real thing users
     run)."""
     if local:
@@ -436,7 +444,7 @@ def _rows(local: str | None, hub: tuple, split: str) -> tuple[list, str, list | 
         rows, lines = read_jsonl_numbered(path)
         return rows, path, lines
     path, name, hub_split = hub
-    return _hub_rows(path, name, hub_split[split]), f"{path}[{hub_split[split]}]", None
+    return _hub_rows(path, name, hub_split[split], task), f"{path}[{hub_split[split]}]", None
 
 
 GSM8K_HUB = ("openai/gsm8k", "main", {"train": "train", "test": "test"})
@@ -472,7 +480,8 @@ def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False
         return mixed_task(style, seed, frac)
     if name in ("gsm8k", "math"):
         hub, parse = (GSM8K_HUB, parse_gsm8k_rows) if name == "gsm8k" else (MATH_HUB, parse_math_rows)
-        splits = [parse(*_rows(local or None, hub, s)) for s in ("train", "test")]  # (rows, source, lines)
+        # (rows, source, line numbers) of each split
+        splits = [parse(*_rows(local or None, hub, s, name)) for s in ("train", "test")]
         return Task(name, "binary", splits[0], splits[1], score_boxed_math, pass_threshold=1.0,
                     alphabet=list(string.printable), max_new_tokens=512)
     if name in ("jsonl", "hf"):

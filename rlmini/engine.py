@@ -6,6 +6,7 @@ transformers loop on the policy itself: nothing to push, nothing to free.
 """
 import inspect
 import itertools
+import json
 import logging
 import os
 
@@ -125,7 +126,15 @@ def _start_vllm(args, path: str, device, dtype, max_len: int):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, CPU backend only
     # vLLM's start-up hints (NUMA, LD_PRELOAD, set_num_threads) are not the user's to act on: errors only
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if args.verbose else "ERROR")
-    from vllm import LLM
+    import vllm
+    from vllm.model_executor.models import ModelRegistry
+    arch = (_read_config(path).get("architectures") or ["?"])[0]
+    native = getattr(ModelRegistry.models.get(arch), "module_name", "")
+    if not native or native.endswith(".transformers"):
+        # vLLM's Transformers backend decorates transformers' own class in this process, which breaks the
+        # trainer's copy of the model ("'...Model' object has no attribute 'do_not_compile'")
+        raise SystemExit(f"--engine vllm: vLLM {vllm.__version__} has no implementation of its own for "
+                         f"{arch} ({path}); use --engine hf")
     cuda = device.type == "cuda"
     saved = rng_state()  # the in-process worker reseeds Python/NumPy/torch RNGs when it starts
     names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -141,7 +150,12 @@ def _start_vllm(args, path: str, device, dtype, max_len: int):
         kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 8192))
     if dist.world_size() > 1:  # torchrun: one engine per rank, on this rank's device (LOCAL_RANK)
         kwargs.update(distributed_executor_backend="external_launcher")  # the default lands all on cuda:0
-    llm = LLM(**kwargs)
+    try:
+        llm = vllm.LLM(**kwargs)
+    except Exception as e:  # an architecture or a shape this vLLM build cannot run
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        raise SystemExit(f"--engine vllm: vLLM {vllm.__version__} could not build {arch} from {path}: "
+                         f"{type(e).__name__}: {first}; use --engine hf") from None
     set_rng_state(saved)
     return llm
 
@@ -156,6 +170,7 @@ class VLLMEngine:
         self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
         self.sleep_mode, self.asleep = sleep_mode, False
         self.tied = llm.apply_model(_tied_groups)[0] if llm is not None else []  # names sharing one tensor
+        self.weighted = llm.apply_model(_weighted_layers)[0] if llm is not None else set()
 
     def generate(self, prompt_ids: list, n: int, max_new_tokens: int, temperature: float, seed: int):
         """n completions per prompt, fixed by `seed` (per-request seeds)."""
@@ -222,11 +237,12 @@ class VLLMEngine:
                 h.setLevel(h_level)
         if self.tied:  # re-tie shared tensors (e.g. lm_head = embed_tokens) that the reload split apart
             llm.apply_model(lambda m: _retie(m, self.tied))
-        # vLLM reports layers it could not fill; rotary caches hold no weights and tied heads were re-tied
+        # vLLM reports layers it could not fill; a layer holding buffers only (rotary caches, Gemma's
+        # embedding normalizer) has no weights to fill, and tied heads were re-tied
         failed = [(m, m.split(":")[0]) for m in capture.messages
                   if "not loaded" in m or "Failed to load" in m]
         missed = [m for m, layer in failed
-                  if "Rotary" not in layer and not (self.tied and layer.endswith("LMHead"))]
+                  if layer in self.weighted and not (self.tied and layer.endswith("LMHead"))]
         if missed:
             raise PushError(f"weight push left vLLM parameters unloaded: {missed}")
         llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
@@ -292,6 +308,11 @@ def named_weights(model, dtype):
         yield name, w.to(dtype)
 
 
+def _weighted_layers(model) -> set:
+    """Class names of vLLM's layers that hold parameters of their own (what a push must fill)."""
+    return {type(m).__name__ for m in model.modules() if next(m.parameters(recurse=False), None) is not None}
+
+
 def _tied_groups(model) -> list:
     """Names of vLLM parameters that share one tensor (tied embeddings), grouped."""
     groups = {}
@@ -313,6 +334,11 @@ def _retie(model, tied: list) -> None:
             method = getattr(layer, "quant_method", None)
             if method is not None and hasattr(method, "process_weights_after_loading"):
                 method.process_weights_after_loading(layer)
+
+
+def _read_config(path: str) -> dict:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)
 
 
 def _has_weights_iterator(llm) -> bool:

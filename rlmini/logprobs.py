@@ -1,14 +1,60 @@
 """Token log-probs (and entropies) under the trainer's model, with the vocabulary projection in checkpointed
 chunks, and the conversions between a micro-batch's [b, T-1] layout and per-completion (ragged) tensors."""
 import torch
-import torch.nn.functional as F
 
-from rlmini.packing import model_forward, to_batch_layout
+from rlmini.packing import final_hidden, model_forward, to_batch_layout, unwrapped
 
 
-def _chunk_logprobs(hidden, weight, targets, temperature, with_entropy=False):
+def output_logits(model, hidden):
+    """The model's logits from its final (normed) hidden states, as its own forward computes them: its output
+    layer (with a bias where it has one), then the scaling or soft cap of its family. check_output_head
+    proves at load that this equals the model's forward, and refuses a model for which it does not."""
+    model = unwrapped(model)
+    config = model.config
+    logits = model.get_output_embeddings()(hidden)
+    if getattr(config, "logits_scaling", None) is not None:  # Granite (GraniteForCausalLM.forward)
+        logits = logits / config.logits_scaling
+    if getattr(config, "logit_scale", None) is not None:  # Cohere (CohereForCausalLM.forward)
+        logits = logits * config.logit_scale
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is not None:  # Gemma 2/3: cap * tanh(z / cap) (Gemma2ForCausalLM.forward)
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def check_output_head(model, name: str) -> None:
+    """Refuse (one line) a model whose forward maps its final hidden states to logits in a way output_logits
+    does not reproduce. The probe replaces the decoder's output with hidden states large enough that a soft
+    cap, a scale or a bias shows (logits of about +-50), and compares the model's own logits with ours."""
+    model = unwrapped(model)
+    width = model.get_output_embeddings().in_features
+    param = next(model.parameters())
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        h = torch.randn(1, 8, width, generator=gen).to(param.device, param.dtype)
+        h = h * (50.0 / output_logits(model, h).float().std().clamp(min=1e-6)).to(h.dtype)
+        ours = output_logits(model, h).float()
+
+        def replace(module, args, out):
+            out[0].copy_(h) if out[0].shape == h.shape else None
+            return out
+        hook = model.get_decoder().register_forward_hook(replace)
+        try:
+            theirs = model(input_ids=torch.zeros(1, 8, dtype=torch.long, device=param.device),
+                           use_cache=False).logits.float()
+        finally:
+            hook.remove()
+    diff, scale = (ours - theirs).abs().max().item(), theirs.abs().max().item()
+    if not diff <= 1e-5 * max(scale, 1.0):
+        raise SystemExit(f"--model {name}: {type(model).__name__} computes its logits from the last hidden "
+                         f"state differently from an output layer with the known scalings (logits_scaling, "
+                         f"logit_scale, final_logit_softcapping): max difference {diff:.3g} on a probe; the "
+                         f"trainer's log-probs would not be the model's, so it is not supported")
+
+
+def _chunk_logprobs(hidden, model, targets, temperature, with_entropy=False):
     """log pi(target) and, if asked, the entropy H = logsumexp(z) - sum_v softmax(z)_v z_v of one chunk."""
-    logits = F.linear(hidden, weight).float() / temperature
+    logits = output_logits(model, hidden).float() / temperature
     lse = torch.logsumexp(logits, -1)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     return logp, (lse - (logits.softmax(-1) * logits).sum(-1)) if with_entropy else None
@@ -26,17 +72,17 @@ def token_logprobs(model, batch: dict, temperature: float, chunk_tokens: int = 4
         if isinstance(m, torch.nn.Dropout) and m.p > 0:
             m.train(torch.is_grad_enabled())
     # the forward computes logits for one position only; the final normed hidden state feeds the projection
-    out, pick = model_forward(model, batch, output_hidden_states=True, logits_to_keep=1, use_cache=False)
-    h, tg = pick(out.hidden_states[-1]), batch["targets"]
-    weight = model.get_output_embeddings().weight  # FSDP2: gathered until backward (see dist.shard_model)
+    forward = lambda: model_forward(model, batch, logits_to_keep=1, use_cache=False)  # noqa: E731
+    (out, pick), last = final_hidden(model, forward)
+    h, tg = pick(last), batch["targets"]
     lp_parts, ent_parts = [], []
     for s in range(0, h.shape[0], chunk_tokens):
         hs, ts = h[s:s + chunk_tokens], tg[s:s + chunk_tokens]
         if torch.is_grad_enabled() and hs.requires_grad:
-            lp, ent = torch.utils.checkpoint.checkpoint(_chunk_logprobs, hs, weight, ts, temperature,
+            lp, ent = torch.utils.checkpoint.checkpoint(_chunk_logprobs, hs, model, ts, temperature,
                                                         with_entropy, use_reentrant=False)
         else:
-            lp, ent = _chunk_logprobs(hs, weight, ts, temperature, with_entropy)
+            lp, ent = _chunk_logprobs(hs, model, ts, temperature, with_entropy)
         lp_parts.append(lp)
         ent_parts.append(ent)
     empty = h.new_zeros(0, dtype=torch.float32)

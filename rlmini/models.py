@@ -11,7 +11,8 @@ import tempfile
 import torch
 
 from rlmini import dist
-from rlmini.packing import enable_packing
+from rlmini.logprobs import check_output_head
+from rlmini.packing import enable_packing, exact_attention
 
 CACHE_DIR = os.environ.get("RLMINI_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rlmini"))
 TINY_CONFIG = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
@@ -114,6 +115,7 @@ def load_model(args, task, device, dtype):
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype if args.lora_rank else torch.float32)
     model = model.to(device)
+    check_output_head(model, args.model)
     model = prepare_for_training(model, args.gradient_checkpointing, args.packing)
     if args.lora_rank:
         model = add_lora(model, args)
@@ -125,7 +127,9 @@ def prepare_for_training(model, gradient_checkpointing: bool, packing: bool = Tr
     critic regresses), then training mode: transformers checkpoints a layer only in training mode, so
     --gradient_checkpointing in eval mode silently keeps every activation. Non-reentrant checkpointing, the
     kind PyTorch recommends (it also runs under no_grad, as the pre-update passes do). --packing: attention
-    through packing.packed_attention (packing.enable_packing)."""
+    through packing.packed_attention (packing.enable_packing), over attention that computes what the model
+    defines (packing.exact_attention)."""
+    exact_attention(model)
     if packing:
         enable_packing(model)
     for m in model.modules():
@@ -187,6 +191,7 @@ def load_reference(args, task, device, dtype, policy=None):
     if policy is not None and is_lora(policy):
         return AdaptersOff(policy)
     model = AutoModelForCausalLM.from_pretrained(model_path(args.model, task), dtype=dtype).to(device)
+    exact_attention(model)
     if args.packing:
         enable_packing(model)
     return dist.shard_model(model.eval().requires_grad_(False), dtype)

@@ -105,17 +105,26 @@ def index_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x[index]
 
 
+# what transformers' attention layers pass that changes nothing here (the packed rows carry the positions)
+_INERT = {"position_ids", "cache_position", "use_cache", "output_attentions", "past_key_values", "is_causal"}
+
+
 def packed_attention(delegate):
     """An attention function for transformers' AttentionInterface: with `packed_rows` (a make_batch packed
-    layout) it attends within each prompt+completion of the packed sequence, one scaled-dot-product call per
-    row set (distinct prompts; completions, whose keys are their prompt's keys and values followed by their
-    own); without, it is `delegate` (sdpa, flash, ...), so generation and every other call are unchanged.
-    Per-token layers (projections, MLP, norms) see each packed token once: no padding, each prompt once."""
+    layout) it attends within each prompt+completion of the packed sequence, one attention call per row set
+    (distinct prompts; completions, whose keys are their prompt's keys and values followed by their own);
+    without, it is `delegate` (sdpa, eager, ...), so generation and every other call are unchanged.
+    Per-token layers (projections, MLP, norms) see each packed token once: no padding, each prompt once.
+    A keyword it does not implement (attention sinks, ...) raises: enable_packing then keeps padded rows."""
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
-                  packed_rows=None, **kwargs):
+                  softcap=None, packed_rows=None, **kwargs):
         if packed_rows is None:
+            extra = {} if softcap is None else {"softcap": softcap}
             return delegate(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                            sliding_window=sliding_window, **kwargs)
+                            sliding_window=sliding_window, **extra, **kwargs)
+        unknown = sorted(k for k, v in kwargs.items() if k not in _INERT and v is not None)
+        if unknown:
+            raise NotImplementedError(f"packed attention does not implement {', '.join(unknown)}")
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, head_dim]
         out = []
         for q_idx, q_valid, k_idx, allowed, q_pos, k_pos in packed_rows:
@@ -123,11 +132,40 @@ def packed_attention(delegate):
                 allowed = allowed & (q_pos[:, :, None] - k_pos[:, None, :] < sliding_window)
                 allowed[:, :, 0] |= ~q_valid
             qs, ks, vs = (index_rows(x, i).transpose(1, 2) for x, i in ((q, q_idx), (k, k_idx), (v, k_idx)))
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed[:, None], dropout_p=dropout,
-                                               scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
+            if softcap is None:
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed[:, None], dropout_p=dropout,
+                                                   scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
+            else:
+                o = _softcapped_attention(qs, ks, vs, allowed[:, None], scaling, softcap)
             out.append(o.transpose(1, 2)[q_valid])  # row-major valid queries: this row set's packed order
         return torch.cat(out)[None], None
     return attention
+
+
+def _softcapped_attention(q, k, v, allowed, scaling, softcap):
+    """Attention with Gemma 2's logit soft cap, cap * tanh(s / cap) on the scores (eager_attention_forward in
+    transformers' gemma2, op for op; sdpa has no soft cap). q [R, H, Lq, d], k and v [R, H_kv, Lk, d]."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scaling
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    return torch.matmul(torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _own_eager(module, *args, **kwargs):
+    """The model's own eager attention: each transformers model file defines one (get_interface's default)."""
+    return sys.modules[type(module).__module__].eager_attention_forward(module, *args, **kwargs)
+
+
+def exact_attention(model) -> None:
+    """Run attention that computes what the model defines: transformers' sdpa and flash functions drop the
+    attention soft cap Gemma 2 passes (`softcap` ends in sdpa_attention_forward's **kwargs), so a soft-capped
+    model runs eager attention, which applies it."""
+    if getattr(model.config, "attn_logit_softcapping", None) is not None:
+        impl = model.config._attn_implementation
+        if impl not in ("eager", "packed_eager"):
+            model.set_attn_implementation("eager")
 
 
 def enable_packing(model) -> bool:
@@ -135,48 +173,58 @@ def enable_packing(model) -> bool:
     creation unchanged), so that model_forward can run make_batch's packed layout, after checking on a small
     batch that packed and padded forwards agree. False (padded batches, with a note) when the model does not
     use transformers' attention interface (eager attention, custom code) or computes something the packed
-    rows do not (soft-capped logits, attention sinks, ...)."""
+    rows do not (attention sinks, ...)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     impl = model.config._attn_implementation
     if impl.startswith("packed_"):
         return True
-    known = AttentionInterface._global_mapping, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
-    if impl not in known[0] or impl not in known[1]:
+    functions = {**AttentionInterface._global_mapping, "eager": _own_eager}
+    if impl not in functions or impl not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
         return False
     name = "packed_" + impl
     if name not in AttentionInterface._global_mapping:
-        AttentionInterface.register(name, packed_attention(AttentionInterface._global_mapping[impl]))
+        AttentionInterface.register(name, packed_attention(functions[impl]))
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[impl])
     device = next(model.parameters()).device
     probe = make_batch([[2, 3, 4], [2, 3, 4], [5]], [[6, 7], [8], [3, 2, 9, 4]], 0, device)
     was_training = model.training
+    why = None
     with torch.no_grad():
         model.eval()
-        padded = model_forward(model, probe, output_hidden_states=True)
+        (_, pick_b), b = final_hidden(model, lambda: model_forward(model, probe))
         model.set_attn_implementation(name)
-        packed = model_forward(model, probe, output_hidden_states=True)
+        try:
+            (_, pick_a), a = final_hidden(model, lambda: model_forward(model, probe))
+        except NotImplementedError as e:
+            why = str(e)
         model.train(was_training)
-    a, b = (pick(out.hidden_states[-1]).float() for out, pick in (packed, padded))
-    diff, scale = (a - b).abs().max().item(), b.abs().max().item()
-    if not diff <= (1e-4 if next(model.parameters()).dtype == torch.float32 else 5e-2) * max(scale, 1.0):
+    if why is None:
+        a, b = pick_a(a).float(), pick_b(b).float()
+        diff, scale = (a - b).abs().max().item(), b.abs().max().item()
+        if not diff <= (1e-4 if next(model.parameters()).dtype == torch.float32 else 5e-2) * max(scale, 1.0):
+            why = f"its packed forward differs from the padded one by {diff:.3g} on a test batch"
+    if why is not None:
         model.set_attn_implementation(impl)
-        print(f"note: --packing is off for this model ({type(model).__name__}): its packed forward differs "
-              f"from the padded one by {diff:.3g} on a test batch; the update uses padded rows",
-              file=sys.stderr)
+        print(f"note: --packing is off for this model ({type(model).__name__}): {why}; the update uses "
+              f"padded rows", file=sys.stderr)
         return False
     return True
 
 
+def unwrapped(model):
+    return getattr(model, "policy", model)  # AdaptersOff (a LoRA policy's reference): its policy
+
+
 def packing_enabled(model) -> bool:
-    model = getattr(model, "policy", model)  # AdaptersOff: its policy's
+    model = unwrapped(model)
     return str(getattr(getattr(model, "config", None), "_attn_implementation", "")).startswith("packed_")
 
 
 def model_forward(model, batch: dict, **kwargs):
     """(output, pick): `model` on `batch`, packed when the model allows it, else padded; pick(x) takes any
     per-position output x [B, T, ...] at the positions that predict the completion tokens, in
-    batch["targets"] order (pick(out.hidden_states[-1]) is [n_targets, hidden]). Packed, a prompt's last
+    batch["targets"] order (pick of the last hidden state is [n_targets, hidden]). Packed, a prompt's last
     position predicts the first token of each of its completions, so it is taken G times (index_rows: a
     fixed-order backward)."""
     if packing_enabled(model):
@@ -188,6 +236,18 @@ def model_forward(model, batch: dict, **kwargs):
         return out, lambda x: index_rows(x[0], p["pred"])
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **kwargs)
     return out, lambda x: x[batch["target_index"]]  # each position once
+
+
+def final_hidden(model, run):
+    """(run(), the decoder's last hidden state in that call): the one activation the output layer reads,
+    captured by a hook on the decoder instead of keeping every layer's output (output_hidden_states)."""
+    seen = []
+    hook = unwrapped(model).get_decoder().register_forward_hook(lambda m, args, out: seen.append(out[0]))
+    try:
+        result = run()
+    finally:
+        hook.remove()
+    return result, seen[-1]
 
 
 def to_batch_layout(values, batch: dict):

@@ -144,3 +144,19 @@ def test_tiny_tokenizer_round_trips_every_task_alphabet():
     tok = AutoTokenizer.from_pretrained(models.build_tiny_model(rewards.load_task("calibration").alphabet))
     ids = tok("37%", add_special_tokens=False)["input_ids"]
     assert len(ids) == 1 and tok.decode(ids + [tok.eos_token_id], skip_special_tokens=True) == "37%"
+
+
+def test_an_unreachable_hub_dataset_is_one_line_naming_it_and_the_local_way(monkeypatch):
+    """`--task gsm8k` offline (or a hub that does not answer): one line naming the dataset and
+    --task gsm8k:PATH, not datasets' ConnectionError traceback."""
+    import datasets
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (LocalEntryNotFoundError)\nmore")
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    for task, dataset in (("gsm8k", "openai/gsm8k"), ("math", "DigitalLearningGmbH/MATH-lighteval")):
+        with pytest.raises(rewards.DataError) as e:
+            rewards.load_task(task)
+        message = str(e.value)
+        assert "\n" not in message and dataset in message and f"--task {task}:PATH" in message
+        assert "ConnectionError" in message
