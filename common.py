@@ -51,7 +51,8 @@ class Args:
     temperature: float = arg(1.0, "sampling temperature (log-probs are taken at the same temperature)", gt=0)
     seed: int = arg(0, "seed for data order, sampling and initialisation")
     engine: Literal["vllm", "hf"] = arg("vllm", "rollout engine: vLLM in-process, or a sampling loop (hf)")
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = arg("auto", "compute dtype (auto: CUDA bf16)")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = arg("auto", "compute dtype (auto: CUDA bf16; "
+                                                                  "float16: eval.py only)")
     micro_batch_size: int = arg(64, "sequences per forward/backward (gradient accumulation)", ge=1)
     updates_per_rollout: int = arg(1, "passes (epochs) over each rollout batch", ge=1)
     minibatches: int = arg(1, "optimizer steps per pass: the rollout batch is split into this many", ge=1)

@@ -4,7 +4,6 @@ VLLMEngine runs vLLM in this process and samples from the weights it was last pu
 on CUDA it sleeps (level 2: weights and KV cache freed) while the trainer updates. HFEngine samples with a
 transformers loop on the policy itself: nothing to push, nothing to free.
 """
-import inspect
 import itertools
 import json
 import logging
@@ -35,6 +34,16 @@ def make_engine(args, path: str, model, tokenizer, device, dtype, max_len: int):
                       sleep_mode=device.type == "cuda" and args.vllm_sleep)
 
 
+def stop_ids(tokenizer, model=None) -> frozenset:
+    """Every token that ends a completion: the tokenizer's EOS and each eos_token_id of the model's generation
+    config (Qwen2.5-Instruct lists <|im_end|> and <|endoftext|>), the set vLLM stops on
+    (SamplingParams.update_from_generation_config)."""
+    model = getattr(model, "policy", model)
+    listed = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    listed = listed if isinstance(listed, (list, tuple)) else [listed]
+    return frozenset(i for i in [tokenizer.eos_token_id, *listed] if i is not None)
+
+
 class HFEngine:
     """Samples from the policy itself: one prefill per prompt (left-padded), its KV cache repeated n times,
     then ancestral sampling at the temperature (no top-k/top-p), one token per step for the sequences still
@@ -43,7 +52,7 @@ class HFEngine:
 
     def __init__(self, model, tokenizer, device=torch.device("cpu"), dtype=torch.float32):
         self.model, self.tokenizer, self.device, self.dtype = model, tokenizer, device, dtype
-        self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+        self.eos_ids, self.pad_id = stop_ids(tokenizer, model), tokenizer.pad_token_id
 
     def sleep(self) -> None:
         pass
@@ -76,6 +85,7 @@ class HFEngine:
         logps = torch.zeros(tokens.shape, dtype=torch.float32, device=device)
         length = torch.zeros(B, dtype=torch.long, device=device)
         gen = torch.Generator(device=device).manual_seed(seed)
+        eos = torch.tensor(sorted(self.eos_ids), device=device)
         cache = DynamicCache(config=model.config)
         with autocast(device, dtype):
             out = model(input_ids=ids.to(device), attention_mask=attn, position_ids=pos.to(device),
@@ -91,7 +101,7 @@ class HFEngine:
             live = ~done
             rows = active[live]
             tokens[rows, t], logps[rows, t], length[rows] = tok[live], logp[live, tok[live]], t + 1
-            done = done | (tok == self.eos_id)
+            done = done | torch.isin(tok, eos)
             running = not bool(done.all())
             if dist.many_ranks():  # FSDP2: every forward all-gathers, so ranks step until all have ended
                 running = dist.all_sum(float(running)) > 0
@@ -117,7 +127,7 @@ class HFEngine:
             r.prompt_ids.append(list(prompt_ids[i // n]))
             r.completion_ids.append(toks)
             r.sampler_logprobs.append(logps[i][:length[i]])
-            r.finished.append(bool(toks) and toks[-1] == self.eos_id)
+            r.finished.append(bool(toks) and toks[-1] in self.eos_ids)
         return r
 
 
@@ -167,7 +177,7 @@ class VLLMEngine:
     def __init__(self, llm, model, tokenizer, device=torch.device("cpu"), dtype=torch.float32,
                  sleep_mode=False):
         self.llm, self.model, self.tokenizer, self.device, self.dtype = llm, model, tokenizer, device, dtype
-        self.eos_id, self.pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+        self.eos_ids, self.pad_id = stop_ids(tokenizer, model), tokenizer.pad_token_id
         self.sleep_mode, self.asleep = sleep_mode, False
         self.tied = llm.apply_model(_tied_groups)[0] if llm is not None else []  # names sharing one tensor
         self.weighted = llm.apply_model(_weighted_layers)[0] if llm is not None else set()
@@ -190,7 +200,7 @@ class VLLMEngine:
                 r.prompt_ids.append(list(ids))
                 r.completion_ids.append(toks)
                 r.sampler_logprobs.append([lp[t].logprob for t, lp in zip(toks, c.logprobs)])
-                r.finished.append(c.finish_reason == "stop" and len(toks) > 0 and toks[-1] == self.eos_id)
+                r.finished.append(c.finish_reason == "stop" and len(toks) > 0 and toks[-1] in self.eos_ids)
         return r
 
     def sleep(self) -> None:
@@ -226,10 +236,8 @@ class VLLMEngine:
         vlog.addHandler(capture)
         vlog.setLevel(logging.WARNING)  # even when its console shows errors only
         try:
-            if _has_weights_iterator(llm):  # vLLM >= 0.16: reload in place from an iterator
-                llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
-            else:  # older vLLM: the model's own loader
-                llm.apply_model(lambda m: m.load_weights(iter(weights)))
+            # reload in place from an iterator (vLLM >= 0.16; requirements pin 0.32)
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         finally:
             vlog.removeHandler(capture)
             vlog.setLevel(level)
@@ -339,12 +347,3 @@ def _retie(model, tied: list) -> None:
 def _read_config(path: str) -> dict:
     with open(os.path.join(path, "config.json")) as f:
         return json.load(f)
-
-
-def _has_weights_iterator(llm) -> bool:
-    from vllm.v1.worker import gpu_worker
-    fn = getattr(gpu_worker.Worker, "reload_weights", None)
-    if fn is None:
-        return False
-    params = inspect.signature(fn).parameters
-    return "weights_iterator" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())

@@ -18,7 +18,8 @@ def generate_double(engine, prompt_ids, n, max_new_tokens, temperature, seed):
         answer = sum(int(x) for x in text.rstrip("=").split("+"))
         for j in range(n):
             kind = hashlib.sha256(f"{text}/{j}".encode()).digest()[0] % 4
-            toks = tok.convert_tokens_to_ids(list(str(answer + (0, 1, 2, 0)[kind]))) + [engine.eos_id]
+            digits = list(str(answer + (0, 1, 2, 0)[kind]))
+            toks = tok.convert_tokens_to_ids(digits) + [engine.tokenizer.eos_token_id]
             if kind == 3:  # unfinished: no EOS within the budget
                 toks = tok.convert_tokens_to_ids(list("9" * max_new_tokens))
             r.prompt_ids.append(list(ids))

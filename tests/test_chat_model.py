@@ -125,8 +125,8 @@ def boxed_double(seen):
                 kind = j % 4
                 body = [f"so \\boxed{{{answer}}}", f"\\boxed{{{int(answer) + 1}}}", "no box here",
                         "\\boxed{1" * 40][kind]
-                toks = tok(body,
-                           add_special_tokens=False)["input_ids"] + ([] if kind == 3 else [engine.eos_id])
+                eos = [] if kind == 3 else [engine.tokenizer.eos_token_id]
+                toks = tok(body, add_special_tokens=False)["input_ids"] + eos
                 r.prompt_ids.append(list(ids))
                 r.completion_ids.append(toks[:max_new_tokens])
                 r.finished.append(kind != 3)

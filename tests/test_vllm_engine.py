@@ -114,3 +114,29 @@ def test_unloaded_parameters_reported_by_vllm_fail_the_push(vllm_setup, monkeypa
     monkeypatch.setattr(sampler.llm, "collective_rpc", rpc)
     with pytest.raises(engine.PushError, match="unloaded"):
         sampler.push()
+
+
+def test_both_engines_stop_on_every_eos_of_the_generation_config(vllm_setup, tmp_path):
+    """A generation config that lists a second EOS (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>): vLLM
+    stops on it, and so does the HF engine; a completion ending in it counts as finished (it was counted as
+    truncated and dropped by --mask_truncated)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    _, _, tok, prompts = vllm_setup
+    folder = str(tmp_path / "two_eos")
+    shutil.copytree(vllm_setup[0].llm.llm_engine.model_config.model, folder)
+    second = tok.convert_tokens_to_ids("1")  # a digit the tiny model writes often
+    GenerationConfig(eos_token_id=[tok.eos_token_id, second]).save_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)  # the weights vLLM loads
+    args = common.Args(engine="vllm", seed=0)
+    engines = {"vllm": engine.make_engine(args, folder, model, tok, CPU, torch.float32, max_len=64),
+               "hf": engine.HFEngine(model, tok)}
+    for name, sampler in engines.items():
+        assert sampler.eos_ids == {tok.eos_token_id, second}
+        r = sampler.generate(prompts, 16, 12, 1.0, 5)
+        ends = [c[-1] for c, f in zip(r.completion_ids, r.finished) if f]
+        assert second in ends, name  # it stops there and counts as finished
+        for c, f in zip(r.completion_ids, r.finished):
+            assert f == (len(c) > 0 and c[-1] in {tok.eos_token_id, second}), name
+            assert not any(t in {tok.eos_token_id, second} for t in c[:-1]), name  # nothing after an EOS
