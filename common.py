@@ -23,7 +23,8 @@ import torch
 
 from rlmini import checkpoint as ckpt
 from rlmini import data, dist, engine, faults, logprobs, models, runlog
-from rlmini.batches import Batch, Keep, Micro, Minibatch, PreUpdate, group_permutation, micro_batch
+from rlmini.batches import (Batch, Keep, Micro, Minibatch, PreUpdate, group_permutation, micro_batch,
+                             micro_rows)
 
 # what the scripts use as it is: collectives, the entry point's guard, what PPO's critic is built from
 from rlmini.dist import all_gather, all_mean_var, all_sum, local_slice, rank, world_size  # noqa: F401
@@ -54,11 +55,16 @@ class Args:
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = arg("auto", "compute dtype (auto: CUDA bf16; "
                                                                   "float16: eval.py only)")
     micro_batch_size: int = arg(64, "sequences per forward/backward (gradient accumulation)", ge=1)
+    micro_batch_tokens: int = arg(0, "and at most this many prompt+completion tokens (verl's "
+                                     "ppo_max_token_len_per_gpu); 0: 16384 for a hub model, off for tiny", ge=0)
     updates_per_rollout: int = arg(1, "passes (epochs) over each rollout batch", ge=1)
     minibatches: int = arg(1, "optimizer steps per pass: the rollout batch is split into this many", ge=1)
     grad_clip: float = arg(1.0, "max global grad norm (0 = off)", ge=0)
     gradient_checkpointing: bool = arg(False, "trade compute for activation memory")
     packing: bool = arg(True, "padding-free packed micro-batches, each prompt once per group (exact)")
+    packed_attention: Literal["auto", "flex", "rows"] = arg(
+        "auto", "packed attention: flex (FlexAttention, memory linear in tokens), rows (sdpa per row set); "
+                "auto: flex on CUDA")
     lora_rank: int = arg(0, "LoRA rank r (peft): only adapters train, the base stays frozen (0 = off)", ge=0)
     lora_alpha: float = arg(0.0, "LoRA alpha: the update is (alpha / r) B A (0 = 2 r)", ge=0)
     lora_targets: str = arg("all-linear", "modules given adapters: all-linear (attention, MLP) or names, a,b")
@@ -156,6 +162,7 @@ def setup(args, algo: str) -> Run:
     model_tag = os.path.basename(args.model.rstrip("/"))
     args.run_name = args.run_name or f"{algo}-{args.task.split(':')[0]}-{model_tag}-s{args.seed}"
     style = models.prompt_style(args.model)
+    args.micro_batch_tokens = args.micro_batch_tokens or (0 if style == "tiny" else 16384)
     task = data.load_task(args, style)
     run_dir = ckpt.prepare_run_dir(args)  # after the data loaded: a bad --task leaves no folder behind
     models.model_path(args.model, task)  # builds the tiny model on first use, before torch.distributed starts
@@ -285,9 +292,9 @@ def pre_update(run, batch: Batch, ref_model=None, values=None, need_old: bool = 
     top_entropy = args.top_entropy_quantile < 1
     pre = PreUpdate(on_policy, [None] * B, [None] * B if ref_model is not None else None, [None] * B,
                     [None] * B)
-    for s in range(0, B, args.micro_batch_size):
-        micro = micro_batch(batch, list(range(s, min(s + args.micro_batch_size, B))), run.model, run.device)
-        at = slice(s, s + len(micro.rows))
+    for rows in micro_rows(batch, list(range(B)), args.micro_batch_size, args.micro_batch_tokens):
+        micro = micro_batch(batch, rows, run.model, run.device)
+        at = slice(rows[0], rows[-1] + 1)
         with autocast(run.device, run.dtype):
             if values is not None:
                 pre.values[at] = to_ragged(values(micro.layout), micro.mask)
@@ -314,8 +321,8 @@ def minibatches(run, batch: Batch):
             in_loss = batch.in_loss[rows]
             n_seqs = max(all_sum(float(in_loss.sum())), 1.0) / world_size()
             n_tokens = max(all_sum(float((batch.lengths[rows] * in_loss).sum())), 1.0) / world_size()
-            yield Minibatch(batch, rows, epoch, n_seqs, n_tokens, args.micro_batch_size, run.model,
-                            run.device)
+            yield Minibatch(batch, rows, epoch, n_seqs, n_tokens, args.micro_batch_size,
+                            args.micro_batch_tokens, run.model, run.device)
 
 
 def policy_logprobs(run, micro: Micro) -> tuple:

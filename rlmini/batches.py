@@ -88,13 +88,30 @@ class Minibatch:
     n_seqs: float
     n_tokens: float
     micro_batch_size: int
+    micro_batch_tokens: int
     model: object
     device: torch.device
 
     def __iter__(self):
-        for s in range(0, len(self.rows), self.micro_batch_size):
-            rows = self.rows[s:s + self.micro_batch_size]
+        for rows in micro_rows(self.batch, self.rows, self.micro_batch_size, self.micro_batch_tokens):
             yield micro_batch(self.batch, rows, self.model, self.device, self.epoch)
+
+
+def micro_rows(batch: Batch, rows: list, max_seqs: int, max_tokens: int = 0) -> list:
+    """`rows` cut in order into micro-batches of at most max_seqs completions and, when max_tokens > 0, at
+    most max_tokens prompt+completion tokens (a longer completion goes alone): at 4k-token completions a
+    micro-batch of 64 sequences would be 256k tokens. Each prompt is counted with each of its completions
+    (what padded rows compute; packing computes less)."""
+    r = batch.rollouts
+    out, current, tokens = [], [], 0
+    for i in rows:
+        n = len(r.prompt_ids[i]) + len(r.completion_ids[i])
+        if current and (len(current) == max_seqs or (max_tokens and tokens + n > max_tokens)):
+            out.append(current)
+            current, tokens = [], 0
+        current.append(i)
+        tokens += n
+    return out + [current] if current else out
 
 
 def group_permutation(n: int, group_size: int, generator) -> torch.Tensor:

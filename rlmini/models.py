@@ -12,7 +12,7 @@ import torch
 
 from rlmini import dist
 from rlmini.logprobs import check_output_head
-from rlmini.packing import enable_packing, exact_attention
+from rlmini.packing import enable_packing, exact_attention, use_kernel
 
 CACHE_DIR = os.environ.get("RLMINI_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rlmini"))
 TINY_CONFIG = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
@@ -110,6 +110,7 @@ def load_model(args, task, device, dtype):
     train, in fp32 (peft). The model is left in training mode with its dropout off."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = model_path(args.model, task)
+    use_kernel(args.packed_attention)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

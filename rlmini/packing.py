@@ -5,6 +5,7 @@ padding-free sequence in which each distinct prompt appears once, followed by ev
 on, attention runs through packed_attention (registered in transformers' AttentionInterface), so the G
 completions of a prompt share its one forward pass and no position is padding.
 """
+import functools
 import itertools
 import sys
 
@@ -12,13 +13,15 @@ import torch
 import torch.nn.functional as F
 
 
-def make_batch(prompt_ids: list, completion_ids: list, pad_id: int, device) -> dict:
+def make_batch(prompt_ids: list, completion_ids: list, pad_id: int, device, kernel: str | None = None) -> dict:
     """One micro-batch in two layouts. Padded: right-padded prompt+completion rows, `mask` [b, T-1] marking
     completion tokens in the shifted targets (position t predicts token t+1). Packed (`packed`): the micro-
     batch as one padding-free sequence in which each distinct prompt appears once, followed by every
     completion; position ids restart per sequence and attention stays inside each prompt+completion, so the
     G completions of a prompt share its one forward pass (see packed_attention). `targets`: the completion
-    tokens in `mask`'s nonzero order; `target_index`: that order's (row, position) pairs."""
+    tokens in `mask`'s nonzero order; `target_index`: that order's (row, position) pairs. `kernel`: how packed
+    attention runs, "flex" (FlexAttention over a block mask built on the device; the default on CUDA) or
+    "rows" (one sdpa call per row set; the default elsewhere)."""
     b = len(prompt_ids)
     P = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long)
     L = torch.tensor([len(c) for c in completion_ids], dtype=torch.long)
@@ -34,11 +37,27 @@ def make_batch(prompt_ids: list, completion_ids: list, pad_id: int, device) -> d
     batch = {"input_ids": input_ids.to(device), "attention_mask": inside.long().to(device),
              "mask": mask.to(device), "targets": targets.to(device),
              "target_index": tuple(i.to(device) for i in mask.nonzero(as_tuple=True))}
-    batch["packed"] = _pack(prompt_ids, completion_ids, P, L, targets, device)
+    kernel = kernel or default_kernel(torch.device(device))
+    batch["packed"] = _pack(prompt_ids, completion_ids, P, L, targets, device, kernel)
     return batch
 
 
-def _pack(prompt_ids, completion_ids, P, L, targets, device) -> dict:
+_KERNEL = {"packed_attention": "auto"}  # --packed_attention, set once by models.load_model
+
+
+def use_kernel(name: str) -> None:
+    _KERNEL["packed_attention"] = name
+
+
+def default_kernel(device) -> str:
+    """--packed_attention: auto is FlexAttention on CUDA, where sdpa with a mask and GQA falls to the math
+    kernel (fp32 [rows, heads, Lq, Lk] scores kept for backward, docs/models.md), and the row sets elsewhere
+    (torch has no FlexAttention backward on CPU)."""
+    name = _KERNEL["packed_attention"]
+    return name if name != "auto" else ("flex" if device.type == "cuda" else "rows")
+
+
+def _pack(prompt_ids, completion_ids, P, L, targets, device, kernel) -> dict:
     """The packed layout of make_batch: [distinct prompts][completions, by length class], with position ids,
     the attention rows of packed_attention and, per completion token (targets order), the packed position that
     predicts it (its prompt's last token for the first one). Completions are grouped into length classes
@@ -66,14 +85,87 @@ def _pack(prompt_ids, completion_ids, P, L, targets, device) -> dict:
     seq = torch.repeat_interleave(torch.arange(len(L)), L)  # per target: its completion; j: its index there
     j = torch.arange(int(L.sum())) - torch.repeat_interleave(torch.cumsum(L, 0) - L, L)
     pred = torch.where(j == 0, (p_start[owner] + P - 1)[seq], c_start[seq] + j - 1)
+    packed = {"input_ids": ids[None].to(device), "position_ids": torch.cat([pos_p, pos_c])[None].to(device),
+              "pred": pred.to(device), "computed": len(ids)}
+    if kernel == "flex":
+        packed["rows"] = FlexLayout(p_start, Pu, c_start[order], L[order], P[order], p_start[owner[order]],
+                                    len(ids), device)
+        return packed
     none = torch.zeros_like(Pu)
     rows = [_attention_rows(p_start, Pu, none, p_start, none)]  # prompts: themselves
     for c in torch.unique(length_class).tolist():  # completions: their prompt, then themselves
         i = order[length_class[order] == c]
         rows.append(_attention_rows(c_start[i], L[i], P[i], p_start[owner[i]], P[i]))
-    return {"input_ids": ids[None].to(device), "position_ids": torch.cat([pos_p, pos_c])[None].to(device),
-            "rows": [tuple(t.to(device) for t in r) for r in rows], "pred": pred.to(device),
-            "computed": len(ids)}
+    packed["rows"] = [tuple(t.to(device) for t in r) for r in rows]
+    return packed
+
+
+class FlexLayout:
+    """The packed sequence's attention for FlexAttention, in O(tokens): each query's keys are at most two
+    contiguous spans of the packed sequence, its prompt [a1, b1) and its own completion so far [a2, b2)
+    (sliding windows shorten both), held as int tensors of N entries on the device. block_mask(window) turns
+    them into a BlockMask (which 128 x 128 blocks to compute, which of those need the mask) without an [N, N]
+    tensor: the block table is [N/128, N/128]."""
+
+    BLOCK = 128  # FlexAttention's default sparse block size
+
+    def __init__(self, p_start, p_len, c_start, c_len, c_prompt_len, c_prompt_start, n, device):
+        seq, m = torch.arange(n), int(p_len.sum())  # m: prompt tokens, first in the packed sequence
+        a1, b1, a2, b2 = seq.clone(), seq + 1, seq.clone(), seq.clone()  # prompts: their own prefix
+        a1[:m] = torch.repeat_interleave(p_start, p_len)
+        a1[m:] = torch.repeat_interleave(c_prompt_start, c_len)  # completions: their prompt, then themselves
+        b1[m:] = torch.repeat_interleave(c_prompt_start + c_prompt_len, c_len)
+        a2[m:] = torch.repeat_interleave(c_start, c_len)
+        b2[m:] = seq[m:] + 1
+        offset = torch.zeros(n, dtype=torch.long)  # the position of a2's token: its prompt's length
+        offset[m:] = torch.repeat_interleave(c_prompt_len, c_len)
+        self.n, self.device, self.masks = n, device, {}
+        self.spans = torch.stack([a1, b1, a2, b2]).to(device)  # [4, N]
+        self.offset = offset.to(device)
+        self.pos = torch.where(seq < m, seq - a1, offset + seq - a2).to(device)  # position in its sequence
+
+    def windowed(self, window):
+        """(a1, b1, a2, b2) without the keys more than `window - 1` positions back (sliding-window layers)."""
+        a1, b1, a2, b2 = self.spans
+        if window is None:
+            return a1, b1, a2, b2
+        first = self.pos - window + 1  # the earliest position a query sees; a1 is position 0
+        return torch.maximum(a1, a1 + first), b1, torch.maximum(a2, a2 + first - self.offset), b2
+
+    def block_mask(self, window=None):
+        if window not in self.masks:
+            self.masks[window] = self._block_mask(*self.windowed(window))
+        return self.masks[window]
+
+    def _block_mask(self, a1, b1, a2, b2):
+        from torch.nn.attention.flex_attention import BlockMask
+        B, n = self.BLOCK, self.n
+        nb = (n + B - 1) // B
+        qb = torch.arange(n, device=self.device) // B
+        touched = torch.zeros(nb, nb + 1, dtype=torch.int32, device=self.device)
+        covered = torch.zeros_like(touched)
+        for a, b in ((a1, b1), (a2, b2)):
+            some = a < b
+            lo, hi = a // B, (b - 1) // B  # the blocks the span touches
+            lo_f = (a + B - 1) // B  # the blocks it covers whole (the last block may be short)
+            hi_f = torch.where(b >= n, nb - 1, b // B - 1)
+            for count, first, last, ok in ((touched, lo, hi, some), (covered, lo_f, hi_f, some & (lo_f <= hi_f))):
+                one = ok.to(torch.int32)  # +1 at the first block, -1 after the last: a cumsum counts
+                count.view(-1).index_add_(0, qb * (nb + 1) + first.clamp(0, nb), one)
+                count.view(-1).index_add_(0, qb * (nb + 1) + (last + 1).clamp(0, nb), -one)
+        queries = torch.bincount(qb, minlength=nb).to(torch.int32)  # per query block (the last may be short)
+        needed = touched.cumsum(1)[:, :nb] > 0
+        full = covered.cumsum(1)[:, :nb] == queries[:, None]
+        partial = needed & ~full
+
+        def table(blocks):  # per query block: how many kv blocks, and their indices first
+            indices = torch.argsort((~blocks).to(torch.int8), dim=1, stable=True).to(torch.int32)
+            return blocks.sum(1).to(torch.int32)[None, None], indices[None, None]
+
+        def mask_mod(b, h, q, kv):
+            return ((a1[q] <= kv) & (kv < b1[q])) | ((a2[q] <= kv) & (kv < b2[q]))
+        return BlockMask.from_kv_blocks(*table(partial), *table(full), BLOCK_SIZE=B, mask_mod=mask_mod,
+                                        seq_lengths=(n, n))
 
 
 def _attention_rows(q_start, q_len, q_pos0, ctx_start, ctx_len):
@@ -125,6 +217,8 @@ def packed_attention(delegate):
         unknown = sorted(k for k, v in kwargs.items() if k not in _INERT and v is not None)
         if unknown:
             raise NotImplementedError(f"packed attention does not implement {', '.join(unknown)}")
+        if isinstance(packed_rows, FlexLayout):
+            return _flex_attention(query, key, value, packed_rows.block_mask(sliding_window), scaling, softcap), None
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, head_dim]
         out = []
         for q_idx, q_valid, k_idx, allowed, q_pos, k_pos in packed_rows:
@@ -140,6 +234,26 @@ def packed_attention(delegate):
             out.append(o.transpose(1, 2)[q_valid])  # row-major valid queries: this row set's packed order
         return torch.cat(out)[None], None
     return attention
+
+
+def _flex_attention(query, key, value, block_mask, scaling, softcap):
+    """FlexAttention over the packed sequence ([1, heads, N, head_dim] in, [1, N, heads, head_dim] out): compiled
+    on CUDA (a fused kernel: memory linear in N, blocks outside the mask skipped); eager elsewhere (it
+    materialises the scores: for tests)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def soft_cap(score, b, h, q, kv):  # Gemma 2's attention soft cap, as in its eager attention
+        return torch.tanh(score / softcap) * softcap
+    attend = _compiled_flex() if query.is_cuda else flex_attention
+    out = attend(query, key, value, score_mod=None if softcap is None else soft_cap, block_mask=block_mask,
+                 scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2)
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention, dynamic=True)  # the packed length changes every micro-batch
 
 
 def _softcapped_attention(q, k, v, allowed, scaling, softcap):

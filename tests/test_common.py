@@ -209,3 +209,20 @@ def test_two_rank_torchrun_builds_the_tiny_model_on_every_node(tmp_path):
         assert {"config.json",
                 "model.safetensors"} <= set(os.listdir(tmp_path / "cache" / f"rank{r}" / "tiny" / built))
     assert [r["step"] for r in runlog.read_metrics(str(tmp_path / "fresh" / "metrics.jsonl"))] == [1]
+
+
+def test_micro_batches_hold_a_token_budget():
+    """--micro_batch_tokens: in order, at most max_seqs completions and max_tokens prompt+completion tokens per
+    micro-batch; a completion longer than the budget goes alone; 0 keeps the sequence count only."""
+    from rlmini import batches, data
+    lengths = [3, 5, 2, 9, 1, 1, 1, 4]
+    r = data.Rollouts([[1, 2]] * 8, [[7] * n for n in lengths], [[0.0] * n for n in lengths], [True] * 8, 0)
+    batch = type("B", (), {"rollouts": r})()
+    rows = list(range(8))
+    assert batches.micro_rows(batch, rows, 64, 0) == [rows]
+    assert batches.micro_rows(batch, rows, 3, 0) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    # tokens per row: 5 7 4 11 3 3 3 6
+    assert batches.micro_rows(batch, rows, 64, 12) == [[0, 1], [2], [3], [4, 5, 6], [7]]
+    assert batches.micro_rows(batch, rows, 2, 12) == [[0, 1], [2], [3], [4, 5], [6, 7]]
+    assert batches.micro_rows(batch, [3, 0], 64, 10) == [[3], [0]]  # 11 > 10: alone
+    assert batches.micro_rows(batch, [], 4, 10) == []

@@ -329,3 +329,93 @@ def test_a_model_whose_packed_forward_differs_keeps_padded_rows(monkeypatch, cap
     model = qwen3()
     assert not packing.enable_packing(model) and model.config._attn_implementation == "sdpa"
     assert "--packing is off for this model (Qwen3ForCausalLM)" in capsys.readouterr().err
+
+
+def _dense_from_rows(prompts, completions, window=None):
+    """[N, N] allowed (query, key) pairs of the packed sequence from the row-set layout (tested above against
+    padded attention), with a sliding window applied as packed_attention applies it."""
+    p = packing.make_batch(prompts, completions, 0, torch.device("cpu"), kernel="rows")["packed"]
+    n = p["computed"]
+    dense = torch.zeros(n, n, dtype=torch.long)
+    for q_idx, q_valid, k_idx, allowed, q_pos, k_pos in p["rows"]:
+        if window is not None:
+            allowed = allowed & (q_pos[:, :, None] - k_pos[:, None, :] < window)
+        for r in range(len(q_idx)):  # padding key slots index token 0: counted, so they cannot erase it
+            rows, keys = torch.broadcast_tensors(q_idx[r][q_valid[r]][:, None], k_idx[r][None, :])
+            dense.index_put_((rows, keys), allowed[r][q_valid[r]].long(), accumulate=True)
+    return dense > 0
+
+
+@pytest.mark.parametrize("seed,window", [(0, None), (1, None), (2, 3), (3, 100), (4, None)])
+def test_flex_block_mask_is_the_packed_attention_pattern(seed, window):
+    """FlexLayout's spans and block mask, built without an [N, N] tensor, against the row sets: the same
+    allowed pairs; every allowed pair inside a computed block; a block marked full is allowed throughout; no
+    computed block is empty. Layouts of 1-6 blocks of 128 (a short last block), windows shorter and longer
+    than the sequences."""
+    from torch.nn.attention.flex_attention import _DEFAULT_SPARSE_BLOCK_SIZE as B
+    prompts, completions = micro_batch(1 + seed, 3, 20 + 30 * seed, seed=seed, max_len=40 + 60 * seed)
+    reference = _dense_from_rows(prompts, completions, window)
+    layout = packing.make_batch(prompts, completions, 0, torch.device("cpu"), kernel="flex")["packed"]["rows"]
+    n = layout.n
+    a1, b1, a2, b2 = layout.windowed(window)
+    kv = torch.arange(n)
+    spans = ((a1[:, None] <= kv) & (kv < b1[:, None])) | ((a2[:, None] <= kv) & (kv < b2[:, None]))
+    assert torch.equal(spans, reference)
+    mask = layout.block_mask(window)
+    nb = (n + B - 1) // B
+    blocks = torch.zeros(nb, nb, dtype=torch.long)  # 0 skipped, 1 partial (masked), 2 full
+    for table, kind in (((mask.kv_num_blocks, mask.kv_indices), 1),
+                        ((mask.full_kv_num_blocks, mask.full_kv_indices), 2)):
+        for qb in range(nb):
+            blocks[qb, table[1][0, 0, qb, :table[0][0, 0, qb]].long()] = kind
+    padded = torch.zeros(nb * B, nb * B, dtype=torch.bool)
+    padded[:n, :n] = reference
+    per_block = padded.view(nb, B, nb, B).transpose(1, 2)  # [qb, kb, B, B]
+    valid = torch.zeros(nb * B, nb * B, dtype=torch.bool)
+    valid[:n, :n] = True
+    valid = valid.view(nb, B, nb, B).transpose(1, 2)
+    some, every = per_block.any((2, 3)), (per_block | ~valid).all((2, 3))
+    assert torch.equal(blocks > 0, some)  # computed exactly where something is allowed
+    assert torch.equal(blocks == 2, some & every)  # full exactly where everything is
+
+
+@pytest.mark.parametrize("arch", ["llama", "sliding", "softcap"])
+def test_flex_attention_equals_the_row_sets(arch):
+    """Eager FlexAttention on CPU (CUDA compiles the same call) against the row-set path: log-probs with GQA
+    (Llama 4 heads / 1 KV head), a sliding window (Qwen3, 5 tokens) and Gemma 2's attention soft cap with
+    scores past the cap. Forward only: torch has no FlexAttention backward on CPU; on CUDA the backward is
+    torch's own, of the same mask and score_mod."""
+    import test_architectures as archs
+    if arch == "llama":
+        model = llama()
+    elif arch == "sliding":
+        model = qwen3(use_sliding_window=True, sliding_window=5, max_window_layers=0)
+    else:
+        model = archs.build("gemma2-softcap")
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.data *= 30
+    models.prepare_for_training(model, gradient_checkpointing=False, packing=True)
+    prompts, completions = micro_batch(3, 3, 60, seed=5, max_len=150)
+    out = {}
+    with torch.no_grad():
+        for kernel in ("rows", "flex"):
+            batch = packing.make_batch(prompts, completions, 0, torch.device("cpu"), kernel=kernel)
+            out[kernel] = logprobs.token_logprobs(model, batch, 0.7)[0]
+    assert (out["rows"] - out["flex"]).abs().max() <= 1e-5
+
+
+def test_flex_layout_is_linear_in_tokens():
+    """An 8k-token completion: the layout's spans and the block mask are O(tokens) (largest tensor <= 4 N
+    entries; the block table, (N / 128)^2, stays under N up to 16k tokens), where the row sets hold [rows, Lq, Lk]
+    masks."""
+    prompts, completions = [[5] * 512, [5] * 512], [[6] * 8192, [7] * 8000]
+    layout = packing.make_batch(prompts, completions, 0, torch.device("cpu"), kernel="flex")["packed"]["rows"]
+    n = layout.n
+    mask = layout.block_mask(None)
+    tensors = [layout.spans, layout.pos, layout.offset, mask.kv_num_blocks, mask.kv_indices,
+               mask.full_kv_num_blocks, mask.full_kv_indices, mask.q_num_blocks, mask.q_indices]
+    assert n == 512 + 8192 + 8000
+    assert max(t.numel() for t in tensors) <= 4 * n
+    assert mask.kv_indices.numel() == ((n + 127) // 128) ** 2 < 1.1 * n  # N^2 / 128^2
+    # the row sets for the same batch: one row of 8192 queries over 512 + 8192 keys
+    assert 8192 * (512 + 8192) > 4000 * n
