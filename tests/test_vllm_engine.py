@@ -10,6 +10,7 @@ from rlmini import checkpoint as ckpt
 from rlmini import engine, logprobs, packing
 
 CPU = torch.device("cpu")
+_KEPT = []
 # fp32 on CPU: vLLM's sampled-token log-probs and the trainer's agree to ~5e-7 here; allow 1e-4
 LOGPROB_TOL = 1e-4
 
@@ -132,6 +133,7 @@ def test_both_engines_stop_on_every_eos_of_the_generation_config(vllm_setup, tmp
     args = common.Args(engine="vllm", seed=0)
     engines = {"vllm": engine.make_engine(args, folder, model, tok, CPU, torch.float32, max_len=64),
                "hf": engine.HFEngine(model, tok)}
+    _KEPT.append(engines["vllm"])  # collected, a second engine would tear down vLLM's process-wide state
     for name, sampler in engines.items():
         assert sampler.eos_ids == {tok.eos_token_id, second}
         r = sampler.generate(prompts, 16, 12, 1.0, 5)
@@ -140,3 +142,60 @@ def test_both_engines_stop_on_every_eos_of_the_generation_config(vllm_setup, tmp
         for c, f in zip(r.completion_ids, r.finished):
             assert f == (len(c) > 0 and c[-1] in {tok.eos_token_id, second}), name
             assert not any(t in {tok.eos_token_id, second} for t in c[:-1]), name  # nothing after an EOS
+
+
+def test_vllm_on_cuda_takes_the_free_memory_and_a_ranks_whole_batch(monkeypatch):
+    """The kwargs vLLM gets on CUDA (a test double for LLM and the CUDA memory query): with
+    --vllm_gpu_memory_utilization 0 the free share at start less 2 GiB, within [0.05, 0.9]; max_num_seqs a
+    rank's rollout batch; max_num_batched_tokens at least 16384."""
+    import vllm
+    seen = {}
+    monkeypatch.setattr(vllm, "LLM", lambda **kw: seen.update(kw) or "llm")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (50 * gib, 80 * gib))
+    import rewards
+    from rlmini.models import build_tiny_model
+    path = build_tiny_model(rewards.load_task("addition").alphabet)
+    args = common.Args(engine="vllm", prompts_per_step=32, group_size=8)
+    assert engine._start_vllm(args, path, torch.device("cuda"), torch.bfloat16, 4096) == "llm"
+    assert seen["gpu_memory_utilization"] == pytest.approx(48 / 80)
+    assert seen["max_num_seqs"] == 256 and seen["max_num_batched_tokens"] == 16384
+    assert seen["enable_sleep_mode"] and seen["dtype"] == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1 * gib, 80 * gib))
+    assert engine.vllm_memory_share(torch.device("cuda")) == 0.05
+    args = common.Args(engine="vllm", vllm_gpu_memory_utilization=0.4)
+    engine._start_vllm(args, path, torch.device("cuda"), torch.bfloat16, 4096)
+    assert seen["gpu_memory_utilization"] == 0.4
+
+
+def test_the_push_check_is_calibrated_on_a_completion_vllm_sampled(vllm_setup, monkeypatch):
+    """At start both engines hold the same weights: calibrate samples the probe's completion from vLLM itself
+    and scores it (the baseline, fp32: ~1e-7); a tolerance of max(floor, 5 x baseline) still catches a push
+    that did nothing."""
+    sampler, model, _, prompts = vllm_setup
+    sampler.push()
+    probe, baseline = sampler.calibrate(prompts[1], 8, seed=3)
+    assert probe[0] == prompts[1] and 1 <= len(probe[1]) <= 8
+    assert probe == sampler.calibrate(prompts[1], 8, seed=3)[0]  # seeded
+    assert baseline <= 1e-4
+    tol = max(engine.default_push_tol(torch.float32), 5 * baseline)
+    monkeypatch.setattr(sampler.llm, "collective_rpc", lambda *a, **k: [None])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.3)
+    sampler.push()
+    with pytest.raises(engine.PushError, match="did not take effect"):
+        sampler.check_push(probe, tol)
+    monkeypatch.undo()
+    sampler.push()
+    assert sampler.check_push(probe, tol) <= 1e-4
+    assert engine.HFEngine(model, sampler.tokenizer).calibrate(prompts[1], 8, 3)[1] == 0.0
+
+
+def test_rollout_correction_auto_is_on_for_bf16_vllm_only():
+    import common
+    for engine_name, dtype, expected in (("vllm", torch.bfloat16, "token-tis"), ("vllm", torch.float16, "token-tis"),
+                                         ("vllm", torch.float32, "off"), ("hf", torch.bfloat16, "off")):
+        assert common.correction_for(common.Args(engine=engine_name), dtype) == expected
+    assert common.correction_for(common.Args(engine="vllm", rollout_correction="seq-mis"), torch.bfloat16) == "seq-mis"
