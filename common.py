@@ -56,7 +56,8 @@ class Args:
                                                                   "float16: eval.py only)")
     micro_batch_size: int = arg(64, "sequences per forward/backward (gradient accumulation)", ge=1)
     micro_batch_tokens: int = arg(0, "and at most this many prompt+completion tokens (verl's "
-                                     "ppo_max_token_len_per_gpu); 0: 16384 for a hub model, off for tiny", ge=0)
+                                     "ppo_max_token_len_per_gpu); 0: 16384 for a hub model, off for tiny",
+                                  ge=0)
     updates_per_rollout: int = arg(1, "passes (epochs) over each rollout batch", ge=1)
     minibatches: int = arg(1, "optimizer steps per pass: the rollout batch is split into this many", ge=1)
     grad_clip: float = arg(1.0, "max global grad norm (0 = off)", ge=0)
@@ -70,7 +71,8 @@ class Args:
     lora_targets: str = arg("all-linear", "modules given adapters: all-linear (attention, MLP) or names, a,b")
     lora_dropout: float = arg(0.0, "dropout on the adapters' input in the gradient passes", ge=0, lt=1)
     rollout_correction: Literal["auto", "off", "token-tis", "token-mis", "seq-mis"] = arg(
-        "auto", "sampler/trainer mismatch correction (Yao et al. 2025); auto: token-tis with vLLM in bf16/fp16")
+        "auto", "sampler/trainer mismatch correction (Yao et al. 2025); auto: token-tis with vLLM in "
+                "bf16/fp16")
     is_cap: float = arg(2.0, "token-tis: the weight pi_old / pi_sampler is truncated at this cap", gt=0)
     is_low: float = arg(0.5, "token-mis / seq-mis: tokens (completions) weighted below it are dropped", ge=0)
     is_high: float = arg(2.0, "token-mis / seq-mis: tokens (completions) weighted above it are dropped", gt=0)
@@ -102,8 +104,11 @@ class Args:
     prompt_column: str = arg("prompt", "jsonl:/hf: tasks: the prompt's column (text or a list of messages)")
     answer_column: str = arg("answer", "jsonl:/hf: tasks: the reference answer's column")
     system_prompt: str = arg("", "a system message opening every prompt (chat models)")
-    vllm_gpu_memory_utilization: float = arg(0.0, "share of GPU memory vLLM may take; 0: what is free at start "
-                                                  "less 2 GiB (engine.vllm_memory_share)", ge=0, le=1)
+    vllm_gpu_memory_utilization: float = arg(0.0, "share of GPU memory vLLM may take; 0: what is free at "
+                                                  "start less 2 GiB (engine.vllm_memory_share)", ge=0, le=1)
+    vllm_seed: Literal["engine", "request"] = arg(
+        "engine", "vLLM sampling seeds: one engine stream (batched sampling) or per request (each prompt's "
+                  "samples fixed by seed, step and index; vLLM samples them one by one)")
     vllm_sleep: bool = arg(True, "CUDA only: free vLLM's memory (sleep level 2) while the trainer updates")
     push_check_every: int = arg(10, "check vLLM against the trainer on a probe every N steps (0 = off)", ge=0)
     push_check_tol: float = arg(0.0, "mean |logprob diff| allowed on the probe; 0 = by dtype", ge=0)

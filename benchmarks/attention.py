@@ -28,8 +28,8 @@ def layout_bytes(packed) -> int:
     if isinstance(rows, list):
         return sum(t.numel() * t.element_size() for r in rows for t in r)
     mask = rows.block_mask(None)
-    tensors = [rows.spans, rows.pos, rows.offset, mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks,
-               mask.full_kv_indices]
+    tensors = [rows.spans, rows.pos, rows.offset, mask.kv_num_blocks, mask.kv_indices,
+               mask.full_kv_num_blocks, mask.full_kv_indices]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -80,7 +80,8 @@ def main():
         return
     print(f"G={a.group} completions of L tokens after a {a.prompt}-token prompt; {a.heads} query heads, "
           f"{a.kv_heads} KV heads, head_dim 128; fp32 forward, {torch.get_num_threads()} threads")
-    print(f"| L | N | kernel | layout MB | build s | forward s | peak RSS MB |\n|---|---|---|---|---|---|---|")
+    print("| L | N | kernel | layout MB | build s | forward s | peak RSS MB |")
+    print("|---|---|---|---|---|---|---|")
     for length in map(int, a.lengths.split(",")):
         for kernel in ("rows", "flex"):
             argv = [sys.executable, __file__, "--one", f"{kernel},{length}", "--group", str(a.group),

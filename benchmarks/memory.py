@@ -68,8 +68,8 @@ def lora_parameters(s: dict, rank: int) -> int:
 
 
 def memory(s: dict, ranks: int, sharded: bool, compute_bytes: int = 2, tokens: int = 8192,
-           logit_tokens: int = 4096, checkpointing: bool = True, reference: bool = False, critic: bool = False,
-           vllm_gb: float = 0.0, lora_rank: int = 0, attention_rows: list = ()) -> dict:
+           logit_tokens: int = 4096, checkpointing: bool = True, reference: bool = False,
+           critic: bool = False, vllm_gb: float = 0.0, lora_rank: int = 0, attention_rows: list = ()) -> dict:
     """GB per GPU of each part and the peak; `tokens` computed per micro-batch (packed or padded),
     `logit_tokens` of them scored; `attention_rows`: (rows, queries, keys) of each row set of the CPU kernel,
     whose boolean masks are built once per micro-batch (FlexAttention's layout is O(tokens): nothing)."""
@@ -151,9 +151,10 @@ def measure_worker(group: int, prompt: int, length: int, checkpointing: bool) ->
     from rlmini import dist, logprobs, models, packing
     torch.manual_seed(0)
     s = MEASURE_SHAPE
-    cfg = Qwen2Config(hidden_size=s["hidden"], num_hidden_layers=s["layers"], intermediate_size=s["intermediate"],
-                      num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"], vocab_size=s["vocab"],
-                      tie_word_embeddings=s["tied"], max_position_embeddings=prompt + length)
+    cfg = Qwen2Config(hidden_size=s["hidden"], num_hidden_layers=s["layers"],
+                      intermediate_size=s["intermediate"], num_attention_heads=s["heads"],
+                      num_key_value_heads=s["kv_heads"], vocab_size=s["vocab"], tie_word_embeddings=s["tied"],
+                      max_position_embeddings=prompt + length)
     device, dtype = dist.setup_device(argparse.Namespace(dtype="float32"))
     g = torch.Generator().manual_seed(0)
     completions = [torch.randint(3, s["vocab"], (length,), generator=g).tolist() for _ in range(group)]
@@ -188,15 +189,15 @@ def measure_worker(group: int, prompt: int, length: int, checkpointing: bool) ->
 
 
 def measure(args) -> None:
-    print("| ranks | params | micro-batch (prompt + G x completion) | checkpointing | rank | model: update peak "
-          "(GB) | measured: peak RSS increase (GB) | ratio |")
+    print("| ranks | params | micro-batch (prompt + G x completion) | checkpointing | rank | model: update "
+          "peak (GB) | measured: peak RSS increase (GB) | ratio |")
     print("|---|---|---|---|---|---|---|---|", flush=True)
     for length in map(int, args.lengths.split(",")):
         worker = [os.path.abspath(__file__), "--measure-worker", "--group", str(args.group), "--prompt",
-                  str(args.prompt), "--length", str(length)] + ([] if args.checkpointing else ["--no-checkpointing"])
-        cmd = [sys.executable, *worker] if args.ranks == 1 else \
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks),
-             *worker]
+                  str(args.prompt), "--length", str(length)]
+        worker += [] if args.checkpointing else ["--no-checkpointing"]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+        cmd = [sys.executable, *worker] if args.ranks == 1 else [*torchrun, str(args.ranks), *worker]
         subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL)
 
 

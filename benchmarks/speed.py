@@ -129,7 +129,8 @@ def table_sampling(args):
                 ours.append(time.perf_counter() - t)
             ids = torch.tensor([p for p in prompts for _ in range(G)])  # equal lengths: no padding needed
             gen = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=budget,
-                                   eos_token_id=sampler.tokenizer.eos_token_id, pad_token_id=sampler.pad_id, use_cache=True)
+                                   eos_token_id=sampler.tokenizer.eos_token_id, pad_token_id=sampler.pad_id,
+                                   use_cache=True)
             model.eval()
             t = time.perf_counter()
             with torch.no_grad(), common.autocast(device, dtype):

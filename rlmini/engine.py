@@ -31,7 +31,8 @@ def make_engine(args, path: str, model, tokenizer, device, dtype, max_len: int):
     if args.engine == "hf":
         return HFEngine(model, tokenizer, device, dtype)
     return VLLMEngine(_start_vllm(args, path, device, dtype, max_len), model, tokenizer, device, dtype,
-                      sleep_mode=device.type == "cuda" and args.vllm_sleep)
+                      sleep_mode=device.type == "cuda" and args.vllm_sleep,
+                      seed_per_request=args.vllm_seed == "request")
 
 
 def stop_ids(tokenizer, model=None) -> frozenset:
@@ -157,7 +158,8 @@ def _start_vllm(args, path: str, device, dtype, max_len: int):
                   logprobs_mode="processed_logprobs",
                   enable_prefix_caching=True)
     # a rank's whole rollout batch decodes together; prefill in large chunks
-    kwargs.update(max_num_seqs=max(1, min(1024, args.prompts_per_step // dist.world_size() * args.group_size)))
+    per_rank = args.prompts_per_step // dist.world_size() * args.group_size
+    kwargs.update(max_num_seqs=max(1, min(1024, per_rank)))
     if cuda:
         kwargs.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization or vllm_memory_share(device),
                       enable_sleep_mode=args.vllm_sleep, max_num_batched_tokens=max(max_len, 16384))
@@ -177,8 +179,9 @@ def _start_vllm(args, path: str, device, dtype, max_len: int):
 
 def vllm_memory_share(device) -> float:
     """--vllm_gpu_memory_utilization 0: the share of the GPU that is free when vLLM starts (the trainer's
-    weights and optimizer state loaded, its allocator's cache emptied) less 2 GiB for what the trainer computes
-    while vLLM is awake (the push and its check), within [0.05, 0.9]. The update runs with vLLM asleep."""
+    weights and optimizer state loaded, its allocator's cache emptied) less 2 GiB for what the trainer
+    computes while vLLM is awake (the push and its check), within [0.05, 0.9]. The update runs with vLLM
+    asleep."""
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     return min(0.9, max(0.05, (free - 2 * 2**30) / total))
@@ -189,22 +192,28 @@ class VLLMEngine:
     its weights discarded) refuses to generate until the next push wakes it."""
 
     def __init__(self, llm, model, tokenizer, device=torch.device("cpu"), dtype=torch.float32,
-                 sleep_mode=False):
+                 sleep_mode=False, seed_per_request=True):
         self.llm, self.model, self.tokenizer, self.device, self.dtype = llm, model, tokenizer, device, dtype
+        self.seed_per_request = seed_per_request
         self.eos_ids, self.pad_id = stop_ids(tokenizer, model), tokenizer.pad_token_id
         self.sleep_mode, self.asleep = sleep_mode, False
         self.tied = llm.apply_model(_tied_groups)[0] if llm is not None else []  # names sharing one tensor
         self.weighted = llm.apply_model(_weighted_layers)[0] if llm is not None else set()
 
     def generate(self, prompt_ids: list, n: int, max_new_tokens: int, temperature: float, seed: int):
-        """n completions per prompt, fixed by `seed` (per-request seeds)."""
+        """n completions per prompt. --vllm_seed request: fixed by `seed` and the prompt's index, whatever
+        else runs (vLLM then samples each request with its own generator, one by one); engine: drawn in one
+        batch from the engine's stream (the process's torch RNG, seeded by --seed, saved in checkpoints), so
+        they depend on everything sampled before in the run (evaluation included) and on how requests batch.
+        """
         from vllm import SamplingParams
         if self.asleep:
             raise EngineStateError("generate() on a sleeping vLLM engine: sleep level 2 discarded its "
                                    "weights; push() restores them and wakes it")
         # with n > 1 vLLM gives child i the seed + i, so requests are spaced by n
         params = [SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_new_tokens,
-                                 logprobs=0, seed=(seed * 1_000_003 + i * n) % 2**31)
+                                 logprobs=0,
+                                 seed=(seed * 1_000_003 + i * n) % 2**31 if self.seed_per_request else None)
                   for i in range(len(prompt_ids))]
         outs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
         r = Rollouts([], [], [], [], self.pad_id)
@@ -270,9 +279,10 @@ class VLLMEngine:
         llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
     def calibrate(self, prompt: list, max_new_tokens: int, seed: int) -> tuple:
-        """(the push check's probe, the check's value now): a completion of `prompt` vLLM samples itself (typical
-        tokens, not arbitrary tail ones whose bf16 logits differ by whole bf16 steps), scored while vLLM and the
-        trainer hold the same weights (by construction at start): the baseline the tolerance is scaled from."""
+        """(the push check's probe, the check's value now): a completion of `prompt` vLLM samples itself
+        (typical tokens, not arbitrary tail ones whose bf16 logits differ by whole bf16 steps), scored while
+        vLLM and the trainer hold the same weights (by construction at start): the baseline the tolerance is
+        scaled from."""
         completion = self.generate([prompt], 1, max_new_tokens, 1.0, seed).completion_ids[0] or [self.pad_id]
         probe = (list(prompt), completion)
         return probe, self.check_push(probe, float("inf"))

@@ -43,8 +43,8 @@ def validate(args) -> None:
     if args.is_low > args.is_high:
         raise ValueError(f"--is_low {args.is_low} must not exceed --is_high {args.is_high}")
     if args.dtype == "float16":  # fp16's 5-bit exponent flushes small gradients to 0 without a loss scaler
-        raise ValueError("--dtype float16: training in fp16 needs gradient scaling, which this trainer does not "
-                         "do; use bfloat16 (eval.py samples in float16 if asked)")
+        raise ValueError("--dtype float16: training in fp16 needs gradient scaling, which this trainer does "
+                         "not do; use bfloat16 (eval.py samples in float16 if asked)")
 
 
 def range_text(ge=None, gt=None, le=None, lt=None) -> str:

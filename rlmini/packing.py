@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 
-def make_batch(prompt_ids: list, completion_ids: list, pad_id: int, device, kernel: str | None = None) -> dict:
+def make_batch(prompt_ids: list, completion_ids: list, pad_id: int, device,
+               kernel: str | None = None) -> dict:
     """One micro-batch in two layouts. Padded: right-padded prompt+completion rows, `mask` [b, T-1] marking
     completion tokens in the shifted targets (position t predicts token t+1). Packed (`packed`): the micro-
     batch as one padding-free sequence in which each distinct prompt appears once, followed by every
@@ -149,7 +150,8 @@ class FlexLayout:
             lo, hi = a // B, (b - 1) // B  # the blocks the span touches
             lo_f = (a + B - 1) // B  # the blocks it covers whole (the last block may be short)
             hi_f = torch.where(b >= n, nb - 1, b // B - 1)
-            for count, first, last, ok in ((touched, lo, hi, some), (covered, lo_f, hi_f, some & (lo_f <= hi_f))):
+            whole = some & (lo_f <= hi_f)
+            for count, first, last, ok in ((touched, lo, hi, some), (covered, lo_f, hi_f, whole)):
                 one = ok.to(torch.int32)  # +1 at the first block, -1 after the last: a cumsum counts
                 count.view(-1).index_add_(0, qb * (nb + 1) + first.clamp(0, nb), one)
                 count.view(-1).index_add_(0, qb * (nb + 1) + (last + 1).clamp(0, nb), -one)
@@ -218,7 +220,8 @@ def packed_attention(delegate):
         if unknown:
             raise NotImplementedError(f"packed attention does not implement {', '.join(unknown)}")
         if isinstance(packed_rows, FlexLayout):
-            return _flex_attention(query, key, value, packed_rows.block_mask(sliding_window), scaling, softcap), None
+            mask = packed_rows.block_mask(sliding_window)
+            return _flex_attention(query, key, value, mask, scaling, softcap), None
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, head_dim]
         out = []
         for q_idx, q_valid, k_idx, allowed, q_pos, k_pos in packed_rows:
@@ -237,9 +240,9 @@ def packed_attention(delegate):
 
 
 def _flex_attention(query, key, value, block_mask, scaling, softcap):
-    """FlexAttention over the packed sequence ([1, heads, N, head_dim] in, [1, N, heads, head_dim] out): compiled
-    on CUDA (a fused kernel: memory linear in N, blocks outside the mask skipped); eager elsewhere (it
-    materialises the scores: for tests)."""
+    """FlexAttention over the packed sequence ([1, heads, N, head_dim] in, [1, N, heads, head_dim] out):
+    compiled on CUDA (a fused kernel: memory linear in N, blocks outside the mask skipped); eager elsewhere
+    (it materialises the scores: for tests)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     def soft_cap(score, b, h, q, kv):  # Gemma 2's attention soft cap, as in its eager attention

@@ -212,8 +212,8 @@ def test_two_rank_torchrun_builds_the_tiny_model_on_every_node(tmp_path):
 
 
 def test_micro_batches_hold_a_token_budget():
-    """--micro_batch_tokens: in order, at most max_seqs completions and max_tokens prompt+completion tokens per
-    micro-batch; a completion longer than the budget goes alone; 0 keeps the sequence count only."""
+    """--micro_batch_tokens: in order, at most max_seqs completions and max_tokens prompt+completion tokens
+    per micro-batch; a completion longer than the budget goes alone; 0 keeps the sequence count only."""
     from rlmini import batches, data
     lengths = [3, 5, 2, 9, 1, 1, 1, 4]
     r = data.Rollouts([[1, 2]] * 8, [[7] * n for n in lengths], [[0.0] * n for n in lengths], [True] * 8, 0)

@@ -406,8 +406,8 @@ def test_flex_attention_equals_the_row_sets(arch):
 
 def test_flex_layout_is_linear_in_tokens():
     """An 8k-token completion: the layout's spans and the block mask are O(tokens) (largest tensor <= 4 N
-    entries; the block table, (N / 128)^2, stays under N up to 16k tokens), where the row sets hold [rows, Lq, Lk]
-    masks."""
+    entries; the block table, (N / 128)^2, stays under N up to 16k tokens), where the row sets hold
+    [rows, Lq, Lk] masks."""
     prompts, completions = [[5] * 512, [5] * 512], [[6] * 8192, [7] * 8000]
     layout = packing.make_batch(prompts, completions, 0, torch.device("cpu"), kernel="flex")["packed"]["rows"]
     n = layout.n

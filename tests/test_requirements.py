@@ -1,6 +1,6 @@
 """The declared versions are the tested ones (issue 21, item 5): this environment's model stack lies inside
-the ranges of its requirement files, and the GPU set (requirements.txt) resolves: pip finds a vLLM, a torch and
-a transformers that satisfy both our pins and vLLM's own requirements."""
+the ranges of its requirement files, and the GPU set (requirements.txt) resolves: pip finds a vLLM, a torch
+and a transformers that satisfy both our pins and vLLM's own requirements."""
 import json
 import os
 import subprocess
@@ -39,10 +39,12 @@ def test_this_environment_lies_inside_the_declared_ranges():
 def test_the_gpu_requirements_resolve(tmp_path):
     """pip's resolver on requirements.txt (no install): it needs the package index, as `make` does."""
     report = str(tmp_path / "report.json")
-    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-                           "--report", report, "-r", os.path.join(ROOT, "requirements.txt")],
+    pip = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet"]
+    proc = subprocess.run([*pip, "--report", report, "-r", os.path.join(ROOT, "requirements.txt")],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"requirements.txt does not resolve:\n{proc.stderr[-3000:]}"
-    chosen = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.load(open(report))["install"]}
+    installs = json.load(open(report))["install"]
+    chosen = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in installs}
     for req in declared("requirements.txt"):
-        assert req.specifier.contains(chosen[req.name.lower()], prereleases=True), (req, chosen[req.name.lower()])
+        version = chosen[req.name.lower()]
+        assert req.specifier.contains(version, prereleases=True), (req, version)

@@ -48,12 +48,28 @@ def test_vllm_and_trainer_logprobs_agree(vllm_setup, temperature):
         assert f == (len(c) > 0 and c[-1] == tok.eos_token_id)
 
 
-def test_per_request_seeds_reproduce(vllm_setup):
+def test_per_request_seeds_reproduce(vllm_setup, monkeypatch):
+    """--vllm_seed request: a request's samples are fixed by the seed, whatever ran before."""
     sampler, _, _, prompts = vllm_setup
+    monkeypatch.setattr(sampler, "seed_per_request", True)
     a = sampler.generate(prompts, 4, 4, 1.0, 3)
+    sampler.generate(prompts[:1], 8, 4, 1.0, 9)  # something else in between
     b = sampler.generate(prompts, 4, 4, 1.0, 3)
     c = sampler.generate(prompts, 4, 4, 1.0, 4)
     assert a.completion_ids == b.completion_ids != c.completion_ids
+
+
+def test_the_engine_seed_is_one_stream_the_process_rng(vllm_setup):
+    """--vllm_seed engine (the default): samples come from one stream, the process's torch RNG, which a
+    checkpoint saves and a resume restores: the same RNG state gives the same samples; the stream moves on."""
+    sampler, _, _, prompts = vllm_setup
+    assert not sampler.seed_per_request
+    torch.manual_seed(5)
+    a = sampler.generate(prompts, 4, 4, 1.0, 0)
+    b = sampler.generate(prompts, 4, 4, 1.0, 0)
+    torch.manual_seed(5)
+    c = sampler.generate(prompts, 4, 4, 1.0, 0)
+    assert a.completion_ids == c.completion_ids != b.completion_ids
 
 
 def test_push_changes_samples_and_passes_the_probe(vllm_setup):
@@ -181,9 +197,10 @@ def test_the_push_check_is_calibrated_on_a_completion_vllm_sampled(vllm_setup, m
     assert baseline <= 1e-4
     tol = max(engine.default_push_tol(torch.float32), 5 * baseline)
     monkeypatch.setattr(sampler.llm, "collective_rpc", lambda *a, **k: [None])
+    g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
-            p.mul_(1.3)
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
     sampler.push()
     with pytest.raises(engine.PushError, match="did not take effect"):
         sampler.check_push(probe, tol)
@@ -195,7 +212,9 @@ def test_the_push_check_is_calibrated_on_a_completion_vllm_sampled(vllm_setup, m
 
 def test_rollout_correction_auto_is_on_for_bf16_vllm_only():
     import common
-    for engine_name, dtype, expected in (("vllm", torch.bfloat16, "token-tis"), ("vllm", torch.float16, "token-tis"),
+    for engine_name, dtype, expected in (("vllm", torch.bfloat16, "token-tis"),
+                                         ("vllm", torch.float16, "token-tis"),
                                          ("vllm", torch.float32, "off"), ("hf", torch.bfloat16, "off")):
         assert common.correction_for(common.Args(engine=engine_name), dtype) == expected
-    assert common.correction_for(common.Args(engine="vllm", rollout_correction="seq-mis"), torch.bfloat16) == "seq-mis"
+    chosen = common.Args(engine="vllm", rollout_correction="seq-mis")
+    assert common.correction_for(chosen, torch.bfloat16) == "seq-mis"
