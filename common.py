@@ -70,6 +70,9 @@ class Args:
     lora_alpha: float = arg(0.0, "LoRA alpha: the update is (alpha / r) B A (0 = 2 r)", ge=0)
     lora_targets: str = arg("all-linear", "modules given adapters: all-linear (attention, MLP) or names, a,b")
     lora_dropout: float = arg(0.0, "dropout on the adapters' input in the gradient passes", ge=0, lt=1)
+    lora_push: Literal["merge", "adapter"] = arg(
+        "merge", "LoRA into vLLM: W + s BA merged in the dtype (bf16 rounds updates below one step of W), or "
+                 "adapter: vLLM's own LoRA, the adapters loaded by path at each push")
     rollout_correction: Literal["auto", "off", "token-tis", "token-mis", "seq-mis"] = arg(
         "auto", "sampler/trainer mismatch correction (Yao et al. 2025); auto: token-tis with vLLM in "
                 "bf16/fp16")
@@ -106,9 +109,9 @@ class Args:
     system_prompt: str = arg("", "a system message opening every prompt (chat models)")
     vllm_gpu_memory_utilization: float = arg(0.0, "share of GPU memory vLLM may take; 0: what is free at "
                                                   "start less 2 GiB (engine.vllm_memory_share)", ge=0, le=1)
-    vllm_seed: Literal["engine", "request"] = arg(
-        "engine", "vLLM sampling seeds: one engine stream (batched sampling) or per request (each prompt's "
-                  "samples fixed by seed, step and index; vLLM samples them one by one)")
+    vllm_seed: Literal["request", "engine"] = arg(
+        "request", "vLLM sampling seeds: per request (each prompt's samples fixed by seed, step and index; "
+                   "vLLM samples them one by one) or one engine stream (batched; one process only)")
     vllm_sleep: bool = arg(True, "CUDA only: free vLLM's memory (sleep level 2) while the trainer updates")
     push_check_every: int = arg(10, "check vLLM against the trainer on a probe every N steps (0 = off)", ge=0)
     push_check_tol: float = arg(0.0, "mean |logprob diff| allowed on the probe; 0 = by dtype", ge=0)

@@ -25,7 +25,8 @@ RESUMABLE_CHANGES = {
     "eval_n", "eval_limit", "save_every", "wandb", "wandb_project", "wandb_group", "wandb_tags",
     "log_completions", "push_check_every", "push_check_tol", "sampler_diff_tol", "dist_timeout",
     "on_nonfinite", "micro_batch_size", "gradient_checkpointing", "engine", "vllm_gpu_memory_utilization",
-    "vllm_sleep", "print_every", "verbose", "packing", "packed_attention", "micro_batch_tokens"}
+    "vllm_sleep", "print_every", "verbose", "packing", "packed_attention", "micro_batch_tokens", "lora_push",
+    "vllm_seed"}
 
 
 def prepare_run_dir(args) -> str:

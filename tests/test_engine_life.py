@@ -45,11 +45,16 @@ def test_level2_sleep_with_evaluation_every_step_trains_on_the_pushed_weights(tm
 
 
 def test_stale_engine_weights_stop_the_run_at_the_next_step(tmp_path):
+    """Pushes that do nothing: the run stops at the first step after the weights first changed (a step whose
+    rewards are all equal has no gradient, and vLLM's stale weights are then still the policy's)."""
     proc, counts = run_double(tmp_path, "stale", "--steps", "4", "--push_check_every", "0")
     assert proc.returncode != 0
-    assert "RolloutMismatchError: step 2:" in proc.stderr and "stale or discarded weights" in proc.stderr
-    assert [r["step"] for r in read_metrics(tmp_path / "stale")] == [1]  # step 2 was never logged or saved
-    assert counts["pushes"] == 1
+    rows = read_metrics(tmp_path / "stale")  # the failing step was never logged or saved
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and len(rows) < 4
+    assert f"RolloutMismatchError: step {len(rows) + 1}:" in proc.stderr
+    assert "stale or discarded weights" in proc.stderr
+    assert rows[-1]["grad_norm"] > 0 and all(r["grad_norm"] == 0 for r in rows[:-1])
+    assert counts["pushes"] == len(rows)
 
 
 def test_a_sleeping_engine_refuses_to_generate():

@@ -62,9 +62,23 @@ def test_entropy_gradient_through_the_chunked_projection_is_the_analytic_one():
     head = torch.nn.Linear(d, V, bias=False)
     hidden = torch.randn(*batch["input_ids"].shape, d, requires_grad=True)
 
-    class Model(torch.nn.Module):  # stands in for the transformer: its last hidden state is `hidden`
+    class Decoder(torch.nn.Module):  # stands in for the transformer: its last hidden state is `hidden`
+        def forward(self):
+            return (hidden,)
+
+    class Model(torch.nn.Module):
+        config = SimpleNamespace()  # no logit scaling or soft cap
+
+        def __init__(self):
+            super().__init__()
+            self.decoder = Decoder()
+
         def forward(self, **kw):
-            return SimpleNamespace(hidden_states=(hidden,))
+            self.decoder()
+            return SimpleNamespace(logits=None)
+
+        def get_decoder(self):
+            return self.decoder
 
         def get_output_embeddings(self):
             return head

@@ -49,9 +49,9 @@ def test_vllm_and_trainer_logprobs_agree(vllm_setup, temperature):
 
 
 def test_per_request_seeds_reproduce(vllm_setup, monkeypatch):
-    """--vllm_seed request: a request's samples are fixed by the seed, whatever ran before."""
+    """--vllm_seed request (the default): a request's samples are fixed by the seed, whatever ran before."""
     sampler, _, _, prompts = vllm_setup
-    monkeypatch.setattr(sampler, "seed_per_request", True)
+    assert sampler.seed_per_request
     a = sampler.generate(prompts, 4, 4, 1.0, 3)
     sampler.generate(prompts[:1], 8, 4, 1.0, 9)  # something else in between
     b = sampler.generate(prompts, 4, 4, 1.0, 3)
@@ -59,11 +59,11 @@ def test_per_request_seeds_reproduce(vllm_setup, monkeypatch):
     assert a.completion_ids == b.completion_ids != c.completion_ids
 
 
-def test_the_engine_seed_is_one_stream_the_process_rng(vllm_setup):
-    """--vllm_seed engine (the default): samples come from one stream, the process's torch RNG, which a
-    checkpoint saves and a resume restores: the same RNG state gives the same samples; the stream moves on."""
+def test_the_engine_seed_is_one_stream_the_process_rng(vllm_setup, monkeypatch):
+    """--vllm_seed engine: samples come from one stream, the process's torch RNG, which a checkpoint saves
+    and a resume restores: the same RNG state gives the same samples; the stream moves on."""
     sampler, _, _, prompts = vllm_setup
-    assert not sampler.seed_per_request
+    monkeypatch.setattr(sampler, "seed_per_request", False)
     torch.manual_seed(5)
     a = sampler.generate(prompts, 4, 4, 1.0, 0)
     b = sampler.generate(prompts, 4, 4, 1.0, 0)
@@ -218,3 +218,32 @@ def test_rollout_correction_auto_is_on_for_bf16_vllm_only():
         assert common.correction_for(common.Args(engine=engine_name), dtype) == expected
     chosen = common.Args(engine="vllm", rollout_correction="seq-mis")
     assert common.correction_for(chosen, torch.bfloat16) == "seq-mis"
+
+
+def test_lora_adapters_pushed_to_vllms_own_lora(tiny_addition):
+    """--lora_push adapter: vLLM runs the base it loaded plus the policy's adapters, saved and loaded by path
+    at each push under a new id. The sampler's log-probs equal the trainer's (fp32) after the adapters moved,
+    and the push check passes; before the push vLLM still sampled the old adapters."""
+    _, tok, path = tiny_addition
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    args = common.Args(engine="vllm", seed=0, lora_rank=8, lora_push="adapter")
+    model = common.add_lora(model, args)
+    sampler = engine.make_engine(args, path, model, tok, CPU, torch.float32, max_len=64)
+    _KEPT.append(sampler)
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ["3+4=", "12+9="]]
+    g = torch.Generator().manual_seed(0)
+    for step in range(2):
+        with torch.no_grad():  # the adapters move (B starts at 0: the policy starts as the base)
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.add_(torch.randn(p.shape, generator=g) * 0.3)
+        stale = sampler.generate(prompts, 4, 6, 1.0, step)
+        assert (_trainer_logprobs(model, stale, 1.0) - torch.tensor(
+            [x for s in stale.sampler_logprobs for x in s])).abs().max() > 1e-3  # vLLM: the old adapters
+        sampler.push()
+        assert sampler.lora.lora_int_id == step + 1
+        r = sampler.generate(prompts, 4, 6, 1.0, step)
+        theirs = torch.tensor([x for s in r.sampler_logprobs for x in s])
+        torch.testing.assert_close(theirs, _trainer_logprobs(model, r, 1.0), atol=LOGPROB_TOL, rtol=0)
+        assert sampler.check_push((prompts[0], r.completion_ids[0]), 2e-3) <= LOGPROB_TOL
