@@ -187,7 +187,6 @@ def setup(args, algo: str) -> Run:
     device, dtype = dist.setup_device(args)
     model, tokenizer, path = models.load_model(args, task, device, dtype)
     args.rollout_correction = correction_for(args, dtype)
-    args.sampler_diff_tol = args.sampler_diff_tol or faults.default_sampler_diff_tol(dtype)
     max_new = args.max_new_tokens or task.max_new_tokens
     context = getattr(model.config, "max_position_embeddings", 4096)
     max_prompt = data.fit_prompts(task, tokenizer, style == "chat", max_new, context, args.task)
@@ -199,8 +198,12 @@ def setup(args, algo: str) -> Run:
     probe_prompt = data.encode_prompts(tokenizer, [task.train[0]["prompt"]], style == "chat")[0]
     max_len = min(context, max_prompt * 2 + max_new + 8)
     sampler = engine.make_engine(args, path, model, tokenizer, device, dtype, max_len)
-    probe, baseline = sampler.calibrate(probe_prompt, min(16, max_new), args.seed)
-    args.push_check_tol = args.push_check_tol or max(engine.default_push_tol(dtype), 5 * baseline)
+    # both guards' tolerances: the dtype's floor, or more where the engines already differ at start
+    probe, push_base, guard_base = sampler.calibrate(probe_prompt, min(16, max_new), args.seed,
+                                                     args.temperature)
+    args.push_check_tol = args.push_check_tol or max(engine.default_push_tol(dtype), 5 * push_base)
+    args.sampler_diff_tol = args.sampler_diff_tol or max(faults.default_sampler_diff_tol(dtype),
+                                                          10 * guard_base)
     run = Run(args, algo, run_dir, device, dtype, task, style, model, tokenizer, path, sampler, optimizer,
               scheduler, max_new, probe)
     if args.resume:

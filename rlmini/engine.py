@@ -64,8 +64,8 @@ class HFEngine:
     def check_push(self, probe: tuple, tol: float) -> float:
         return 0.0
 
-    def calibrate(self, prompt: list, max_new_tokens: int, seed: int) -> tuple:
-        return (list(prompt), []), 0.0
+    def calibrate(self, prompt: list, max_new_tokens: int, seed: int, temperature: float = 1.0) -> tuple:
+        return (list(prompt), []), 0.0, 0.0
 
     @torch.no_grad()
     def generate(self, prompt_ids: list, n: int, max_new_tokens: int, temperature: float, seed: int):
@@ -321,14 +321,20 @@ class VLLMEngine:
             raise PushError(f"weight push left vLLM parameters unloaded: {missed}")
         llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
-    def calibrate(self, prompt: list, max_new_tokens: int, seed: int) -> tuple:
-        """(the push check's probe, the check's value now): a completion of `prompt` vLLM samples itself
-        (typical tokens, not arbitrary tail ones whose bf16 logits differ by whole bf16 steps), scored while
-        vLLM and the trainer hold the same weights (by construction at start): the baseline the tolerance is
-        scaled from."""
-        completion = self.generate([prompt], 1, max_new_tokens, 1.0, seed).completion_ids[0] or [self.pad_id]
-        probe = (list(prompt), completion)
-        return probe, self.check_push(probe, float("inf"))
+    def calibrate(self, prompt: list, max_new_tokens: int, seed: int, temperature: float = 1.0) -> tuple:
+        """(the push check's probe, the check's value now, the sampler guard's value now), measured while vLLM
+        and the trainer hold the same weights (by construction at start): the baselines the two tolerances
+        are scaled from. The probe is a completion of `prompt` vLLM sampled itself (typical tokens, not
+        arbitrary tail ones whose bf16 logits differ by whole bf16 steps); the guard's value is the mean
+        |sampler - trainer| log-prob of 8 completions sampled at the training temperature."""
+        r = self.generate([prompt], 8, max_new_tokens, temperature, seed)
+        batch = make_batch(r.prompt_ids, r.completion_ids, self.pad_id, self.device)
+        with torch.no_grad(), autocast(self.device, self.dtype):
+            ours = token_logprobs(self.model, batch, temperature)[0][batch["mask"] > 0].cpu()
+        theirs = torch.tensor([x for lp in r.sampler_logprobs for x in lp])
+        guard = (ours - theirs).abs().mean().item() if len(theirs) else 0.0
+        probe = (list(prompt), next((c for c in r.completion_ids if c), [self.pad_id]))
+        return probe, self.check_push(probe, float("inf")), guard
 
     def check_push(self, probe: tuple, tol: float) -> float:
         """Fail loudly if vLLM does not reproduce the trainer's log-probs on a fixed probe (prompt,

@@ -191,10 +191,10 @@ def test_the_push_check_is_calibrated_on_a_completion_vllm_sampled(vllm_setup, m
     that did nothing."""
     sampler, model, _, prompts = vllm_setup
     sampler.push()
-    probe, baseline = sampler.calibrate(prompts[1], 8, seed=3)
+    probe, baseline, guard = sampler.calibrate(prompts[1], 8, seed=3, temperature=0.7)
     assert probe[0] == prompts[1] and 1 <= len(probe[1]) <= 8
-    assert probe == sampler.calibrate(prompts[1], 8, seed=3)[0]  # seeded
-    assert baseline <= 1e-4
+    assert probe == sampler.calibrate(prompts[1], 8, seed=3, temperature=0.7)[0]  # seeded
+    assert baseline <= 1e-4 and 0 < guard <= 1e-5  # fp32: the engines agree to float precision
     tol = max(engine.default_push_tol(torch.float32), 5 * baseline)
     monkeypatch.setattr(sampler.llm, "collective_rpc", lambda *a, **k: [None])
     g = torch.Generator().manual_seed(0)
@@ -207,7 +207,7 @@ def test_the_push_check_is_calibrated_on_a_completion_vllm_sampled(vllm_setup, m
     monkeypatch.undo()
     sampler.push()
     assert sampler.check_push(probe, tol) <= 1e-4
-    assert engine.HFEngine(model, sampler.tokenizer).calibrate(prompts[1], 8, 3)[1] == 0.0
+    assert engine.HFEngine(model, sampler.tokenizer).calibrate(prompts[1], 8, 3)[1:] == (0.0, 0.0)
 
 
 def test_rollout_correction_auto_is_on_for_bf16_vllm_only():
