@@ -87,10 +87,15 @@ def warn_on_collapse(run, metrics: dict, steps: int = 5) -> None:
 
 @contextlib.contextmanager
 def user_errors():
-    """A train_*.py entry point: bad data and non-finite values end in one line naming the problem and exit
-    status 2, not a traceback (a traceback is for our bugs)."""
+    """A train_*.py entry point: bad data, non-finite values and a failed guard (rollouts not from the policy,
+    a weight push that did not take effect) end in one line naming the problem and exit status 2, not a
+    traceback (a traceback is for our bugs)."""
+    from rlmini.engine import EngineStateError, PushError
     try:
         yield
     except (rewards.DataError, NonFiniteError) as e:
         print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except (RolloutMismatchError, PushError, EngineStateError) as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         raise SystemExit(2) from None

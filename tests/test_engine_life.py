@@ -51,8 +51,9 @@ def test_stale_engine_weights_stop_the_run_at_the_next_step(tmp_path):
     assert proc.returncode != 0
     rows = read_metrics(tmp_path / "stale")  # the failing step was never logged or saved
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and len(rows) < 4
-    assert f"RolloutMismatchError: step {len(rows) + 1}:" in proc.stderr
-    assert "stale or discarded weights" in proc.stderr
+    assert f"error: RolloutMismatchError: step {len(rows) + 1}:" in proc.stderr
+    assert "stale or discarded weights" in proc.stderr and "Traceback" not in proc.stderr  # one line
+    assert proc.returncode == 2
     assert rows[-1]["grad_norm"] > 0 and all(r["grad_norm"] == 0 for r in rows[:-1])
     assert counts["pushes"] == len(rows)
 
