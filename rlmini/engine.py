@@ -15,7 +15,7 @@ from rlmini import dist
 from rlmini.data import Rollouts, rng_state, set_rng_state
 from rlmini.logprobs import token_logprobs
 from rlmini.models import autocast, is_lora
-from rlmini.packing import make_batch
+from rlmini.packing import make_batch, unwrapped
 
 
 class EngineStateError(RuntimeError):
@@ -39,7 +39,7 @@ def stop_ids(tokenizer, model=None) -> frozenset:
     """Every token that ends a completion: the tokenizer's EOS and each eos_token_id of the model's generation
     config (Qwen2.5-Instruct lists <|im_end|> and <|endoftext|>), the set vLLM stops on
     (SamplingParams.update_from_generation_config)."""
-    model = getattr(model, "policy", model)
+    model = unwrapped(model)
     listed = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     listed = listed if isinstance(listed, (list, tuple)) else [listed]
     return frozenset(i for i in [tokenizer.eos_token_id, *listed] if i is not None)
@@ -182,7 +182,7 @@ def _start_vllm(args, path: str, device, dtype, max_len: int):
 
 
 def _vllm_lora(args) -> bool:
-    return bool(getattr(args, "lora_rank", 0)) and getattr(args, "lora_push", "merge") == "adapter"
+    return args.lora_rank > 0 and args.lora_push == "adapter"
 
 
 class Adapters:
