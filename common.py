@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from rlmini import checkpoint as ckpt
-from rlmini import data, dist, engine, faults, logprobs, models, runlog
+from rlmini import data, dist, engine, faults, logprobs, models, runlog, tools
 from rlmini.batches import (Batch, Keep, Micro, Minibatch, PreUpdate, group_permutation, micro_batch,
                              micro_rows)
 
@@ -107,6 +107,14 @@ class Args:
     prompt_column: str = arg("prompt", "jsonl:/hf: tasks: the prompt's column (text or a list of messages)")
     answer_column: str = arg("answer", "jsonl:/hf: tasks: the reference answer's column")
     system_prompt: str = arg("", "a system message opening every prompt (chat models)")
+    tools: str = arg("", "tools the policy may call: python, calculator, module:function[,...] (empty: none)")
+    tool_format: Literal["code", "chat"] = arg(
+        "code", "calls as ```python blocks then ```output (base models), or the chat template's tool calls")
+    max_turns: int = arg(4, "--tools: generation turns per completion at most (calls + 1)", ge=1)
+    tool_timeout: float = arg(5.0, "--tools: wall-clock (and CPU) seconds per call", gt=0)
+    tool_memory_mb: int = arg(1024, "--tools: the python tool's memory limit (address space), MiB", ge=64)
+    tool_output_chars: int = arg(2000, "--tools: a longer tool output is cut to this many characters", ge=1)
+    tool_workers: int = arg(8, "--tools: calls running at once", ge=1)
     vllm_gpu_memory_utilization: float = arg(0.0, "share of GPU memory vLLM may take; 0: what is free at "
                                                   "start less 2 GiB (engine.vllm_memory_share)", ge=0, le=1)
     vllm_seed: Literal["request", "engine"] = arg(
@@ -149,6 +157,7 @@ class Run:
     scheduler: object
     max_new_tokens: int
     probe: tuple            # (prompt, completion) that the push check scores in both engines
+    toolbox: object = None  # --tools (tools.Toolbox), None without
     log: runlog.RunLog = None
     step: int = 0
     data_pos: int = 0       # position in the endless, shuffled prompt stream
@@ -205,7 +214,7 @@ def setup(args, algo: str) -> Run:
     args.sampler_diff_tol = args.sampler_diff_tol or max(faults.default_sampler_diff_tol(dtype),
                                                           10 * guard_base)
     run = Run(args, algo, run_dir, device, dtype, task, style, model, tokenizer, path, sampler, optimizer,
-              scheduler, max_new, probe)
+              scheduler, max_new, probe, tools.make_toolbox(args, run_dir, style, tokenizer))
     if args.resume:
         run.resumed = ckpt.load_resumed(run_dir)
         ckpt.check_resumed_options(run.resumed, args, algo, run_dir)
@@ -272,9 +281,12 @@ def rollout(run, keep: Keep | None = None) -> Batch:
         examples, run.data_pos = data.prompt_batch(run.task.train, run.data_pos, args.prompts_per_step,
                                                    args.seed)
         examples = dist.shard(examples)
-        prompt_ids = data.encode_prompts(run.tokenizer, [e["prompt"] for e in examples], run.style == "chat")
+        prompt_ids = data.encode_prompts(run.tokenizer, [e["prompt"] for e in examples], run.style == "chat",
+                                         run.toolbox)
         seed = data.rollout_seed(args.seed, run.step, rank(), rounds)
-        rollouts = run.engine.generate(prompt_ids, G, run.max_new_tokens, args.temperature, seed)
+        # with --tools: multi-turn, the tool output in the tokens (masked out of the loss)
+        rollouts = tools.generate(run.engine, run.toolbox, run.tokenizer, prompt_ids, G, run.max_new_tokens,
+                                  args.temperature, seed)
         rewards, correct, fmt, scores = data.score_rollouts(run.task, run.tokenizer, examples, rollouts, G)
         rewards = rewards + args.format_weight * fmt  # the format bonus, in the reward only
         rewards = rewards + overlong_penalty(rollouts, run.max_new_tokens, args.overlong_buffer,
@@ -543,8 +555,25 @@ def step_metrics(run, batch: Batch, pre: PreUpdate, stats: StepStats, advantages
     if "value/loss" in tot:  # PPO's critic
         metrics["value/loss"] = tot["value/loss"] / updates
         metrics["value/clip_frac"] = tot["value/clip_frac"] / tot["tokens"]
+    if batch.rollouts.tool_stats is not None:  # --tools
+        metrics.update(tool_metrics(batch.rollouts))
     metrics.update(extra or {})
     faults.warn_on_collapse(run, metrics)  # no gradient or no entropy for several steps in a row
     runlog.log_completions(run, batch.examples, batch.rollouts, batch.rewards, batch.correct, batch.fmt,
                            advantages[local_slice(len(batch))], run.args.log_completions)
     return metrics
+
+
+def tool_metrics(rollouts) -> dict:
+    """--tools: calls, turns, errors, time-outs, tool time and the tool's share of the tokens, over the global
+    batch (per trajectory; rates per call)."""
+    per = all_gather(torch.tensor([[st[k] for k in tools.STATS] for st in rollouts.tool_stats],
+                                  dtype=torch.float64))
+    st = dict(zip(tools.STATS, per.T))
+    calls, tokens = st["calls"].sum().item(), all_sum(float(sum(len(c) for c in rollouts.completion_ids)))
+    return {"tools/calls": st["calls"].mean().item(), "tools/call_frac": (st["calls"] > 0).double().mean().item(),
+            "tools/turns": st["turns"].mean().item(),
+            "tools/success_rate": 1 - st["errors"].sum().item() / calls if calls else math.nan,
+            "tools/errors": st["errors"].sum().item(), "tools/timeouts": st["timeouts"].sum().item(),
+            "tools/seconds": st["seconds"].sum().item(), "tools/turn_limit": st["turn_limit"].mean().item(),
+            "tools/token_frac": st["tool_tokens"].sum().item() / max(tokens, 1.0)}

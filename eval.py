@@ -25,7 +25,7 @@ import torch
 
 import common
 import rewards
-from rlmini import data, dist, engine, models, runlog
+from rlmini import data, dist, engine, models, runlog, tools
 
 # ---------------------------------------------------------------------------------------------- metrics
 
@@ -232,8 +232,11 @@ def sample_and_score(run, examples: list, n: int, seed: int) -> list:
     # a rank with no example (more ranks than examples) still generates, on a stand-in it then drops:
     # under FSDP2 every forward of the HF engine is a collective that all ranks must join
     batch = mine or examples[:1]
-    prompt_ids = data.encode_prompts(run.tokenizer, [e["prompt"] for e in batch], run.style == "chat")
-    rollouts = run.engine.generate(prompt_ids, n, run.max_new_tokens, run.args.temperature, seed)
+    prompt_ids = data.encode_prompts(run.tokenizer, [e["prompt"] for e in batch], run.style == "chat",
+                                     run.toolbox)
+    # --tools: the training loop's own multi-turn rollouts, so pass@k with tools compares with training
+    rollouts = tools.generate(run.engine, run.toolbox, run.tokenizer, prompt_ids, n, run.max_new_tokens,
+                              run.args.temperature, seed)
     scores = data.score_rollouts(run.task, run.tokenizer, batch, rollouts, n)[3][:len(mine) * n]
     return dist.all_gather_objects(scores)
 
@@ -314,6 +317,12 @@ def cmd_evaluate(argv) -> dict:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="output folder (default runs/eval-<model>-<task>)")
+    for name in ("tools", "tool_format", "max_turns", "tool_timeout", "tool_memory_mb", "tool_output_chars",
+                 "tool_workers"):  # the trainers' tool options, with their defaults and help
+        f = common.Args.__dataclass_fields__[name]
+        kind = str if name in ("tools", "tool_format") else type(f.default)
+        p.add_argument(f"--{name}", type=kind, default=f.default, help=f.metadata.get("help", ""),
+                       choices=("code", "chat") if name == "tool_format" else None)
     a = p.parse_args(argv)
     for flag, value, low in (("--n", a.n, 1), ("--limit", a.limit, 0),
                              ("--max_new_tokens", a.max_new_tokens, 0)):
@@ -329,8 +338,10 @@ def cmd_evaluate(argv) -> dict:
         raise SystemExit(f"--k {a.k}: every k must lie in 1..--n ({a.n})")
     if a.engine == "vllm":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    tool_options = {k: getattr(a, k) for k in ("tools", "tool_format", "max_turns", "tool_timeout",
+                                               "tool_memory_mb", "tool_output_chars", "tool_workers")}
     args = common.Args(model=a.model, task=a.task, engine=a.engine, temperature=a.temperature, seed=a.seed,
-                       max_new_tokens=a.max_new_tokens, dtype=a.dtype)
+                       max_new_tokens=a.max_new_tokens, dtype=a.dtype, **tool_options)
     style = models.prompt_style(a.model)
     task = rewards.load_task(a.task, style=style, seed=a.seed, jsonl_reward=a.jsonl_reward,
                              prompt_column=a.prompt_column, answer_column=a.answer_column)
@@ -345,7 +356,8 @@ def cmd_evaluate(argv) -> dict:
     max_len = min(getattr(model.config, "max_position_embeddings", 4096), longest + max_new + 8)
     rollouts = engine.make_engine(args, path, model, tok, device, dtype, max_len)
     run = argparse.Namespace(args=args, tokenizer=tok, style=style, engine=rollouts, model=model,
-                             max_new_tokens=max_new, device=device, dtype=dtype, task=task)
+                             max_new_tokens=max_new, device=device, dtype=dtype, task=task,
+                             toolbox=tools.make_toolbox(args, "", style, tok))
     scores = sample_and_score(run, examples, a.n, seed=data.rollout_seed(a.seed, -1, dist.rank()))
     result = {"model": a.model, "task": a.task, "split": a.split, "temperature": a.temperature,
               **summarize(task, examples, scores, a.n, ks, boot=True)}

@@ -22,6 +22,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
+from rlmini.tools import OUTPUT_MARK
+
 # Bereket & Leskovec 2025, App. A.7: unparseable prediction = worst in-range log-likelihood
 LOG_FLOOR = math.log(0.01)
 
@@ -159,6 +161,39 @@ def mixed_task(style: str, seed: int, hard_frac: float = 0.5, size: int = 1000) 
     rng.shuffle(train)
     return Task("mixed", "binary", train, easy + hard, base.score, pass_threshold=1.0, alphabet=base.alphabet,
                 max_new_tokens=base.max_new_tokens)
+
+
+def modmul_task(style: str, seed: int, modulus: int = 7, n_test: int = 200) -> Task:
+    """(a * b) mod M for two-digit a and b, neither a multiple of M (every answer 1..M-1 equally likely): the
+    task that needs a tool (--tools python). The tiny style's prompt is a python block computing it,
+    "```python\n37*48%7\n```\n"; the answer is what the policy itself writes after the output mark
+    (tools.OUTPUT_MARK), then EOS. With the python tool the mark runs the block and its output comes back as
+    context, so the policy can copy it; without, the mark is text and the policy can only guess (1/(M-1)).
+    The chat style asks in words, answer in \\boxed{}."""
+    # neither a multiple of 7: every answer 1-6 is equally likely, so no guess beats 1/6
+    pairs = [(a, b) for a in range(10, 100) for b in range(10, 100) if a % modulus and b % modulus]
+    random.Random(seed).shuffle(pairs)
+    examples = []
+    for a, b in pairs:
+        prompt = (f"```python\n{a}*{b}%{modulus}\n```\n" if style == "tiny" else
+                  f"What is ({a} * {b}) mod {modulus}? You may run Python: write a ```python block, then "
+                  f"```output, and its output follows. Give the final answer in \\boxed{{}}.")
+        examples.append({"prompt": prompt, "answer": a * b % modulus})
+    train, test = _split(examples, n_test)
+
+    def score(completion: str, example: dict, finished: bool) -> Score:
+        # tiny: the answer follows the output mark, in the policy's own text (with or without a tool behind it)
+        after = completion.rsplit(OUTPUT_MARK, 1)[1] if OUTPUT_MARK in completion else ""
+        text = (after if style == "tiny" else last_boxed(completion)) or ""
+        text = text.strip()
+        if not finished or not text.isdigit():
+            return Score(0.0, 0.0, 0.0)
+        ok = float(int(text) == example["answer"])
+        return Score(ok, ok, 1.0, pred=str(int(text)))
+
+    return Task("modmul", "binary", train, test, score, pass_threshold=1.0,
+                alphabet=DIGITS + ["*", "%", "\n", "`", "```python", "```output", "\n```\n"],
+                max_new_tokens=12 if style == "tiny" else 512)
 
 
 PERCENT_TOKENS = [f"{k}%" for k in range(1, 100)]
@@ -469,6 +504,11 @@ def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False
         return calibration_task(style, seed, brier=brier)
     if name == "ordinal":
         return ordinal_task(style, seed)
+    if name == "modmul":  # modmul[:MODULUS]
+        modulus = int(local) if local.isdigit() else (7 if not local else 0)
+        if modulus < 2:
+            raise DataError(f"--task {spec!r}: modmul takes a modulus >= 2, e.g. modmul:7")
+        return modmul_task(style, seed, modulus)
     if name == "mixed":  # mixed[:HARD_FRAC]
         try:
             frac = float(local) if local else 0.5
@@ -510,7 +550,7 @@ def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False
         return Task(name, "binary", rows, test, JSONL_REWARDS[jsonl_reward], pass_threshold=1.0,
                     alphabet=list(string.printable), max_new_tokens=512)
     raise DataError(f"--task {spec!r}: unknown task; choose addition, calibration, ordinal, "
-                    f"mixed[:HARD_FRAC], gsm8k, math, jsonl:PATH or hf:DATASET")
+                    f"mixed[:HARD_FRAC], modmul, gsm8k, math, jsonl:PATH or hf:DATASET")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -519,16 +559,17 @@ def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False
 RESERVED_REWARD_NAMES = ("mean", "std", "correct", "format")  # reward/<these> are logged already
 
 
-def _import_function(item: str):
+def import_function(item: str, flag: str = "--reward"):
     """The function named by `module:function` (an importable module, or a path to a .py file)."""
     module_name, sep, fn_name = item.rpartition(":")
     if not sep or not module_name or not fn_name:
-        raise DataError(f"--reward {item!r}: expected module:function (e.g. my_rewards:length_penalty, "
-                        f"path/to/file.py:length_penalty) or 'task' (the task's own verifier)")
+        extra = " or 'task' (the task's own verifier)" if flag == "--reward" else ""
+        raise DataError(f"{flag} {item!r}: expected module:function (e.g. my_module:my_function, "
+                        f"path/to/file.py:my_function){extra}")
     try:
         if module_name.endswith(".py"):
             if not os.path.isfile(module_name):
-                raise DataError(f"--reward {item}: no such file {module_name}")
+                raise DataError(f"{flag} {item}: no such file {module_name}")
             spec = importlib.util.spec_from_file_location(os.path.basename(module_name)[:-3], module_name)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
@@ -540,11 +581,11 @@ def _import_function(item: str):
     except DataError:
         raise
     except Exception as e:  # a missing module, or an error inside it
-        raise DataError(f"--reward {item}: cannot import {module_name} ({type(e).__name__}: {e})") from None
+        raise DataError(f"{flag} {item}: cannot import {module_name} ({type(e).__name__}: {e})") from None
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise DataError(f"--reward {item}: {module_name} has no function {fn_name!r} (it has: "
+        raise DataError(f"{flag} {item}: {module_name} has no function {fn_name!r} (it has: "
                         f"{', '.join(found)})")
     return fn
 
@@ -569,7 +610,7 @@ def reward_functions(spec: str, weights: str) -> list:
             raise DataError(f"--reward {spec!r}: the name {name!r} is taken (logged as reward/{name}); "
                             f"rename the function (reserved: {', '.join(RESERVED_REWARD_NAMES)}, and each "
                             f"name once)")
-        out.append((name, None if item == "task" else _import_function(item), w))
+        out.append((name, None if item == "task" else import_function(item), w))
     return out
 
 

@@ -36,8 +36,13 @@ class Batch:
     in_loss: torch.Tensor   # 1 for a completion in the loss, 0 for one cut by the limit (--mask_truncated)
 
     def __post_init__(self):
-        self.lengths = torch.tensor([len(c) for c in self.rollouts.completion_ids], dtype=torch.float32)
-        self.sampler_logp = [torch.tensor(lp, dtype=torch.float32) for lp in self.rollouts.sampler_logprobs]
+        """lengths and sampler_logp count the policy's tokens only (with tools, the tool output is context)."""
+        r = self.rollouts
+        masks = r.policy_mask or [None] * len(r.completion_ids)
+        self.lengths = torch.tensor([len(c) if m is None else sum(m) for c, m in zip(r.completion_ids, masks)],
+                                    dtype=torch.float32)
+        self.sampler_logp = [torch.tensor(lp if m is None else [x for x, keep in zip(lp, m) if keep],
+                                          dtype=torch.float32) for lp, m in zip(r.sampler_logprobs, masks)]
 
     def __len__(self):
         return len(self.rollouts.completion_ids)
@@ -49,7 +54,7 @@ class Micro:
     rows: list
     epoch: int              # the pass over the batch (--updates_per_rollout) it belongs to
     layout: dict
-    loss_mask: torch.Tensor  # the completion tokens in the loss
+    loss_mask: torch.Tensor  # the completion tokens in the loss (the policy's, never a tool's)
     sampler_logp: torch.Tensor
     computed: int           # token positions the forward computes ...
     padded: int             # ... and how many of them are padding (perf/pad_frac)
@@ -70,7 +75,8 @@ class Micro:
 def micro_batch(batch: Batch, rows: list, model, device, epoch: int = 0) -> Micro:
     r = batch.rollouts
     prompts, completions = [r.prompt_ids[i] for i in rows], [r.completion_ids[i] for i in rows]
-    layout = make_batch(prompts, completions, r.pad_id, device)
+    layout = make_batch(prompts, completions, r.pad_id, device,
+                        policy=[r.policy_mask[i] for i in rows] if r.policy_mask else None)
     mask = layout["mask"]
     loss_mask = mask * batch.in_loss[rows].unsqueeze(1).to(device)
     return Micro(rows, epoch, layout, loss_mask, to_padded(batch.sampler_logp, rows, mask),

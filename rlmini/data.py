@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 import rewards
+from rlmini import tools
 
 
 def seed_everything(seed: int) -> None:
@@ -97,9 +98,11 @@ def prompt_batch(examples: list, pos: int, n: int, seed: int) -> tuple[list, int
     return out, pos
 
 
-def encode_prompts(tokenizer, prompts: list, chat: bool) -> list:
+def encode_prompts(tokenizer, prompts: list, chat: bool, toolbox=None) -> list:
     """Token ids of each prompt; a pretrained model with a chat template gets it applied (a text prompt as the
-    user's message, a conversation as it is), the prompt ending with the assistant's turn opening."""
+    user's message, a conversation as it is), the prompt ending with the assistant's turn opening; with
+    --tool_format chat, the template also renders the tools' definitions."""
+    schemas = toolbox.schemas if toolbox is not None and toolbox.fmt == "chat" else None
     template = chat and getattr(tokenizer, "chat_template", None)
     if not template and any(isinstance(p, list) for p in prompts):
         raise rewards.DataError("conversational prompts (lists of messages) need a model with a chat "
@@ -107,11 +110,11 @@ def encode_prompts(tokenizer, prompts: list, chat: bool) -> list:
     cache = _PROMPT_IDS.setdefault(tokenizer, {})  # the same prompts come back every epoch: tokenised once
     out = []
     for p in prompts:
-        key = (bool(template), p if isinstance(p, str) else json.dumps(p, sort_keys=True))
+        key = (bool(template), p if isinstance(p, str) else json.dumps(p, sort_keys=True), json.dumps(schemas))
         if key not in cache:
             messages = [{"role": "user", "content": p}] if isinstance(p, str) else p
             cache[key] = (tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                        return_dict=False)
+                                                        return_dict=False, tools=schemas)
                           if template else tokenizer(p, add_special_tokens=False)["input_ids"])
         out.append(list(cache[key]))
     return out
@@ -128,6 +131,15 @@ class Rollouts:
     sampler_logprobs: list  # the sampler's log-prob of each sampled token (temperature applied)
     finished: list          # True where the completion ended with EOS ("stop"), False at "length"
     pad_id: int = 0         # padding id for the trainer's batches
+    policy_mask: list | None = None  # with tools: per token 1 sampled by the policy, 0 written by a tool
+    tool_stats: list | None = None   # with tools: per completion {turns, calls, errors, ...} (tools.STATS)
+
+    def lists(self) -> tuple:
+        """The per-completion fields present (what groups are cut from and joined into)."""
+        return tuple(f for f in _PER_COMPLETION if getattr(self, f) is not None)
+
+
+_PER_COMPLETION = ("prompt_ids", "completion_ids", "sampler_logprobs", "finished", "policy_mask", "tool_stats")
 
 
 class Group(typing.NamedTuple):
@@ -144,17 +156,18 @@ def split_groups(examples, rollouts, rewards, correct, fmt, group_size) -> list:
     out = []
     for g, ex in enumerate(examples):
         k = slice(g * group_size, (g + 1) * group_size)
-        part = Rollouts(rollouts.prompt_ids[k], rollouts.completion_ids[k], rollouts.sampler_logprobs[k],
-                        rollouts.finished[k], rollouts.pad_id)
+        part = Rollouts([], [], [], [], rollouts.pad_id)
+        for f in rollouts.lists():
+            setattr(part, f, getattr(rollouts, f)[k])
         out.append(Group(ex, part, rewards[k], correct[k], fmt[k]))
     return out
 
 
 def join_groups(groups: list) -> tuple:
     """The inverse: (examples, rollouts, rewards, correct, fmt) of a list of Groups, in order."""
-    fields = ("prompt_ids", "completion_ids", "sampler_logprobs", "finished")
-    rollouts = Rollouts(*[[x for g in groups for x in getattr(g.rollouts, f)] for f in fields],
-                        groups[0].rollouts.pad_id)
+    rollouts = Rollouts([], [], [], [], groups[0].rollouts.pad_id)
+    for f in groups[0].rollouts.lists():
+        setattr(rollouts, f, [x for g in groups for x in getattr(g.rollouts, f)])
     return ([g.example for g in groups], rollouts,
             *[torch.cat([getattr(g, f) for g in groups]) for f in ("rewards", "correct", "fmt")])
 
@@ -162,9 +175,10 @@ def join_groups(groups: list) -> tuple:
 def score_rollouts(task, tokenizer, examples: list, rollouts: Rollouts, group_size: int):
     """(reward, correct, format score, Score objects), one per completion (examples are repeated group_size
     times). The task's reward only: any bonus is the training loop's business."""
-    scores = []
+    scores, masks = [], rollouts.policy_mask
     for k, toks in enumerate(rollouts.completion_ids):
-        text = tokenizer.decode(toks, skip_special_tokens=True)
+        text = (tokenizer.decode(toks, skip_special_tokens=True) if masks is None
+                else tools.policy_text(tokenizer, toks, masks[k]))  # a tool cannot write the answer
         scores.append(task.score(text, examples[k // group_size], rollouts.finished[k]))
     reward = torch.tensor([s.reward for s in scores], dtype=torch.float32)
     correct = torch.tensor([s.correct for s in scores], dtype=torch.float32)

@@ -68,9 +68,11 @@ class HFEngine:
         return (list(prompt), []), 0.0, 0.0
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list, n: int, max_new_tokens: int, temperature: float, seed: int):
+    def generate(self, prompt_ids: list, n: int, max_new_tokens, temperature: float, seed: int, stop=None):
         """n completions per prompt, fixed by `seed`; the sampler's log-prob of each token is
-        log_softmax(logits / T), as the trainer computes it."""
+        log_softmax(logits / T), as the trainer computes it. `max_new_tokens`: one budget, or one per prompt;
+        `stop`: strings that end a completion when its text contains one (kept in it, like vLLM's
+        include_stop_str_in_output; rlmini/tools.py)."""
         from transformers import DynamicCache
         model, device, dtype = self.model, self.device, self.dtype
         was_training = model.training
@@ -85,6 +87,12 @@ class HFEngine:
         pos = (col - (width - P)[:, None]).clamp(min=0)  # each prompt's own positions, 0 on its first token
         attn = inside.long().to(device)
         B = len(prompt_ids) * n
+        budget = torch.tensor(max_new_tokens if isinstance(max_new_tokens, list)
+                              else [max_new_tokens] * len(prompt_ids)).repeat_interleave(n).to(device)
+        max_new_tokens = int(budget.max())
+        if dist.many_ranks():  # FSDP2: ranks step together until the longest budget of any rank
+            max_new_tokens = int(max(dist.all_gather(torch.tensor([max_new_tokens]))))
+        tail = max((len(x) for x in stop or []), default=0) + 1  # tokens that can hold a stop string
         tokens = torch.full((B, max(max_new_tokens, 1)), self.pad_id, dtype=torch.long, device=device)
         logps = torch.zeros(tokens.shape, dtype=torch.float32, device=device)
         length = torch.zeros(B, dtype=torch.long, device=device)
@@ -105,7 +113,12 @@ class HFEngine:
             live = ~done
             rows = active[live]
             tokens[rows, t], logps[rows, t], length[rows] = tok[live], logp[live, tok[live]], t + 1
-            done = done | torch.isin(tok, eos)
+            done = done | torch.isin(tok, eos) | (t + 1 >= budget[active])
+            if stop:  # a stop string completed by this token: decoded from the last few tokens only
+                for k in (~done).nonzero().squeeze(1).tolist():
+                    row = int(active[k])
+                    text = self.tokenizer.decode(tokens[row, max(0, t + 1 - tail):t + 1].tolist())
+                    done[k] = any(x in text for x in stop)
             running = not bool(done.all())
             if dist.many_ranks():  # FSDP2: every forward all-gathers, so ranks step until all have ended
                 running = dist.all_sum(float(running)) > 0
@@ -234,19 +247,20 @@ class VLLMEngine:
         self.tied = llm.apply_model(_tied_groups)[0] if llm is not None else []  # names sharing one tensor
         self.weighted = llm.apply_model(_weighted_layers)[0] if llm is not None else set()
 
-    def generate(self, prompt_ids: list, n: int, max_new_tokens: int, temperature: float, seed: int):
+    def generate(self, prompt_ids: list, n: int, max_new_tokens, temperature: float, seed: int, stop=None):
         """n completions per prompt. --vllm_seed request: fixed by `seed` and the prompt's index, whatever
         else runs (vLLM then samples each request with its own generator, one by one); engine: drawn in one
         batch from the engine's stream (the process's torch RNG, seeded by --seed, saved in checkpoints), so
         they depend on everything sampled before in the run (evaluation included) and on how requests batch.
-        """
+        `max_new_tokens`: one budget or one per prompt; `stop`: stop strings, kept in the output."""
         from vllm import SamplingParams
         if self.asleep:
             raise EngineStateError("generate() on a sleeping vLLM engine: sleep level 2 discarded its "
                                    "weights; push() restores them and wakes it")
         # with n > 1 vLLM gives child i the seed + i, so requests are spaced by n
-        params = [SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_new_tokens,
-                                 logprobs=0,
+        budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompt_ids)
+        params = [SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0, max_tokens=budgets[i],
+                                 logprobs=0, stop=stop, include_stop_str_in_output=bool(stop),
                                  seed=(seed * 1_000_003 + i * n) % 2**31 if self.seed_per_request else None)
                   for i in range(len(prompt_ids))]
         outs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False,

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 
 def make_batch(prompt_ids: list, completion_ids: list, pad_id: int, device,
-               kernel: str | None = None) -> dict:
+               kernel: str | None = None, policy: list | None = None) -> dict:
     """One micro-batch in two layouts. Padded: right-padded prompt+completion rows, `mask` [b, T-1] marking
     completion tokens in the shifted targets (position t predicts token t+1). Packed (`packed`): the micro-
     batch as one padding-free sequence in which each distinct prompt appears once, followed by every
@@ -22,7 +22,8 @@ def make_batch(prompt_ids: list, completion_ids: list, pad_id: int, device,
     G completions of a prompt share its one forward pass (see packed_attention). `targets`: the completion
     tokens in `mask`'s nonzero order; `target_index`: that order's (row, position) pairs. `kernel`: how packed
     attention runs, "flex" (FlexAttention over a block mask built on the device; the default on CUDA) or
-    "rows" (one sdpa call per row set; the default elsewhere)."""
+    "rows" (one sdpa call per row set; the default elsewhere). `policy`: per completion, 1 for each token the
+    policy sampled, 0 for a tool's output: only the former are targets (in `mask`), the latter context."""
     b = len(prompt_ids)
     P = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long)
     L = torch.tensor([len(c) for c in completion_ids], dtype=torch.long)
@@ -35,11 +36,17 @@ def make_batch(prompt_ids: list, completion_ids: list, pad_id: int, device,
     input_ids = torch.full((b, width), pad_id, dtype=torch.long).masked_scatter_(inside, seq)
     mask = ((col[:-1] >= P[:, None] - 1) & (col[:-1] < (n - 1)[:, None])).float()  # position t predicts t + 1
     targets = torch.tensor(list(itertools.chain.from_iterable(completion_ids)), dtype=torch.long)
+    keep = None
+    if policy is not None:  # tool output: context, not a target
+        keep = torch.tensor(list(itertools.chain.from_iterable(policy)), dtype=torch.bool)
+        rows, cols = mask.nonzero(as_tuple=True)  # completion tokens in targets order
+        mask = torch.zeros_like(mask).index_put_((rows[keep], cols[keep]), torch.tensor(1.0))
+        targets = targets[keep]
     batch = {"input_ids": input_ids.to(device), "attention_mask": inside.long().to(device),
              "mask": mask.to(device), "targets": targets.to(device),
              "target_index": tuple(i.to(device) for i in mask.nonzero(as_tuple=True))}
     kernel = kernel or default_kernel(torch.device(device))
-    batch["packed"] = _pack(prompt_ids, completion_ids, P, L, targets, device, kernel)
+    batch["packed"] = _pack(prompt_ids, completion_ids, P, L, keep, device, kernel)
     return batch
 
 
@@ -58,7 +65,7 @@ def default_kernel(device) -> str:
     return name if name != "auto" else ("flex" if device.type == "cuda" else "rows")
 
 
-def _pack(prompt_ids, completion_ids, P, L, targets, device, kernel) -> dict:
+def _pack(prompt_ids, completion_ids, P, L, keep, device, kernel) -> dict:
     """The packed layout of make_batch: [distinct prompts][completions, by length class], with position ids,
     the attention rows of packed_attention and, per completion token (targets order), the packed position that
     predicts it (its prompt's last token for the first one). Completions are grouped into length classes
@@ -86,6 +93,7 @@ def _pack(prompt_ids, completion_ids, P, L, targets, device, kernel) -> dict:
     seq = torch.repeat_interleave(torch.arange(len(L)), L)  # per target: its completion; j: its index there
     j = torch.arange(int(L.sum())) - torch.repeat_interleave(torch.cumsum(L, 0) - L, L)
     pred = torch.where(j == 0, (p_start[owner] + P - 1)[seq], c_start[seq] + j - 1)
+    pred = pred if keep is None else pred[keep]  # `keep`: the policy's tokens (make_batch's `policy`)
     packed = {"input_ids": ids[None].to(device), "position_ids": torch.cat([pos_p, pos_c])[None].to(device),
               "pred": pred.to(device), "computed": len(ids)}
     if kernel == "flex":

@@ -12,7 +12,7 @@ import time
 import torch
 
 import rewards
-from rlmini import dist
+from rlmini import dist, tools
 from rlmini.checkpoint import atomic_write_text
 
 
@@ -71,7 +71,8 @@ class RunLog:
         if self.wandb is not None:
             import wandb
             columns = list(rows[0])
-            table = wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])
+            cell = lambda v: v if isinstance(v, (str, int, float, bool)) else json.dumps(v)  # noqa: E731 (turns)
+            table = wandb.Table(columns=columns, data=[[cell(r[c]) for c in columns] for r in rows])
             self.wandb.log({"completions": table}, step=step)
 
     def close(self) -> None:
@@ -94,7 +95,8 @@ def run_id(run_dir: str, args) -> str:
 def log_completions(run, examples: list, rollouts, reward_values, correct, fmt, advantages, n: int) -> None:
     """n completions of this step's global batch, drawn by a generator seeded with (seed, step), written by
     rank 0 to rollouts.jsonl (and wandb): step, prompt, completion, reward, correct, format, advantage (per
-    completion; PPO: its tokens' mean), length, truncated. Every rank passes its own shard."""
+    completion; PPO: its tokens' mean), length, truncated; with --tools, the turns (policy and tool text) and
+    the trajectory's tool_stats. Every rank passes its own shard."""
     if n == 0:
         return
     B, G = len(rollouts.completion_ids), run.args.group_size
@@ -112,6 +114,9 @@ def log_completions(run, examples: list, rollouts, reward_values, correct, fmt, 
                          "reward": float(reward_values[k]), "correct": float(correct[k]),
                          "format": float(fmt[k]), "advantage": float(advantages[k]),
                          "length": len(completion), "truncated": not rollouts.finished[k]})
+            if rollouts.policy_mask is not None:  # --tools: the policy's turns and the tools' outputs
+                rows[-1]["turns"] = tools.turns_text(run.tokenizer, completion, rollouts.policy_mask[k])
+                rows[-1]["tool_stats"] = rollouts.tool_stats[k]
     run.log.completions(run.step, dist.all_gather_objects(rows))
 
 

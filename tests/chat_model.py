@@ -13,6 +13,17 @@ CHAT_TEMPLATE = ("{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' 
                  "'<|im_start|>assistant\\n' }}{%- endif %}")
 
 
+# a Qwen2.5-style template with tools: definitions in a system message, results as user <tool_response> turns
+TOOL_TEMPLATE = (
+    "{%- if tools %}{{ '<|im_start|>system\\nYou may call these tools:\\n<tools>' }}{%- for t in tools %}"
+    "{{ '\\n' + (t | tojson) }}{%- endfor %}{{ '\\n</tools>\\nCall one as <tool_call>{\\\"name\\\": ..., "
+    "\\\"arguments\\\": {...}}</tool_call><|im_end|>\\n' }}{%- endif %}"
+    "{%- for m in messages %}{%- if m['role'] == 'tool' %}{{ '<|im_start|>user\\n<tool_response>\\n' + "
+    "m['content'] + '\\n</tool_response><|im_end|>\\n' }}{%- else %}{{ '<|im_start|>' + m['role'] + '\\n' + "
+    "m['content'] + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{ "
+    "'<|im_start|>assistant\\n' }}{%- endif %}")
+
+
 def corpus(n: int = 3000, seed: int = 0) -> list:
     """ASCII text like the prompts and answers the tests use: sums, \\boxed{} answers, a little English."""
     rng = random.Random(seed)
@@ -26,7 +37,7 @@ def corpus(n: int = 3000, seed: int = 0) -> list:
     return out
 
 
-def build_chat_model(path: str, vocab_size: int = 512, seed: int = 0) -> str:
+def build_chat_model(path: str, vocab_size: int = 512, seed: int = 0, template: str = CHAT_TEMPLATE) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
     if os.path.exists(os.path.join(path, "config.json")):
@@ -39,7 +50,7 @@ def build_chat_model(path: str, vocab_size: int = 512, seed: int = 0) -> str:
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=None, eos_token="<|im_end|>",
                                      pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"],
                                      model_max_length=1024)
-    hf_tok.chat_template = CHAT_TEMPLATE
+    hf_tok.chat_template = template
     config = Qwen3Config(vocab_size=len(hf_tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=64,
                          max_position_embeddings=1024,

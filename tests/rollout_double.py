@@ -2,6 +2,7 @@
 completions of a prompt depend on the prompt's text alone (correct, off by one or two, or unfinished: no EOS
 within the budget), whichever process or rank samples it; the sampler's log-probs are the trainer's own."""
 import hashlib
+import re
 
 import torch
 
@@ -9,23 +10,40 @@ from rlmini import data, logprobs, models, packing
 from rlmini.engine import HFEngine
 
 
-def generate_double(engine, prompt_ids, n, max_new_tokens, temperature, seed):
-    """HFEngine.generate's stand-in (the engine gives the tokenizer, the policy, device and dtype)."""
+def generate_double(engine, prompt_ids, n, max_new_tokens, temperature, seed, stop=None):
+    """HFEngine.generate's stand-in (the engine gives the tokenizer, the policy, device and dtype). modmul
+    prompts (--tools): the first turn calls (```output), answers right or wrong, or runs on; a turn after a
+    tool's output copies it (or misreads it)."""
     tok = engine.tokenizer
     r = data.Rollouts([], [], [], [], engine.pad_id)
-    for ids in prompt_ids:
+    budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompt_ids)
+    for ids, budget in zip(prompt_ids, budgets):
         text = tok.decode(ids, skip_special_tokens=True)
-        answer = sum(int(x) for x in text.rstrip("=").split("+"))
         for j in range(n):
             kind = hashlib.sha256(f"{text}/{j}".encode()).digest()[0] % 4
-            digits = list(str(answer + (0, 1, 2, 0)[kind]))
-            toks = tok.convert_tokens_to_ids(digits) + [engine.tokenizer.eos_token_id]
-            if kind == 3:  # unfinished: no EOS within the budget
-                toks = tok.convert_tokens_to_ids(list("9" * max_new_tokens))
+            if "```python" in text:
+                toks = _modmul_turn(tok, text, kind, budget)
+            else:
+                answer = sum(int(x) for x in text.rstrip("=").split("+"))
+                toks = tok.convert_tokens_to_ids(list(str(answer + (0, 1, 2, 0)[kind]))) + [tok.eos_token_id]
+                if kind == 3:  # unfinished: no EOS within the budget
+                    toks = tok.convert_tokens_to_ids(list("9" * budget))
             r.prompt_ids.append(list(ids))
-            r.completion_ids.append(toks[:max_new_tokens])
-            r.finished.append(kind != 3)
+            r.completion_ids.append(toks[:budget])
+            r.finished.append(r.completion_ids[-1][-1:] == [tok.eos_token_id])
     return with_trainer_logprobs(r, engine.model, temperature, engine.device, engine.dtype)
+
+
+def _modmul_turn(tok, text, kind, budget):
+    if "```output" in text:  # after the output: copy it (kind 2: misread it)
+        shown = int(text.rsplit("```output", 1)[1].split()[0])
+        return tok.convert_tokens_to_ids([str((shown + (kind == 2)) % 10)]) + [tok.eos_token_id]
+    a, b, m = map(int, re.search(r"(\d+)\*(\d+)%(\d+)", text).groups())
+    if kind == 0:
+        return tok.convert_tokens_to_ids(["```output"])
+    if kind == 3:
+        return tok.convert_tokens_to_ids(list("9" * budget))
+    return tok.convert_tokens_to_ids([str((a * b % m + (kind == 2)) % 10)]) + [tok.eos_token_id]
 
 
 def with_trainer_logprobs(r, model, temperature, device, dtype):

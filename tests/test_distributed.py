@@ -37,6 +37,9 @@ RUNS = [  # each exercises a statistic defined over the batch, or a path that sy
     ("ppo", "train_ppo",
      BATCH + ["--whiten_advantages", "true", "--updates_per_rollout", "2", "--group_size", "2",
                                   "--gradient_checkpointing", "true", *OWN_REWARD]),
+    # multi-turn: tool tokens masked, turns synchronised across ranks, tools/* over the global batch
+    ("grpo-tools", "train_grpo", BATCH + ["--task", "modmul", "--tools", "python", "--loss_agg", "token-mean"]),
+    ("ppo-tools", "train_ppo", BATCH + ["--task", "modmul", "--tools", "python", "--gamma", "0.9"]),
 ]
 RESUME = [  # on 2 ranks: 4 steps straight, and 2 steps + resume to 4 (HA-DW's anchor, PPO's critic)
     (f"{name}-{part}", script, BATCH[2:] + ["--steps", steps, "--save_every", "2", *resume, *extra])
@@ -77,7 +80,7 @@ def test_two_ranks_give_the_one_rank_gradient(one_and_two_ranks, name):
     one, two = one_and_two_ranks
     g1, g2 = torch.load(one / f"{name}.rank0.pt"), torch.load(two / f"{name}.rank0.pt")
     assert len(g1) == len(g2) >= 2  # 2 steps (PPO: policy and critic, twice per step)
-    first = 2 if name == "ppo" else 1  # the gradients taken before any optimizer step
+    first = 2 if name.startswith("ppo") else 1  # the gradients taken before any optimizer step
     for k, (a, b) in enumerate(zip(g1, g2)):
         assert a.norm() > 0, f"{name}: a zero gradient proves nothing"
         # later ones start from weights that AdamW moved: it rescales the float rounding of tiny gradient

@@ -247,3 +247,39 @@ def test_lora_adapters_pushed_to_vllms_own_lora(tiny_addition):
         theirs = torch.tensor([x for s in r.sampler_logprobs for x in s])
         torch.testing.assert_close(theirs, _trainer_logprobs(model, r, 1.0), atol=LOGPROB_TOL, rtol=0)
         assert sampler.check_push((prompts[0], r.completion_ids[0]), 2e-3) <= LOGPROB_TOL
+
+
+def test_multi_turn_tool_rollouts_on_vllm(tmp_path):
+    """--tools with vLLM: turns stop at ```output (a stop string kept in the output), each live trajectory
+    continues from its token ids with the budget left (prefix cache on), and the sampler's log-probs of the
+    policy's tokens equal the trainer's, the tool output being context; the same seed gives the same
+    trajectories."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import rewards
+    from rlmini import models, tools
+    task = rewards.load_task("modmul")
+    path = models.build_tiny_model(task.alphabet)
+    model, tok = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
+    sampler = engine.make_engine(common.Args(engine="vllm", seed=0), path, model, tok, CPU, torch.float32,
+                                 max_len=64)
+    _KEPT.append(sampler)
+    box = tools.Toolbox({"python": tools.python}, max_turns=3)
+    prompts = [tok(e["prompt"], add_special_tokens=False)["input_ids"] for e in task.train[:8]]
+    r = tools.generate(sampler, box, tok, prompts, 4, 16, 1.0, seed=5)
+    assert sum(s["calls"] for s in r.tool_stats) > 0 and max(map(len, r.completion_ids)) <= 16
+    batch = packing.make_batch(r.prompt_ids, r.completion_ids, tok.pad_token_id, CPU, policy=r.policy_mask)
+    with torch.no_grad():
+        ours = logprobs.token_logprobs(model, batch, 1.0)[0][batch["mask"] > 0]
+    theirs = torch.tensor([x for lp, m in zip(r.sampler_logprobs, r.policy_mask) for x, k in zip(lp, m) if k])
+    torch.testing.assert_close(theirs, ours, atol=LOGPROB_TOL, rtol=0)
+    mark = tok(tools.OUTPUT_MARK, add_special_tokens=False)["input_ids"]
+    for ids, m, s in zip(r.completion_ids, r.policy_mask, r.tool_stats):
+        turns = tools.turns_text(tok, ids, m)
+        for k, t in enumerate(turns):  # a policy turn followed by tool output ended at the mark
+            if t["role"] == "tool":
+                assert turns[k - 1]["text"].endswith(tools.OUTPUT_MARK)
+        assert s["calls"] == sum(t["role"] == "tool" for t in turns)
+    assert any(len(ids) > len(mark) and m[-1] == 1 and 0 in m for ids, m in zip(r.completion_ids, r.policy_mask))
+    again = tools.generate(sampler, box, tok, prompts, 4, 16, 1.0, seed=5)
+    assert again.completion_ids == r.completion_ids and again.policy_mask == r.policy_mask
