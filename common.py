@@ -571,7 +571,8 @@ def tool_metrics(rollouts) -> dict:
                                   dtype=torch.float64))
     st = dict(zip(tools.STATS, per.T))
     calls, tokens = st["calls"].sum().item(), all_sum(float(sum(len(c) for c in rollouts.completion_ids)))
-    return {"tools/calls": st["calls"].mean().item(), "tools/call_frac": (st["calls"] > 0).double().mean().item(),
+    return {"tools/calls": st["calls"].mean().item(),
+            "tools/call_frac": (st["calls"] > 0).double().mean().item(),
             "tools/turns": st["turns"].mean().item(),
             "tools/success_rate": 1 - st["errors"].sum().item() / calls if calls else math.nan,
             "tools/errors": st["errors"].sum().item(), "tools/timeouts": st["timeouts"].sum().item(),

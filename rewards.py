@@ -182,7 +182,7 @@ def modmul_task(style: str, seed: int, modulus: int = 7, n_test: int = 200) -> T
     train, test = _split(examples, n_test)
 
     def score(completion: str, example: dict, finished: bool) -> Score:
-        # tiny: the answer follows the output mark, in the policy's own text (with or without a tool behind it)
+        # tiny: the answer follows the output mark, in the policy's own text (with or without a tool)
         after = completion.rsplit(OUTPUT_MARK, 1)[1] if OUTPUT_MARK in completion else ""
         text = (after if style == "tiny" else last_boxed(completion)) or ""
         text = text.strip()

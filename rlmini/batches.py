@@ -36,11 +36,11 @@ class Batch:
     in_loss: torch.Tensor   # 1 for a completion in the loss, 0 for one cut by the limit (--mask_truncated)
 
     def __post_init__(self):
-        """lengths and sampler_logp count the policy's tokens only (with tools, the tool output is context)."""
+        """lengths and sampler_logp count the policy's tokens only (with tools, their output is context)."""
         r = self.rollouts
         masks = r.policy_mask or [None] * len(r.completion_ids)
-        self.lengths = torch.tensor([len(c) if m is None else sum(m) for c, m in zip(r.completion_ids, masks)],
-                                    dtype=torch.float32)
+        self.lengths = torch.tensor([len(c) if m is None else sum(m)
+                                     for c, m in zip(r.completion_ids, masks)], dtype=torch.float32)
         self.sampler_logp = [torch.tensor(lp if m is None else [x for x, keep in zip(lp, m) if keep],
                                           dtype=torch.float32) for lp, m in zip(r.sampler_logprobs, masks)]
 

@@ -110,7 +110,8 @@ def encode_prompts(tokenizer, prompts: list, chat: bool, toolbox=None) -> list:
     cache = _PROMPT_IDS.setdefault(tokenizer, {})  # the same prompts come back every epoch: tokenised once
     out = []
     for p in prompts:
-        key = (bool(template), p if isinstance(p, str) else json.dumps(p, sort_keys=True), json.dumps(schemas))
+        key = (bool(template), p if isinstance(p, str) else json.dumps(p, sort_keys=True),
+               json.dumps(schemas))
         if key not in cache:
             messages = [{"role": "user", "content": p}] if isinstance(p, str) else p
             cache[key] = (tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
@@ -139,7 +140,8 @@ class Rollouts:
         return tuple(f for f in _PER_COMPLETION if getattr(self, f) is not None)
 
 
-_PER_COMPLETION = ("prompt_ids", "completion_ids", "sampler_logprobs", "finished", "policy_mask", "tool_stats")
+_PER_COMPLETION = ("prompt_ids", "completion_ids", "sampler_logprobs", "finished", "policy_mask",
+                   "tool_stats")
 
 
 class Group(typing.NamedTuple):

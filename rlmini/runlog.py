@@ -71,7 +71,7 @@ class RunLog:
         if self.wandb is not None:
             import wandb
             columns = list(rows[0])
-            cell = lambda v: v if isinstance(v, (str, int, float, bool)) else json.dumps(v)  # noqa: E731 (turns)
+            cell = lambda v: v if isinstance(v, (str, int, float, bool)) else json.dumps(v)  # noqa: E731
             table = wandb.Table(columns=columns, data=[[cell(r[c]) for c in columns] for r in rows])
             self.wandb.log({"completions": table}, step=step)
 

@@ -61,6 +61,7 @@ class Toolbox:
     workers: int = 8            # calls running at once
     forbidden: list = field(default_factory=list)  # folders the python tool may not read (the run's)
     schemas: list = field(default_factory=list)    # chat: the tool definitions the template renders
+    turn_end: str = ""          # chat: the token text that ends an assistant turn in the template
 
 
 # ---------------------------------------------------------------------------------------------- the tools
@@ -270,9 +271,11 @@ def make_toolbox(args, run_dir: str = "", style: str = "tiny", tokenizer=None):
         if style != "chat" or not getattr(tokenizer, "chat_template", None):
             raise SystemExit("--tool_format chat: the model has no chat template (the built-in tiny model "
                              "never does); use --tool_format code")
-        turn_suffix(tokenizer, box, [("python", "x")], tokenizer.eos_token)  # raises if tools do not render
+        box.turn_end = tokenizer.eos_token
+        turn_suffix(tokenizer, box, [("python", "x")], box.turn_end)  # raises if tool messages do not render
         probe = [{"role": "user", "content": "u"}]
-        plain, with_tools = (tokenizer.apply_chat_template(probe, tools=t, tokenize=False) for t in (None, schemas))
+        plain, with_tools = (tokenizer.apply_chat_template(probe, tools=t, tokenize=False)
+                             for t in (None, schemas))
         if plain == with_tools:
             raise SystemExit(f"--tool_format chat: the chat template of --model {args.model} does not render "
                              f"the tool definitions; use --tool_format code")
@@ -448,7 +451,7 @@ def generate(engine, box, tokenizer, prompt_ids: list, n: int, max_new_tokens: i
             s["errors"] += sum(o.error for o in out)
             s["timeouts"] += sum(o.timed_out for o in out)
             s["seconds"] += sum(o.seconds for o in out)
-            response = _response_ids(box, tokenizer, [(nm, o.text) for nm, o in zip(names, out)], ids[i][-1])
+            response = _response_ids(box, tokenizer, [(nm, o.text) for nm, o in zip(names, out)])
             response = response[:max_new_tokens - len(ids[i])]  # the length limit counts tool output too
             ids[i] += response
             logps[i] += [0.0] * len(response)
@@ -470,17 +473,17 @@ def _calls(box, tokenizer, prompt: list, ids: list, turn: list, ended: bool) -> 
         # the block may open in the prompt or an earlier turn: the text up to here, for parsing only
         call = parse_code_call(tokenizer.decode(prompt + ids))
         return [call] if call is not None else []
-    if not ended:
+    if not ended or tokenizer.decode(turn[-1:]) != box.turn_end:  # another EOS ends the trajectory
         return []
     return parse_chat_calls(tokenizer.decode(turn))
 
 
-def _response_ids(box, tokenizer, results: list, last_token: int) -> list:
+def _response_ids(box, tokenizer, results: list) -> list:
     """The tool output's tokens, tokenised once and appended after the sampled ones."""
     if box.fmt == "code":
         text = "\n" + "\n".join(t for _, t in results).rstrip("\n") + "\n```\n"
     else:
-        text = turn_suffix(tokenizer, box, results, tokenizer.decode([last_token]))
+        text = turn_suffix(tokenizer, box, results, box.turn_end)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

@@ -38,7 +38,8 @@ RUNS = [  # each exercises a statistic defined over the batch, or a path that sy
      BATCH + ["--whiten_advantages", "true", "--updates_per_rollout", "2", "--group_size", "2",
                                   "--gradient_checkpointing", "true", *OWN_REWARD]),
     # multi-turn: tool tokens masked, turns synchronised across ranks, tools/* over the global batch
-    ("grpo-tools", "train_grpo", BATCH + ["--task", "modmul", "--tools", "python", "--loss_agg", "token-mean"]),
+    ("grpo-tools", "train_grpo",
+     BATCH + ["--task", "modmul", "--tools", "python", "--loss_agg", "token-mean"]),
     ("ppo-tools", "train_ppo", BATCH + ["--task", "modmul", "--tools", "python", "--gamma", "0.9"]),
 ]
 RESUME = [  # on 2 ranks: 4 steps straight, and 2 steps + resume to 4 (HA-DW's anchor, PPO's critic)

@@ -1,5 +1,5 @@
-"""Tools and multi-turn rollouts (rlmini/tools.py): exact token accounting, the policy mask in every layout and
-trainer, the python tool's limits and faults, the call formats, and runs with tools."""
+"""Tools and multi-turn rollouts (rlmini/tools.py): exact token accounting, the policy mask in every layout
+and trainer, the python tool's limits and faults, the call formats, and runs with tools."""
 import json
 import os
 import sys
@@ -29,7 +29,8 @@ def modmul():
     """(model, tokenizer) of the built-in tiny model over the modmul task's alphabet."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = models.build_tiny_model(rewards.load_task("modmul").alphabet)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model, AutoTokenizer.from_pretrained(path)
 
 
 class Scripted:
@@ -75,7 +76,7 @@ class Scripted:
         return r
 
 
-# ---------------------------------------------------------------------------------------------- the python tool
+# ------------------------------------------------------------------------------------------ the python tool
 
 
 @pytest.mark.parametrize("code,expect,error,timed_out", [
@@ -104,19 +105,22 @@ def test_the_python_tool_bounds_every_fault(code, expect, error, timed_out):
     assert not os.path.exists("/tmp/rlmini-outside.txt")
 
 
-def test_the_python_tool_cannot_read_or_touch_the_run_folder(tmp_path):
+def test_the_python_tool_cannot_read_or_touch_the_run_folder(tmp_path, monkeypatch):
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the scratch folders go
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text("secret\n")
     before = sorted(os.listdir(run_dir))
     b = box(forbidden=[str(run_dir)])
-    codes = [f"print(open({str(run_dir / 'metrics.jsonl')!r}).read())", f"import os; os.listdir({str(run_dir)!r})",
+    codes = [f"print(open({str(run_dir / 'metrics.jsonl')!r}).read())",
+             f"import os; os.listdir({str(run_dir)!r})",
              f"import os; os.remove({str(run_dir / 'metrics.jsonl')!r})",
              f"open({str(run_dir / 'new.txt')!r}, 'w')", "import os; os.chdir('/')"]
     for r in tools.run_calls(b, [("python", c) for c in codes]):
         assert r.error and "PermissionError" in r.text and "secret" not in r.text, r
     assert sorted(os.listdir(run_dir)) == before and (run_dir / "metrics.jsonl").read_text() == "secret\n"
-    assert not [p for p in os.listdir("/tmp") if p.startswith("rlmini-tool-")], "scratch folders are removed"
+    assert os.listdir(tmp_path) == ["run"], "scratch folders are removed"
 
 
 def test_calls_run_in_parallel_and_a_hung_function_tool_is_abandoned():
@@ -159,7 +163,7 @@ def test_user_tools_by_module_and_function(tmp_path, monkeypatch):
         tools.make_toolbox(common.Args(tools="python", tool_format="chat"), style="tiny")
 
 
-# ---------------------------------------------------------------------------------------------- call formats
+# --------------------------------------------------------------------------------------------- call formats
 
 
 def test_code_calls_are_the_last_block_before_output():
@@ -182,7 +186,7 @@ def test_chat_calls_are_parsed_and_bad_ones_reported():
     assert calls[2].startswith("error: could not parse")
 
 
-# ---------------------------------------------------------------------------------------------- rollouts
+# ------------------------------------------------------------------------------------------------- rollouts
 
 
 def test_a_trajectory_is_the_sampled_tokens_and_the_tool_output_tokenised_once(modmul):
@@ -234,7 +238,7 @@ def test_a_tool_cannot_write_the_answer(modmul):
     assert reward.item() == 0.0
 
 
-# ---------------------------------------------------------------------------------------------- the trainer side
+# ----------------------------------------------------------------------------------------- the trainer side
 
 
 def _tool_batch(tok, seed=0):
@@ -388,8 +392,8 @@ def test_chat_format_tool_calls_are_the_templates_own_turns(tool_chat_model):
     assert b.schemas[1]["function"]["parameters"]["required"] == ["expression"]  # from the docstring
     question = "What is 37 * 48 mod 7?"
     prompt = data.encode_prompts(tok, [question], True, b)[0]
-    assert "<tools>" in tok.decode(prompt) and "<tools>" not in tok.decode(data.encode_prompts(tok, [question],
-                                                                                                True)[0])
+    plain = data.encode_prompts(tok, [question], True)[0]
+    assert "<tools>" in tok.decode(prompt) and "<tools>" not in tok.decode(plain)
     call = '<tool_call>{"name": "python", "arguments": {"code": "37 * 48 % 7"}}</tool_call>'
     bad = '<tool_call>{"name": "python", "arguments": [1]}</tool_call>'
     engine = Scripted(tok, [[call + "<|im_end|>", "It is \\boxed{5}.<|im_end|>"],
@@ -422,7 +426,7 @@ def test_a_chat_template_without_tools_is_refused_in_one_line(tmp_path):
         tools.make_toolbox(common.Args(tools="python", tool_format="chat"), style="chat", tokenizer=tok)
 
 
-# ---------------------------------------------------------------------------------------------- runs
+# ----------------------------------------------------------------------------------------------------- runs
 
 
 @pytest.mark.parametrize("script,extra", [
@@ -444,8 +448,8 @@ def test_every_trainer_runs_with_tools(tmp_path, script, extra):
     logged = [json.loads(x) for x in open(os.path.join(run.run_dir, "rollouts.jsonl"))]
     assert all(r["turns"] and {t["role"] for t in r["turns"]} <= {"policy", "tool"} for r in logged)
     assert any(t["role"] == "tool" for r in logged for t in r["turns"])
-    assert sorted(os.listdir(run.run_dir)) == sorted(["checkpoint.pt", "config.json", "final", "metrics.jsonl",
-                                                      "rollouts.jsonl"] + (["eval.json"] if False else []))
+    assert sorted(os.listdir(run.run_dir)) == [".lock", "checkpoint.pt", "config.json", "final",
+                                               "metrics.jsonl", "rollouts.jsonl"]
 
 
 def test_eval_runs_the_same_tool_loop(tmp_path):
@@ -456,3 +460,26 @@ def test_eval_runs_the_same_tool_loop(tmp_path):
     assert out["n"] == 4 and 0 <= out["pass@4"] <= 1 and os.path.exists(tmp_path / "ev" / "eval.json")
     with pytest.raises(SystemExit):
         evaluation.cmd_evaluate(["--task", "modmul", "--tools", "python", "--tool_format", "json"])
+
+
+def test_groups_keep_their_tool_fields_through_split_and_join(modmul):
+    _, tok = modmul
+    prompt = tok("```python\n37*48%7\n```\n", add_special_tokens=False)["input_ids"]
+    r = tools.generate(Scripted(tok, [["```output", "5</s>"], ["4</s>"], ["3</s>"], ["```output", "1</s>"]]),
+                       box(), tok, [prompt, prompt], 2, 12, 1.0, 0)
+    groups = data.split_groups([{}, {}], r, *[torch.arange(4.0)] * 3, 2)
+    joined = data.join_groups(groups[::-1])[1]
+    assert joined.policy_mask == r.policy_mask[2:] + r.policy_mask[:2]
+    assert joined.tool_stats == r.tool_stats[2:] + r.tool_stats[:2]
+
+
+def test_a_chat_model_trains_with_its_templates_tool_calls(tool_chat_model, tmp_path):
+    """Real sampling on the hub-shaped model with --tool_format chat: the run goes through (its random
+    policy rarely writes a well-formed call; the scripted test above checks the format)."""
+    import train_grpo
+    run = train_grpo.main(["--model", tool_chat_model, "--task", "modmul", "--tools", "python,calculator",
+                           "--tool_format", "chat", "--engine", "hf", "--steps", "1",
+                           "--prompts_per_step", "2", "--group_size", "2", "--max_new_tokens", "24",
+                           "--out_dir", str(tmp_path), "--wandb", "false", "--save_every", "0"])
+    row = read_metrics(run.run_dir)[-1]
+    assert row["tools/turns"] >= 1 and row["logprob/sampler_diff"] < 1e-4

@@ -260,7 +260,8 @@ def test_multi_turn_tool_rollouts_on_vllm(tmp_path):
     from rlmini import models, tools
     task = rewards.load_task("modmul")
     path = models.build_tiny_model(task.alphabet)
-    model, tok = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(path)
     sampler = engine.make_engine(common.Args(engine="vllm", seed=0), path, model, tok, CPU, torch.float32,
                                  max_len=64)
     _KEPT.append(sampler)
@@ -280,6 +281,7 @@ def test_multi_turn_tool_rollouts_on_vllm(tmp_path):
             if t["role"] == "tool":
                 assert turns[k - 1]["text"].endswith(tools.OUTPUT_MARK)
         assert s["calls"] == sum(t["role"] == "tool" for t in turns)
-    assert any(len(ids) > len(mark) and m[-1] == 1 and 0 in m for ids, m in zip(r.completion_ids, r.policy_mask))
+    assert any(len(ids) > len(mark) and m[-1] == 1 and 0 in m  # the policy went on after a tool's output
+               for ids, m in zip(r.completion_ids, r.policy_mask))
     again = tools.generate(sampler, box, tok, prompts, 4, 16, 1.0, seed=5)
     assert again.completion_ids == r.completion_ids and again.policy_mask == r.policy_mask

@@ -1,0 +1,40 @@
+"""What a tool call costs on this machine: the python tool (a fresh interpreter per call,
+rlmini/tools.py::python) and the calculator (in process), run through tools.run_calls with 1 and
+--tool_workers at a time, as a step's batch of calls runs them.
+
+    python benchmarks/tools.py [--calls 64] [--workers 1,4,8]
+
+Per row: wall-clock seconds for the batch, calls per second, and the mean seconds a call took inside its
+worker (spawn, limits, the code, clean-up)."""
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from rlmini import tools  # noqa: E402
+
+CODE = {"python": "37 * 48 % 7", "calculator": "37 * 48 % 7"}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--calls", type=int, default=64)
+    p.add_argument("--workers", default="1,4,8")
+    a = p.parse_args()
+    print(f"{a.calls} calls of `{CODE['python']}`, {os.cpu_count()} CPUs\n")
+    print("| tool | workers | batch s | calls/s | s per call (in its worker) |")
+    print("|---|---|---|---|---|")
+    for name in ("python", "calculator"):
+        for w in [int(x) for x in a.workers.split(",")]:
+            box = tools.Toolbox({"python": tools.python, "calculator": tools.calculator}, workers=w)
+            start = time.perf_counter()
+            out = tools.run_calls(box, [(name, CODE[name])] * a.calls)
+            wall = time.perf_counter() - start
+            assert all(r.text.strip() == "5" for r in out), out[0]
+            per = sum(r.seconds for r in out) / len(out)
+            print(f"| {name} | {w} | {wall:.2f} | {a.calls / wall:.0f} | {per:.4f} |")
+
+
+if __name__ == "__main__":
+    main()
