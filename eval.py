@@ -203,6 +203,11 @@ def summarize(task, examples: list, scores: list, n: int, ks: list, boot: bool =
             out[name] = float(v.mean())
             if boot:
                 out[f"{name}_ci95"] = bootstrap_ci(v)
+    if scores and scores[0].tools is not None:  # --tools: calls per sample, share calling, failed calls
+        calls = np.array([s.tools["calls"] for s in scores], dtype=float)
+        errors = sum(s.tools["errors"] for s in scores)
+        out.update(tool_calls=float(calls.mean()), tool_call_frac=float((calls > 0).mean()),
+                   tool_error_rate=errors / calls.sum() if calls.sum() else math.nan)
     if task.kind == "ordinal":
         out["pass_rate"] = float(np.mean([s.reward >= task.pass_threshold for s in scores]))
     if task.kind == "probability":
@@ -238,6 +243,8 @@ def sample_and_score(run, examples: list, n: int, seed: int) -> list:
     rollouts = tools.generate(run.engine, run.toolbox, run.tokenizer, prompt_ids, n, run.max_new_tokens,
                               run.args.temperature, seed)
     scores = data.score_rollouts(run.task, run.tokenizer, batch, rollouts, n)[3][:len(mine) * n]
+    for s, st in zip(scores, rollouts.tool_stats or []):
+        s.tools = st
     return dist.all_gather_objects(scores)
 
 
@@ -255,7 +262,8 @@ def evaluate(run) -> dict:
     metrics = {"eval/pass@1": full["pass@1"], "eval/pass@k": full[f"pass@{k}"],
                "eval/maj@k": full[f"maj@{k}"],
                "eval/format_fail": full["format_fail"], "eval/reward": full["reward"]}
-    for key in ("ece", "auroc", "brier", "accuracy", "pass_rate"):
+    for key in ("ece", "auroc", "brier", "accuracy", "pass_rate", "tool_calls", "tool_call_frac",
+                "tool_error_rate"):
         if key in full:
             metrics[f"eval/{key}"] = full[key]
     if dist.rank() == 0:  # every prediction: the scores of all ranks were gathered
@@ -370,7 +378,8 @@ def cmd_evaluate(argv) -> dict:
     rows = [{"k": k, **{m: result[f"{m}@{k}"] for m in ("pass", "maj", "mean")},
              **{f"{m} 95% CI": interval(m, k) for m in ("pass", "maj")}} for k in ks]
     table = _markdown(rows, ["k", "pass", "pass 95% CI", "maj", "maj 95% CI", "mean"])
-    names = ("format_fail", "reward", "pass_rate", "ece", "auroc", "brier", "accuracy")
+    names = ("format_fail", "reward", "pass_rate", "ece", "auroc", "brier", "accuracy", "tool_calls",
+             "tool_call_frac", "tool_error_rate")
     extra = {k: result[k] for k in names if k in result}
     table += "\n" + _markdown([extra], list(extra))
     title = f"# {a.model} on {a.task} ({a.split}, {len(examples)} questions, n={a.n})\n\n"

@@ -37,6 +37,7 @@ class Score:
     pred: str | None = None     # the extracted answer (what majority voting counts)
     # --reward: each function's unweighted value, in the order of Task.reward_names
     parts: tuple = ()
+    tools: dict | None = None   # --tools: the trajectory's tool_stats (eval.py summarises them)
 
 
 @dataclass

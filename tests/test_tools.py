@@ -458,6 +458,8 @@ def test_eval_runs_the_same_tool_loop(tmp_path):
                                    "--k", "1,4", "--limit", "8", "--max_turns", "2",
                                    "--out", str(tmp_path / "ev")])
     assert out["n"] == 4 and 0 <= out["pass@4"] <= 1 and os.path.exists(tmp_path / "ev" / "eval.json")
+    saved = json.load(open(tmp_path / "ev" / "eval.json"))
+    assert 0 < saved["tool_calls"] and 0 < saved["tool_call_frac"] <= 1 and "tool_error_rate" in saved
     with pytest.raises(SystemExit):
         evaluation.cmd_evaluate(["--task", "modmul", "--tools", "python", "--tool_format", "json"])
 
