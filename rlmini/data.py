@@ -108,10 +108,9 @@ def encode_prompts(tokenizer, prompts: list, chat: bool, toolbox=None) -> list:
         raise rewards.DataError("conversational prompts (lists of messages) need a model with a chat "
                                 "template; this one has none (the built-in tiny model never does)")
     cache = _PROMPT_IDS.setdefault(tokenizer, {})  # the same prompts come back every epoch: tokenised once
-    out = []
+    tools_key, out = json.dumps(schemas), []
     for p in prompts:
-        key = (bool(template), p if isinstance(p, str) else json.dumps(p, sort_keys=True),
-               json.dumps(schemas))
+        key = (bool(template), p if isinstance(p, str) else json.dumps(p, sort_keys=True), tools_key)
         if key not in cache:
             messages = [{"role": "user", "content": p}] if isinstance(p, str) else p
             cache[key] = (tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,

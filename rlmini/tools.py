@@ -163,19 +163,19 @@ def python(code: str, box: "Toolbox") -> Result:
                 break
         _kill_group(proc)
         proc.stdout.close()
-        code_ = proc.wait()
+        status = proc.wait()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     text = b"".join(chunks).decode("utf-8", "replace")
     seconds = time.perf_counter() - start
-    if timed_out or code_ == -signal.SIGXCPU:  # the wall clock, or the CPU-time limit behind it
+    if timed_out or status == -signal.SIGXCPU:  # the wall clock, or the CPU-time limit behind it
         return Result(_cut(text, box.output_chars) + "\n" + _timeout_text(box), True, True, seconds)
-    if code_ < 0 and size < cap:
-        name = signal.Signals(-code_).name if -code_ in signal.Signals._value2member_map_ else str(-code_)
+    if status < 0 and size < cap:
+        name = signal.Signals(-status).name if -status in signal.Signals._value2member_map_ else str(-status)
         return Result(_cut(text, box.output_chars) + f"\nthe process was killed by {name}", True, False,
                       seconds)
     return Result(_cut(text, box.output_chars, size if size >= cap else None),
-                  code_ not in (0, None) and size < cap, False, seconds)
+                  status not in (0, None) and size < cap, False, seconds)
 
 
 def _kill_group(proc) -> None:

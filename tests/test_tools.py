@@ -2,7 +2,6 @@
 and trainer, the python tool's limits and faults, the call formats, and runs with tools."""
 import json
 import os
-import sys
 import time
 
 import pytest
@@ -11,7 +10,7 @@ import torch
 import common
 import rewards
 import train_ppo
-from conftest import ROOT, assert_grad_close, read_metrics, run_script, undocumented
+from conftest import assert_grad_close, read_metrics, undocumented
 from rlmini import data, logprobs, models, packing, tools
 from rlmini.batches import Batch, micro_batch
 from rlmini.engine import HFEngine
