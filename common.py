@@ -47,6 +47,8 @@ class Args:
     group_size: int = arg(8, "completions sampled per prompt (G)", ge=1)
     lr: float = arg(3e-4, "learning rate (tiny model: 3e-4; a pretrained 0.5B-7B model: ~1e-6)", gt=0)
     warmup: int = arg(0, "linear lr warm-up steps (optimizer steps)", ge=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = arg(
+        "constant", "after the warm-up: constant lr, or a linear or cosine decay to 0 at the last step")
     weight_decay: float = arg(0.0, "AdamW weight decay", ge=0)
     max_new_tokens: int = arg(0, "generation budget; 0 = the task's default", ge=0)
     temperature: float = arg(1.0, "sampling temperature (log-probs are taken at the same temperature)", gt=0)
@@ -169,8 +171,17 @@ class Run:
     times: dict = field(default_factory=dict)  # this step's clock readings (the time/* metrics)
 
 
-def lr_lambda(warmup: int):
-    return lambda k: min(1.0, (k + 1) / warmup) if warmup > 0 else 1.0
+def lr_lambda(warmup: int, schedule: str = "constant", total: int = 0):
+    """The lr's multiplier at optimizer step k: linear warm-up, then constant, or decaying to 0 at step
+    `total` (linear: nanochat's warm-down; cosine: Loshchilov & Hutter 2017, TRL's "cosine")."""
+    def multiplier(k: int) -> float:
+        if k < warmup:
+            return (k + 1) / warmup
+        if schedule == "constant" or total <= warmup:
+            return 1.0
+        t = min(1.0, (k - warmup) / (total - warmup))
+        return 1.0 - t if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * t))
+    return multiplier
 
 
 def correction_for(args, dtype) -> str:
@@ -203,7 +214,8 @@ def setup(args, algo: str) -> Run:
     # LoRA: the adapters only; fused: one kernel for every parameter
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.lr, weight_decay=args.weight_decay,
                                   betas=(0.9, 0.999), fused=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup))
+    total = args.steps * args.updates_per_rollout * args.minibatches  # optimizer steps in the run
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup, args.lr_schedule, total))
     probe_prompt = data.encode_prompts(tokenizer, [task.train[0]["prompt"]], style == "chat")[0]
     max_len = min(context, max_prompt * 2 + max_new + 8)
     sampler = engine.make_engine(args, path, model, tokenizer, device, dtype, max_len)

@@ -621,13 +621,13 @@ def cmd_compare(argv) -> dict:
     write_out(a.out, "comparison.json", result)
     keys = [k for k in ("reward/mean", "eval/pass@1", "eval/ece") if k in columns]
     curves = {g: [data[n] for n in names] for g, names in members.items()}
-    _plot_curves(curves, keys, os.path.join(a.out, "curves.png"), a.reps)
+    plot_curves(curves, keys, os.path.join(a.out, "curves.png"), a.reps)
     print(table, end="")
     print(f"wrote {a.out}/comparison.md, comparison.json, curves.png")
     return result
 
 
-def _plot_curves(groups, keys, path, reps=1000):
+def plot_curves(groups, keys, path, reps=1000):
     """One panel per metric: a group of one run is its line; a group of several, the IQM across its runs at
     the steps they all logged, with a 95% bootstrap band."""
     import matplotlib

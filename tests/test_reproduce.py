@@ -143,21 +143,48 @@ def test_reduced_replication_grpo_heads_for_the_extremes(reduced):
 
 # --------------------------------------------------------------------------------------------- language model
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_lm_grpo_overconfident_others_calibrated(tmp_path, seed):
-    """Seed 000's claim through the real trainers: the comparison of docs/seed000.md (seed000_lm.py) shortened
-    to four algorithms. Measured on the current code (seed 0 / 1): ECE GRPO 0.245 / 0.182; no-std 0.078 /
-    0.046, RLOO 0.029 / 0.077, PPO 0.091 / 0.062. Asserted: GRPO above 0.15 and at least twice each other's,
-    the others below 0.12."""
+def test_lm_grpo_overconfident_others_calibrated(tmp_path):
+    """Seed 000's claim through the real trainers: docs/seed000.md's configuration (seed000_lm.py's defaults)
+    on tuning seed 0, four algorithms (about 6 min). Measured: final ECE GRPO 0.248, no-std 0.024, RLOO 0.021,
+    PPO 0.051; the change over the last 50 steps at most 0.012. Asserted, with the margins the five tuning
+    seeds need (docs/seed000.md): GRPO above 0.15 and at least twice each other's, the others below 0.10,
+    and every curve flat (last two evaluations within 0.04)."""
     args = lm.parser().parse_args(["--out", str(tmp_path)])
-    res = {r["algo"]: r for r in lm.run_all(["grpo", "grpo_nostd", "rloo", "ppo"], [seed], args)}
+    res = {r["algo"]: r for r in lm.run_all(["grpo", "grpo_nostd", "rloo", "ppo"], [0], args)}
     for r in res.values():  # the other probability metrics and the predictions come along
         assert 0 < r["brier"] < 0.5 and 0.3 < r["accuracy"] <= 1 and len(r["predictions"]["probs"]) == 2000
+        curve = r["curve"]["eval/ece"]
+        assert sorted(curve) == list(range(50, 301, 50)), curve
+        assert abs(curve[300] - curve[250]) < 0.04 and curve[300] == r["ece"], (r["algo"], curve)
     ece = {a: r["ece"] for a, r in res.items()}
     assert ece["grpo"] > 0.15, ece
     for algo in ("grpo_nostd", "rloo", "ppo"):
-        assert ece[algo] < 0.12 and ece["grpo"] > 2 * ece[algo], ece
+        assert ece[algo] < 0.10 and ece["grpo"] > 2 * ece[algo], ece
     assert res["grpo"]["brier"] > max(res[a]["brier"] for a in ("grpo_nostd", "rloo", "ppo")), res
+
+
+def test_lm_table_reports_seeds_ratios_and_curves(tmp_path):
+    """The held-out report's numbers, from made-up runs: ECE per seed, the per-seed GRPO/X ratio and its
+    range, P(GRPO's ECE > X's) over pairs of seeds, and the ECE-over-steps IQM; the curves figure."""
+    def run(algo, label, seed, ece, curve):
+        return {"algo": algo, "label": label, "seed": seed, "ece": ece, "auroc": 0.7, "accuracy": 0.7,
+                "brier": 0.2, "curve": {"eval/ece": curve, "eval/auroc": {50: 0.6, 100: 0.7},
+                                        "entropy": {1: 4.0, 50: 2.0, 100: 1.0}}}
+    results = [
+        run("grpo", "GRPO", 5, 0.20, {50: 0.1, 100: 0.20}),
+        run("grpo", "GRPO", 6, 0.12, {50: 0.1, 100: 0.12}),
+        run("rloo", "RLOO", 5, 0.05, {50: 0.1, 100: 0.05}),
+        run("rloo", "RLOO", 6, 0.15, {50: 0.1, 100: 0.15})]
+    md = lm.table(results, eval_limit=100)
+    assert "| GRPO | 0.200 | 0.120 |" in md and "| RLOO | 0.050 | 0.150 |" in md
+    # pairs (GRPO, RLOO): 0.20 > 0.05, 0.20 > 0.15, 0.12 > 0.05, 0.12 < 0.15: P = 3/4
+    # ratios per seed: 0.20 / 0.05 = 4.0 and 0.12 / 0.15 = 0.8
+    assert "| RLOO | 0.75 [" in md and "| 0.8 to 4.0 (4.0, 0.8) |" in md
+    # IQM of two values is their mean: step 100 -> (0.20 + 0.12) / 2 for GRPO
+    assert "| ECE at step (IQM over seeds) | 50 | 100 |" in md and "| GRPO | 0.100 | 0.160 |" in md
+    assert "true rates p_c (oracle)" in md
+    lm.curves(results, str(tmp_path / "curves.png"))
+    assert (tmp_path / "curves.png").stat().st_size > 0
 
 
 # ------------------------------------------------------------------------------------ docs/seed000.md

@@ -49,6 +49,15 @@ def test_addition_reward_rises_vllm_engine(tmp_path):
     assert json.load(open(os.path.join(tmp_path, "add", "eval.json")))["step"] == 150
 
 
+def test_lr_schedule_counts_optimizer_steps(tmp_path):
+    """--lr_schedule decays over steps x updates_per_rollout x minibatches optimizer steps (here 3 x 2 x 2):
+    after step s the logged lr is the one for optimizer step 4 s, linear to 0 after 2 warm-up steps."""
+    run = train(tmp_path, "--engine", "hf", "--steps", "3", "--run_name", "sched", "--lr", "1e-3",
+                "--lr_schedule", "linear", *OFF_POLICY[:-1], "2")
+    lrs = [r["lr"] for r in read_metrics(run.run_dir)]
+    assert lrs == pytest.approx([1e-3 * (1 - (4 * s - 2) / 10) for s in (1, 2, 3)]), lrs  # 0.8, 0.4, 0 x lr
+
+
 def _rows_without_timing(run_dir):
     return [{k: v for k, v in r.items() if not k.startswith(NOT_REPRODUCIBLE)} for r in read_metrics(run_dir)]
 
