@@ -120,9 +120,12 @@ def table(results: list, eval_limit: int) -> str:
     if len(steps) > 1:  # the curves' numbers: converged means the last columns agree
         lines += ["", "| ECE at step (IQM over seeds) | " + " | ".join(map(str, steps)) + " |",
                   "|---|" + "---|" * len(steps)]
-        for a in algos[:-1]:
-            per_step = [[c[t] for r in runs[a].values() for c in [{int(k): v for k, v in
-                         r["curve"]["eval/ece"].items()}] if t in c] for t in steps]
+        for a in algos:
+            if a == "oracle":
+                continue
+            # step keys are ints after a run, strings after a round trip through results.json
+            ece = [{int(t): v for t, v in r["curve"]["eval/ece"].items()} for r in runs[a].values()]
+            per_step = [[c[t] for c in ece if t in c] for t in steps]
             lines.append(f"| {label[a]} | " + " | ".join(f"{aggregate_scores(v, 'iqm'):.3f}" if v else ""
                                                          for v in per_step) + " |")
     if "grpo" in runs:
@@ -133,9 +136,9 @@ def table(results: list, eval_limit: int) -> str:
             if a in ("grpo", "oracle"):
                 continue
             x = runs[a]
-            p = probability_of_improvement([r["ece"] for r in g.values()], [r["ece"] for r in x.values()])
-            lo, hi = probability_of_improvement_ci([r["ece"] for r in g.values()],
-                                                   [r["ece"] for r in x.values()])
+            ece_g, ece_x = [r["ece"] for r in g.values()], [r["ece"] for r in x.values()]
+            p = probability_of_improvement(ece_g, ece_x)
+            lo, hi = probability_of_improvement_ci(ece_g, ece_x)
             ratio = [g[s]["ece"] / x[s]["ece"] for s in seeds if s in g and s in x]
             values = ", ".join(f"{v:.1f}" for v in ratio)
             lines.append(f"| {label[a]} | {p:.2f} [{lo:.2f}, {hi:.2f}] | "
