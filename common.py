@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from rlmini import checkpoint as ckpt
-from rlmini import data, dist, engine, faults, logprobs, models, runlog, tools
+from rlmini import data, dist, engine, faults, logprobs, memplan, models, runlog, tools
 from rlmini.batches import (Batch, Keep, Micro, Minibatch, PreUpdate, group_permutation, micro_batch,
                              micro_rows)
 
@@ -117,8 +117,8 @@ class Args:
     tool_memory_mb: int = arg(1024, "--tools: the python tool's memory limit (address space), MiB", ge=64)
     tool_output_chars: int = arg(2000, "--tools: a longer tool output is cut to this many characters", ge=1)
     tool_workers: int = arg(8, "--tools: calls running at once", ge=1)
-    vllm_gpu_memory_utilization: float = arg(0.0, "share of GPU memory vLLM may take; 0: what is free at "
-                                                  "start less 2 GiB (engine.vllm_memory_share)", ge=0, le=1)
+    vllm_gpu_memory_utilization: float = arg(0.0, "share of GPU memory vLLM may take; 0: what the memory "
+                                                  "plan leaves it (memplan.plan_run)", ge=0, le=1)
     vllm_seed: Literal["request", "engine"] = arg(
         "request", "vLLM sampling seeds: per request (each prompt's samples fixed by seed, step and index; "
                    "vLLM samples them one by one) or one engine stream (batched; one process only)")
@@ -169,6 +169,7 @@ class Run:
     resumed: dict = field(default_factory=dict)  # after --resume: the checkpoint (torchrun: its meta.pt)
     quiet_steps: int = 0    # steps in a row without entropy or gradient (faults.warn_on_collapse)
     times: dict = field(default_factory=dict)  # this step's clock readings (the time/* metrics)
+    plan: dict = field(default_factory=dict)  # the memory plan (memplan.plan_run); CUDA: measured per phase
 
 
 def lr_lambda(warmup: int, schedule: str = "constant", total: int = 0):
@@ -203,22 +204,26 @@ def setup(args, algo: str) -> Run:
     args.micro_batch_tokens = args.micro_batch_tokens or (0 if style == "tiny" else 16384)
     task = data.load_task(args, style)
     run_dir = ckpt.prepare_run_dir(args)  # after the data loaded: a bad --task leaves no folder behind
-    models.model_path(args.model, task)  # builds the tiny model on first use, before torch.distributed starts
+    path = models.model_path(args.model, task)  # builds the tiny model on first use, before torch.distributed
     device, dtype = dist.setup_device(args)
-    model, tokenizer, path = models.load_model(args, task, device, dtype)
+    tokenizer = models.load_tokenizer(path)
     args.rollout_correction = correction_for(args, dtype)
     max_new = args.max_new_tokens or task.max_new_tokens
-    context = getattr(model.config, "max_position_embeddings", 4096)
+    context = getattr(memplan.load_config(path), "max_position_embeddings", 4096)
     max_prompt = data.fit_prompts(task, tokenizer, style == "chat", max_new, context, args.task)
+    max_len = min(context, max_prompt * 2 + max_new + 8)
+    # what each rank will hold, before anything large is loaded: one line; a plan that cannot fit stops here
+    plan = memplan.plan_run(args, algo, path, device, dtype, max_len, run_dir)
+    model, tokenizer, path = models.load_model(args, task, device, dtype, tokenizer)
     model = dist.shard_model(model, dtype)  # torchrun: FSDP2 over the ranks
     # LoRA: the adapters only; fused: one kernel for every parameter
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.lr, weight_decay=args.weight_decay,
                                   betas=(0.9, 0.999), fused=True)
+    memplan.materialize_adamw(optimizer)  # its state exists before vLLM sizes itself (bit-identical training)
     total = args.steps * args.updates_per_rollout * args.minibatches  # optimizer steps in the run
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup, args.lr_schedule, total))
     probe_prompt = data.encode_prompts(tokenizer, [task.train[0]["prompt"]], style == "chat")[0]
-    max_len = min(context, max_prompt * 2 + max_new + 8)
-    sampler = engine.make_engine(args, path, model, tokenizer, device, dtype, max_len)
+    sampler = engine.make_engine(args, path, model, tokenizer, device, dtype, max_len, plan["share"])
     # both guards' tolerances: the dtype's floor, or more where the engines already differ at start
     probe, push_base, guard_base = sampler.calibrate(probe_prompt, min(16, max_new), args.seed,
                                                      args.temperature)
@@ -226,7 +231,7 @@ def setup(args, algo: str) -> Run:
     args.sampler_diff_tol = args.sampler_diff_tol or max(faults.default_sampler_diff_tol(dtype),
                                                           10 * guard_base)
     run = Run(args, algo, run_dir, device, dtype, task, style, model, tokenizer, path, sampler, optimizer,
-              scheduler, max_new, probe, tools.make_toolbox(args, run_dir, style, tokenizer))
+              scheduler, max_new, probe, tools.make_toolbox(args, run_dir, style, tokenizer), plan=plan)
     if args.resume:
         run.resumed = ckpt.load_resumed(run_dir)
         ckpt.check_resumed_options(run.resumed, args, algo, run_dir)
@@ -251,6 +256,7 @@ def add_critic(run, critic, lr: float) -> None:
     run.critic = dist.shard_model(critic, run.dtype)
     run.critic_optimizer = torch.optim.AdamW(trainable_parameters(run.critic), lr=lr,
                                              weight_decay=run.args.weight_decay, fused=True)
+    memplan.materialize_adamw(run.critic_optimizer)  # reserved in the plan, made now
     if run.args.resume:
         ckpt.restore(run, "critic", run.critic, run.critic_optimizer)
 
@@ -332,6 +338,7 @@ def pre_update(run, batch: Batch, ref_model=None, values=None, need_old: bool = 
     --top_entropy_quantile, and `values(layout)` (PPO's critic)."""
     args, B, T = run.args, len(batch), run.args.temperature
     run.times["update"] = time.perf_counter()
+    memplan.phase_end("rollout", run.times)  # CUDA: the rollout's peak memory, vLLM awake (memory/* metrics)
     # on-policy, pi_old is the update's own first forward; with --lora_dropout it comes from a pass without it
     on_policy = (args.updates_per_rollout == 1 and args.minibatches == 1 and not args.lora_dropout
                  and not need_old)
@@ -522,6 +529,7 @@ def check_sampler(run, batch: Batch, stats: StepStats) -> None:
     """The guard: the trainer's log-probs of the sampled tokens equal the sampler's (else the rollouts came
     from stale or discarded weights), and the loss is finite. Sums the step's diagnostics over ranks."""
     run.times["update_end"] = time.perf_counter()
+    memplan.phase_end("update", run.times)  # CUDA: the update's peak memory, vLLM asleep
     tokens = {"tokens": stats.tokens, "first_pass_tokens": float(batch.lengths.sum())}
     stats.totals = all_sum({**stats.sums, **tokens})
     diff = stats.totals["logprob/sampler_diff"] / stats.totals["first_pass_tokens"]
@@ -564,6 +572,8 @@ def step_metrics(run, batch: Batch, pre: PreUpdate, stats: StepStats, advantages
         "perf/tokens_per_s": n / (now - t["start"]),  # every rank's tokens
         "perf/pad_frac": tot["perf/padded"] / max(tot["perf/computed"], 1.0),  # the update's forwards
     }
+    memplan.phase_end("push", run.times)  # CUDA: the push's (and check's) peak, vLLM waking
+    metrics.update(memplan.metrics(run.times, run.plan, run.engine))
     if "value/loss" in tot:  # PPO's critic
         metrics["value/loss"] = tot["value/loss"] / updates
         metrics["value/clip_frac"] = tot["value/clip_frac"] / tot["tokens"]

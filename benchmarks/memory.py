@@ -1,240 +1,313 @@
-"""Per-GPU memory of a training step: what each rank holds, by model size, number of GPUs and options.
+"""Per-GPU memory of a training step, from the plan the trainer itself makes (rlmini/memplan.py::plan), and
+the plan checked against torch's memory trackers on real configurations built from their config dicts.
 
-    python benchmarks/memory.py                                  # docs/multi-gpu.md: 0.5B-14B, 1-16 GPUs
-    python benchmarks/memory.py --model 7B --gpus 8 --beta 0.04 --critic --no-checkpointing
-    python benchmarks/memory.py --model 7B --gpus 1 --lora_rank 16 --beta 0.04   # LoRA on one GPU
-    python benchmarks/memory.py --measure                        # the model against measured peak RSS on CPU
-    python benchmarks/memory.py --measure --ranks 2              # ... under torchrun, FSDP2 over 2 gloo ranks
+    python benchmarks/memory.py                          # docs/multi-gpu.md: Qwen2.5 0.5B-32B, Llama 8B/70B
+    python benchmarks/memory.py --models llama-3.1-8b-instruct --gpus 8 --beta 0.04 --critic
+    python benchmarks/memory.py --track                  # the plan against MemTracker / FSDPMemTracker
 
-The model (one process: a plain module; torchrun: FSDP2 over the ranks, see dist.shard_model):
-- policy: fp32 master weights, fp32 gradients and AdamW's two fp32 moments, 16 bytes per parameter,
-  divided by the number of ranks under FSDP2;
-- working weights in the compute dtype: one process under autocast holds a compute-dtype copy of every
-  weight while it trains (bf16: 2 bytes per parameter; none in fp32); FSDP2 holds the root unit
-  (embeddings, LM head, final norm: gathered from forward to backward) and two decoder layers (the one
-  computing and the one prefetched), twice while gathering (the all-gather buffer and the parameters
-  copied out of it), plus their unsharded gradients and fp32 reduce-scatter input in backward;
-- activations of one micro-batch: per token and decoder layer about (10 h + 4 kv + 4 i) values saved for
-  backward (h hidden size, kv key/value width, i MLP width; attention by FlashAttention/SDPA, no score
-  matrix), or with --gradient_checkpointing each layer's input plus one layer recomputed; and the LM
-  head's chunk of fp32 logits (token_logprobs: logprobs.chunk_for positions at a time), 5 buffers of chunk x
-  vocab in its backward; the CPU attention kernel's boolean masks (rows x queries x keys per row set);
-- reference model (--beta > 0): weights in the compute dtype, sharded, its gathered units;
-- PPO's critic: the policy's backbone again with its own gradients and AdamW state;
-- LoRA (--lora_rank r): the base frozen in the compute dtype (no master copy, gradients or AdamW state), the
-  adapters r (in + out) per linear layer of the attention and MLP trained like full weights (16 bytes each);
-  the reference model is the base with its adapters off (nothing more), PPO's critic its own base copy and
-  adapters;
-- vLLM: --vllm_gpu_memory_utilization of the GPU while it generates, and at least its own bf16 copy of
-  the whole model (each rank's engine holds all of it) plus a few GB of KV cache; asleep (level 2)
-  during the update.
-The peak is the larger of the rollout phase (states without gradients, vLLM awake) and the update phase (vLLM
-asleep): the backward (states, gradients, working weights, activations) or the optimizer step (states,
-gradients and AdamW's foreach temporaries, about 4 bytes per local parameter). Not counted: the CUDA context
-(about 0.5-1 GB), the allocator's fragmentation, vLLM's CUDA graphs and what level-2 sleep keeps.
+--track builds each model the way the trainer does (models.prepare_for_training, packed FlexAttention,
+LoRA, a reference, PPO's critic; FSDP2 over 8 simulated ranks on a fake process group) under torch's
+FakeTensorMode: real shapes and dtypes, no storage. It runs what one update holds at once: the persistent
+state with AdamW's moments materialised, two packed micro-batches of 8192 tokens (512-token prompt, 8
+completions of 960) forward and backward with gradients accumulating, and the optimizer step. torch's
+MemTracker (FSDPMemTracker under FSDP2) counts every tensor the step creates. Not counted by either side:
+the CUDA context and the allocator's fragmentation (the plan's CONTEXT and margin).
 """
 import argparse
+import copy
 import os
-import resource
-import subprocess
 import sys
+import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from rlmini.logprobs import chunk_for  # noqa: E402
+import torch
 
-GB = 1e9
-# Qwen2.5 shapes (config.json): hidden, layers, MLP width, attention and key/value heads, vocabulary, tied
-SHAPES = {
-    "0.5B": dict(hidden=896, layers=24, intermediate=4864, heads=14, kv_heads=2, vocab=151936, tied=True),
-    "1.5B": dict(hidden=1536, layers=28, intermediate=8960, heads=12, kv_heads=2, vocab=151936, tied=True),
-    "7B": dict(hidden=3584, layers=28, intermediate=18944, heads=28, kv_heads=4, vocab=152064, tied=False),
-    "14B": dict(hidden=5120, layers=48, intermediate=13824, heads=40, kv_heads=8, vocab=152064, tied=False),
-}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from rlmini import memplan  # noqa: E402
 
-
-def parameters(s: dict) -> dict:
-    """Parameter counts: one decoder layer (q/k/v with bias, o, gated MLP, two norms), the root unit
-    (embeddings, LM head unless tied, final norm) and the whole model."""
-    h, i, kv = s["hidden"], s["intermediate"], s["hidden"] // s["heads"] * s["kv_heads"]
-    layer = (h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * i + 2 * h
-    root = s["vocab"] * h * (1 if s["tied"] else 2) + h
-    return {"layer": layer, "root": root, "total": s["layers"] * layer + root}
+CONFIGS = os.path.join(ROOT, "tests", "fixtures", "configs")
+GiB = memplan.GiB
+DOCS = ("qwen2.5-0.5b-instruct", "qwen2.5-1.5b-instruct", "qwen2.5-7b-instruct", "qwen2.5-14b-instruct",
+        "qwen2.5-32b-instruct", "llama-3.1-8b-instruct", "llama-3.1-70b-instruct")
 
 
-def lora_parameters(s: dict, rank: int) -> int:
-    """Adapter parameters: r (in + out) for each of q, k, v, o, gate, up and down in every layer."""
-    h, i, kv = s["hidden"], s["intermediate"], s["hidden"] // s["heads"] * s["kv_heads"]
-    return s["layers"] * rank * (2 * h + 2 * (h + kv) + 2 * h + 2 * (h + i) + (i + h))
-
-
-def memory(s: dict, ranks: int, sharded: bool, compute_bytes: int = 2, tokens: int = 8192,
-           logit_tokens: int = 4096, checkpointing: bool = True, reference: bool = False,
-           critic: bool = False, vllm_gb: float = 0.0, lora_rank: int = 0, attention_rows: list = ()) -> dict:
-    """GB per GPU of each part and the peak; `tokens` computed per micro-batch (packed or padded),
-    `logit_tokens` of them scored; `attention_rows`: (rows, queries, keys) of each row set of the CPU kernel,
-    whose boolean masks are built once per micro-batch (FlexAttention's layout is O(tokens): nothing)."""
-    p = parameters(s)
-    h, i, kv = s["hidden"], s["intermediate"], s["hidden"] // s["heads"] * s["kv_heads"]
-    share = ranks if sharded else 1
-    models = 1 + critic  # the critic trains like the policy (its head is one row, its LM head absent)
-    trained = lora_parameters(s, lora_rank) if lora_rank else p["total"]
-    weights, grads, adam = (k * trained / share * models for k in (4, 4, 8))
-    if lora_rank:  # + the frozen base in the compute dtype
-        weights += compute_bytes * p["total"] / share * models
-    if sharded:  # the root and two layers gathered in the compute dtype (all-gather buffer, then parameters),
-        # and the unsharded gradients of the root and a layer with their fp32 reduce-scatter input; a LoRA
-        # base has no gradients (the adapters' are in `grads`)
-        gathered = 2 * compute_bytes * (p["root"] + 2 * p["layer"])
-        working = gathered + (compute_bytes + 4) * (p["root"] + p["layer"]) * (not lora_rank)
-    else:  # autocast's cached casts (a LoRA base is stored in the compute dtype already)
-        working = (trained if lora_rank else p["total"]) * (compute_bytes if compute_bytes < 4 else 0)
-    per_layer = compute_bytes * (10 * h + 4 * kv + 4 * i)  # bytes per token
-    if checkpointing:
-        activations = tokens * (s["layers"] * compute_bytes * h + per_layer)
-    else:
-        activations = tokens * s["layers"] * per_layer
-    # the chunked fp32 projection's backward: the recomputed logits, logits / T, logsumexp's softmax, the
-    # gather's scattered gradient and their sum (5 buffers, measured 5.3 on CPU with the weight's gradient)
-    activations += 5 * min(logit_tokens, chunk_for(s["vocab"])) * s["vocab"] * 4
-    activations += sum(r * q * k for r, q, k in attention_rows)  # bool masks
-    ref = 0.0
-    if reference and not lora_rank:  # LoRA: the base with the adapters off
-        ref = compute_bytes * (p["total"] / share + (p["root"] + 2 * p["layer"] if sharded else 0))
-    rollout = weights + adam + ref + vllm_gb * GB
-    step = weights + grads + adam + ref + 4 * trained / share * models  # AdamW's foreach temporaries
-    update = max(weights + grads + adam + working + activations + ref, step)
-    parts = {"weights": weights, "grads": grads, "adam": adam, "working": working, "activations": activations,
-             "reference": ref, "vllm": vllm_gb * GB, "rollout": rollout, "update": update,
-             "peak": max(rollout, update)}
-    return {k: v / GB for k, v in parts.items()}
+def config(name: str):
+    return memplan.load_config(os.path.join(CONFIGS, f"{name}.json"))
 
 
 def table(args) -> str:
-    rows = ["| model | params | GPUs | weights+grads+Adam | working | activations | reference | vLLM | peak "
-            "| fits 80 GB |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
-    for name in args.model.split(","):
-        s = SHAPES[name]
+    """One row per model and GPU count: the plan's parts and phases on an `args.gpu_gb` GPU."""
+    rows = ["| model | params | GPUs | weights+grads+AdamW | working | activations | reference "
+            "| vLLM (share) | update | rollout | push | fits |", "|---" * 12 + "|"]
+    for name in args.models.split(","):
+        c = memplan.count(config(name), args.lora_rank)
         for g in [int(x) for x in args.gpus.split(",")]:
-            # whole bf16 model + KV
-            vllm_gb = max(args.vllm_share * args.gpu_gb, 2 * parameters(s)["total"] / GB + 4)
-            m = memory(s, g, sharded=g > 1, tokens=args.tokens, logit_tokens=args.tokens // 2,
-                       checkpointing=args.checkpointing, reference=args.beta > 0, critic=args.critic,
-                       vllm_gb=vllm_gb,
-                       lora_rank=args.lora_rank)
-            rows.append(f"| {name} | {parameters(s)['total'] / 1e9:.2f}B | {g} | "
-                        f"{m['weights'] + m['grads'] + m['adam']:.1f} | {m['working']:.1f} | "
-                        f"{m['activations']:.1f} | {m['reference']:.1f} | {m['vllm']:.0f} | {m['peak']:.1f} "
-                        f"| {'yes' if m['peak'] <= args.gpu_gb else 'no'} |")
+            vllm = dict(max_num_seqs=args.max_num_seqs, max_len=args.max_len, dtype_bytes=2)
+            p = memplan.plan(c, ranks=g, tokens=args.tokens, checkpointing=args.checkpointing,
+                             reference=args.beta > 0, critic=args.critic, lora_rank=args.lora_rank, vllm=vllm,
+                             gpu_bytes=args.gpu_gb * GiB, share=args.vllm_share)
+            f = lambda x: f"{x / GiB:.1f}"  # noqa: E731
+            rows.append(f"| {name} | {c['total'] / 1e9:.2f}B | {g} | "
+                        f"{f(p['weights'] + p['grads'] + p['adam'])} "
+                        f"| {f(p['working'])} | {f(p['activations'])} | {f(p['reference'])} | "
+                        f"{f(p['vllm'])} ({p['share']:.2f}) | {f(p['update'])} | {f(p['rollout'])} | "
+                        f"{f(p['push'])} | {'yes' if p['why'] is None else 'no: ' + _binding(p)} |")
     return "\n".join(rows)
 
 
-# -------------------------------------------------------------------------------------------- measured on CPU
-
-# Qwen2.5-1.5B scaled down in width (1536 -> 256, 12/2 heads of 128 -> 4/2 heads of 64) and depth (28 -> 8)
-MEASURE_SHAPE = dict(hidden=256, layers=8, intermediate=1536, heads=4, kv_heads=2, vocab=32000, tied=False)
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _binding(p: dict) -> str:
+    """What does not fit, in a word or two."""
+    usable = p["gpu"] - p["margin"]
+    over = [k for k in ("update", "rollout", "push") if p[k] > usable]
+    if "vllm_min" in p and p["vllm"] < p["vllm_min"]:
+        over.append("vLLM's weights")
+    return ", ".join(over)
 
 
-def measure_worker(group: int, prompt: int, length: int, checkpointing: bool) -> None:
-    """Two optimizer steps of the MEASURE_SHAPE model in fp32 on CPU on one packed micro-batch: one prompt of
-    `prompt` tokens and `group` completions of `length` tokens, as the trainer runs it (token_logprobs over
-    the completions, backward, AdamW); prints this rank's peak RSS increase and the model's figure."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+# ------------------------------------------------------------------------------------ torch's trackers
 
-    from rlmini import dist, logprobs, models, packing
-    torch.manual_seed(0)
-    s = MEASURE_SHAPE
-    cfg = Qwen2Config(hidden_size=s["hidden"], num_hidden_layers=s["layers"],
-                      intermediate_size=s["intermediate"], num_attention_heads=s["heads"],
-                      num_key_value_heads=s["kv_heads"], vocab_size=s["vocab"], tie_word_embeddings=s["tied"],
-                      max_position_embeddings=prompt + length)
-    device, dtype = dist.setup_device(argparse.Namespace(dtype="float32"))
+def _tracker_class(fsdp: bool):
+    """torch's MemTracker (FSDPMemTracker), with FlexAttention's higher-order operators passed through to the
+    fake mode, a module called again at the top level (the chunked LM head) allowed, and only the global peak
+    kept per operation (its per-module peaks cost O(modules) per op)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+
+    class Tracker(FSDPMemTracker if fsdp else MemTracker):
+        supports_higher_order_operators = True
+
+        def _pre_fw_hook(self, module, inputs):
+            try:
+                super()._pre_fw_hook(module, inputs)
+            except NotImplementedError:  # "multiple iterative calls": the head, once per logit chunk
+                pass
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            # a frozen parameter (a LoRA base) takes no gradient hook; its gradients count as temporaries
+            frozen = any(not p.requires_grad for p in module.parameters())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks and not frozen)
+
+        def _update_peak_stats(self, peak_state):
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+                    self._peak_mem[dev], self._peak_mem_snap[dev] = snap[_TOTAL_KEY], copy.deepcopy(snap)
+
+        def total(self, kind: str = "current") -> int:
+            return sum(s[_TOTAL_KEY] for s in self.get_tracker_snapshot(kind).values())
+    return Tracker
+
+
+def _fake_batch(mode, G: int = 8, prompt: int = 512, length: int = 960, windows=(None,)):
+    """make_batch's packed FlexAttention layout of one micro-batch, built for real and then turned into fake
+    tensors (block masks included: their construction reads values)."""
+    from rlmini import packing
     g = torch.Generator().manual_seed(0)
-    completions = [torch.randint(3, s["vocab"], (length,), generator=g).tolist() for _ in range(group)]
-    base = rss_bytes()
-    with torch.device("meta"):  # built without storage and sharded first: no whole model on any rank
-        model = dist.shard_model(AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa"), dtype)
-    model.to_empty(device=device)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02)
-    rotary = model.model.rotary_emb  # its tables are buffers computed at construction: build them for real
-    for name, buf in type(rotary)(config=cfg).named_buffers():
-        rotary.register_buffer(name, buf, persistent=False)
-    models.prepare_for_training(model, checkpointing, packing=True)
-    batch = packing.make_batch([[5] * prompt] * group, completions, 0, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    for _ in range(2):
-        logp, _ = logprobs.token_logprobs(model, batch, 1.0)
-        (-(logp * batch["mask"]).sum() / batch["mask"].sum()).backward()
-        dist.clip_grad_norm(list(model.parameters()), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    ranks = dist.world_size()
-    m = memory(s, ranks, sharded=dist.distributed() and ranks > 1, compute_bytes=4,
-               tokens=batch["packed"]["computed"], logit_tokens=group * length, checkpointing=checkpointing,
-               attention_rows=[(group, length, prompt + length)])
-    print(f"| {ranks} | {parameters(s)['total'] / 1e6:.0f}M | {prompt} + {group} x {length} | "
-          f"{'on' if checkpointing else 'off'} | {dist.rank()} | {m['update']:.2f} | {peak / GB:.2f} | "
-          f"{peak / GB / m['update']:.2f} |", flush=True)
-    dist.barrier()
+    comps = [torch.randint(3, 1000, (length,), generator=g).tolist() for _ in range(G)]
+    batch = packing.make_batch([[5] * prompt] * G, comps, 0, "cpu", kernel="flex")
+    layout = batch["packed"]["rows"]
+    masks = {w: layout.block_mask(w) for w in windows}
+    fake = lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    for bm in masks.values():
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                     "q_indices", "full_q_num_blocks", "full_q_indices"):
+            if getattr(bm, name) is not None:
+                setattr(bm, name, fake(getattr(bm, name)))
+    layout.masks.update(masks)
+    out = {k: fake(v) for k, v in batch.items() if k not in ("packed", "target_index")}
+    out["target_index"] = tuple(fake(t) for t in batch["target_index"])
+    out["packed"] = {**batch["packed"], **{k: fake(batch["packed"][k]) for k in ("input_ids", "position_ids",
+                                                                                   "pred")}}
+    return out
 
 
-def measure(args) -> None:
-    print("| ranks | params | micro-batch (prompt + G x completion) | checkpointing | rank | model: update "
-          "peak (GB) | measured: peak RSS increase (GB) | ratio |")
-    print("|---|---|---|---|---|---|---|---|", flush=True)
-    for length in map(int, args.lengths.split(",")):
-        worker = [os.path.abspath(__file__), "--measure-worker", "--group", str(args.group), "--prompt",
-                  str(args.prompt), "--length", str(length)]
-        worker += [] if args.checkpointing else ["--no-checkpointing"]
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
-        cmd = [sys.executable, *worker] if args.ranks == 1 else [*torchrun, str(args.ranks), *worker]
-        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL)
+class _FlexOnFakeTensors:
+    """FlexAttention's eager path on fake CPU tensors: skip its CPU-backward refusal and its compile wrapper,
+    so the operator's own fake rule gives the kernel's outputs (out, logsumexp: memory linear in tokens, as
+    the compiled CUDA kernel's) without computing anything."""
+
+    def __enter__(self):
+        import torch.nn.attention.flex_attention as fa
+        self.fa, self.saved = fa, (fa._validate_device, fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG)
+        fa._validate_device, fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = (lambda *a: None), True
+
+    def __exit__(self, *exc):
+        self.fa._validate_device, self.fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = self.saved
+
+
+def _local_tensors(objects: list) -> list:
+    """The local shards of modules' parameters and optimizers' states (DTensors under FSDP2)."""
+    out = []
+    for obj in objects:
+        tensors = (list(obj.parameters()) if isinstance(obj, torch.nn.Module)
+                   else [v for st in obj.state.values() for v in st.values() if torch.is_tensor(v)])
+        out += [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return out
+
+
+def _fake_process_group(ranks: int) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    if ranks > 1:
+        torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
+
+
+def track(name: str, ranks: int = 1, lora_rank: int = 0, reference: bool = False, critic: bool = False,
+          checkpointing: bool = True, dtype=torch.bfloat16, micro_batches: int = 1) -> dict:
+    """Bytes the trackers count on one rank: `persistent` (at the step's start) and `update` (the peak of the
+    micro-batches' forward/backward and the optimizer step), for the trainer's build of model `name`."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    from rlmini import dist, logprobs, packing
+    from rlmini.models import add_lora, prepare_for_training, trainable_parameters
+    cfg = config(name)
+    _fake_process_group(ranks)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    args = argparse.Namespace(lora_rank=lora_rank, lora_alpha=0.0, lora_targets="all-linear",
+                              lora_dropout=0.0)
+    window = getattr(cfg, "sliding_window", None)
+    batch = _fake_batch(mode, windows=(None, window) if window else (None,))
+    packing.use_kernel("flex")
+    base = dtype if lora_rank else torch.float32  # models.load_model: fp32 masters, a LoRA base in the dtype
+
+    def build(cls, labels=None, **kw):  # on the meta device (peft's adapters too); fake storage comes later
+        c = cfg
+        if labels:
+            c = copy.deepcopy(cfg)
+            c.num_labels = labels
+        with torch.device("meta"):
+            model = cls.from_config(c, attn_implementation="sdpa", **kw)
+        return model
+
+    def materialize(model):  # to_empty unties shared tensors: tie them again, as from_pretrained leaves them
+        model = model.to_empty(device="cpu")
+        model.tie_weights()
+        return model
+
+    try:  # built, prepared and sharded on the meta device (as the trainer orders it), then given fake storage
+        policy = build(AutoModelForCausalLM, dtype=base)
+        policy = prepare_for_training(policy, checkpointing, packing=True)
+        policy = dist.shard_model(add_lora(policy, args) if lora_rank else policy, dtype)
+        ref = value = value_opt = None
+        if reference and not lora_rank:  # models.load_reference
+            ref = build(AutoModelForCausalLM, dtype=dtype)
+            packing.exact_attention(ref)
+            packing.enable_packing(ref)
+            ref = dist.shard_model(ref.eval().requires_grad_(False), dtype)
+        if critic:  # train_ppo.py::load_critic
+            value = prepare_for_training(build(AutoModelForTokenClassification, labels=1, dtype=base),
+                                         checkpointing, packing=True)
+            head = [(n, m) for n, m in value.named_modules() if isinstance(m, torch.nn.Linear)
+                    and m.out_features == 1][-1]
+            value = add_lora(value, args, [head[1]], [head[0]]) if lora_rank else value
+            value = dist.shard_model(value, dtype)
+        with mode, _FlexOnFakeTensors():
+            policy, ref, value = (materialize(m) if m is not None else None for m in (policy, ref, value))
+            opt = torch.optim.AdamW(trainable_parameters(policy), lr=1e-6, fused=True)
+            memplan.materialize_adamw(opt)
+            if value is not None:
+                value_opt = torch.optim.AdamW(trainable_parameters(value), lr=1e-6, fused=True)
+                memplan.materialize_adamw(value_opt)
+            extra = [x for x in (ref, value, value_opt) if x is not None]
+            if ranks > 1:  # FSDPMemTracker follows the policy's units; the others' shards are counted as such
+                from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+                tracker = _tracker_class(True)(policy, opt)
+                for t in _local_tensors(extra):  # its track_external drops the "Other" kind: name the kind
+                    tracker._update_and_maybe_create_winfos(t, _FSDPRefType.SHARDED_PARAM)
+            else:
+                tracker = _tracker_class(False)()
+                tracker.track_external(policy, opt, *extra)
+            with tracker:
+                persistent = tracker.total()
+                with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+                    if ref is not None:  # common.pre_update: the reference's log-probs
+                        logprobs.token_logprobs(ref, batch, 1.0)
+                for model in (policy, value):  # gradients already accumulated, as from the 2nd micro-batch on
+                    for param in trainable_parameters(model) if model is not None else []:
+                        param.grad = torch.zeros_like(param)
+                for _ in range(micro_batches):
+                    tracker.reset_mod_stats()  # per-module stats only: each micro-batch calls the root again
+                    with torch.autocast("cpu", dtype=dtype):
+                        logp, _ = logprobs.token_logprobs(policy, batch, 1.0, with_entropy=True)
+                    (-(logp * batch["mask"]).sum() / batch["mask"].sum()).backward()
+                    if value is not None:  # train_ppo.py: the critic's forward and loss after the policy's
+                        with torch.autocast("cpu", dtype=dtype):
+                            out, pick = packing.model_forward(value, batch)
+                            v = pick(out.logits)[:, 0].float()
+                        (v ** 2).mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if value_opt is not None:
+                    value_opt.step()
+                    value_opt.zero_grad(set_to_none=True)
+                return {"persistent": persistent, "update": tracker.total("peak"),
+                        "snapshot": tracker.get_tracker_snapshot("peak")}
+    finally:
+        packing.use_kernel("auto")
+        _fake_process_group(1)
+
+
+def planned(name: str, ranks: int = 1, lora_rank: int = 0, reference: bool = False, critic: bool = False,
+            checkpointing: bool = True, compute_bytes: int = 2, tokens: int = 8192) -> dict:
+    """The plan's figures for what track() runs: the trainer's part (no CUDA context, no vLLM)."""
+    c = memplan.count(config(name), lora_rank)
+    p = memplan.plan(c, ranks=ranks, compute_bytes=compute_bytes, tokens=tokens, checkpointing=checkpointing,
+                     reference=reference, critic=critic, lora_rank=lora_rank)
+    return {"persistent": p["persistent"], "update": p["update"] - memplan.CONTEXT}
+
+
+CASES = [  # (model, ranks, LoRA rank, reference, critic, checkpointing)
+    ("qwen2.5-1.5b-instruct", 1, 0, False, False, True),
+    ("qwen2.5-1.5b-instruct", 1, 0, False, False, False),
+    ("qwen2.5-7b-instruct", 1, 16, True, False, True),
+    ("llama-3.1-8b-instruct", 8, 0, True, False, True),
+    ("gemma-2-2b-it", 1, 0, False, False, False),
+    ("qwen2.5-1.5b-instruct", 8, 0, False, True, True),
+]
+
+
+def compare(cases=CASES) -> list:
+    rows = []
+    for case in cases:
+        t = time.time()
+        kw = dict(zip(("ranks", "lora_rank", "reference", "critic", "checkpointing"), case[1:]))
+        got, plan = track(case[0], **kw), planned(case[0], **kw)
+        rows.append((case, got, plan, time.time() - t))
+    return rows
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="0.5B,1.5B,7B,14B", help=f"comma-separated, of {', '.join(SHAPES)}")
+    p.add_argument("--models", default=",".join(DOCS), help=f"comma-separated, of {CONFIGS}/*.json")
     p.add_argument("--gpus", default="1,8,16", help="comma-separated GPU counts (above 1: FSDP2)")
-    p.add_argument("--gpu_gb", type=float, default=80.0)
-    p.add_argument("--tokens", type=int, default=8192,
-                   help="tokens per micro-batch (e.g. 8 sequences of 1024)")
-    p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
-                   help="without --gradient_checkpointing (default: with)")
-    p.add_argument("--beta", type=float, default=0.0, help="> 0: a reference model is loaded")
-    p.add_argument("--critic", action="store_true", help="PPO: a critic as large as the policy")
-    p.add_argument("--lora_rank", type=int, default=0,
-                   help="LoRA adapters of this rank on a frozen base (0 = full)")
-    p.add_argument("--vllm_share", type=float, default=0.3, help="--vllm_gpu_memory_utilization")
-    p.add_argument("--measure", action="store_true", help="compare the model with a measured CPU run")
-    p.add_argument("--measure-worker", dest="worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--ranks", type=int, default=1, help="--measure: torchrun processes (FSDP2 above 1)")
-    p.add_argument("--group", type=int, default=4, help="--measure: completions of the prompt")
-    p.add_argument("--prompt", type=int, default=256, help="--measure: prompt tokens")
-    p.add_argument("--lengths", default="1024,4096,8192", help="--measure: completion lengths to run")
-    p.add_argument("--length", type=int, default=1024, help=argparse.SUPPRESS)
+    p.add_argument("--gpu_gb", type=float, default=79.2, help="GiB per GPU (an 80 GB H100 shows 79.2)")
+    p.add_argument("--tokens", type=int, default=16384, help="--micro_batch_tokens (a hub model's default)")
+    p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
+    p.add_argument("--beta", type=float, default=0.0, help="> 0: a reference model")
+    p.add_argument("--critic", action="store_true", help="PPO's critic")
+    p.add_argument("--lora_rank", type=int, default=0)
+    p.add_argument("--vllm_share", type=float, default=0.0, help="--vllm_gpu_memory_utilization (0: plan's)")
+    p.add_argument("--max_num_seqs", type=int, default=64, help="a rank's rollout batch (prompts x G/ranks)")
+    p.add_argument("--max_len", type=int, default=2048, help="vLLM's max_model_len (prompt + completion)")
+    p.add_argument("--track", action="store_true", help="the plan against torch's memory trackers")
     args = p.parse_args()
-    if args.worker:
-        measure_worker(args.group, args.prompt, args.length, args.checkpointing)
-    elif args.measure:
-        measure(args)
-    else:
-        print(f"Per-GPU memory (GB) of a GRPO update in bf16, {args.tokens} tokens per micro-batch, gradient "
-              f"checkpointing {'on' if args.checkpointing else 'off'}, vLLM share {args.vllm_share} of "
-              f"{args.gpu_gb:.0f} GB or its bf16 "
-              f"weights + 4 GB of KV cache if more"
-              f"{', reference model' if args.beta > 0 else ''}{', PPO critic' if args.critic else ''}"
-              f"{f', LoRA rank {args.lora_rank}' if args.lora_rank else ''}:\n")
-        print(table(args))
+    if args.track:
+        print("| model | ranks | LoRA | reference | critic | checkpointing | tracker: persistent / update GiB"
+              " | plan | plan / tracker (update) | s |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for case, got, plan, secs in compare():
+            print(f"| {case[0]} | {case[1]} | {case[2] or '-'} | {case[3]} | {case[4]} | {case[5]} | "
+                  f"{got['persistent'] / GiB:.2f} / {got['update'] / GiB:.2f} | "
+                  f"{plan['persistent'] / GiB:.2f} / {plan['update'] / GiB:.2f} | "
+                  f"{plan['update'] / got['update']:.3f} | {secs:.0f} |", flush=True)
+        return
+    print(f"Per-GPU memory (GiB) of a GRPO step in bf16 on {args.gpu_gb:.1f} GiB GPUs, {args.tokens} tokens "
+          f"per micro-batch, checkpointing {'on' if args.checkpointing else 'off'}, vLLM sized by the plan "
+          f"({args.max_num_seqs} sequences of {args.max_len} tokens)"
+          f"{', reference' if args.beta > 0 else ''}{', PPO critic' if args.critic else ''}"
+          f"{f', LoRA rank {args.lora_rank}' if args.lora_rank else ''}:\n")
+    print(table(args))
 
 
 if __name__ == "__main__":

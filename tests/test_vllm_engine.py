@@ -160,10 +160,10 @@ def test_both_engines_stop_on_every_eos_of_the_generation_config(vllm_setup, tmp
             assert not any(t in {tok.eos_token_id, second} for t in c[:-1]), name  # nothing after an EOS
 
 
-def test_vllm_on_cuda_takes_the_free_memory_and_a_ranks_whole_batch(monkeypatch):
-    """The kwargs vLLM gets on CUDA (a test double for LLM and the CUDA memory query): with
-    --vllm_gpu_memory_utilization 0 the free share at start less 2 GiB, within [0.05, 0.9]; max_num_seqs a
-    rank's rollout batch; max_num_batched_tokens at least 16384."""
+def test_vllm_on_cuda_takes_the_plans_share_and_a_ranks_whole_batch(monkeypatch):
+    """The kwargs vLLM gets on CUDA (a test double for LLM and the CUDA memory query): the memory plan's share
+    (memplan.plan_run) unless --vllm_gpu_memory_utilization is given; max_num_seqs a rank's rollout batch;
+    max_num_batched_tokens at least 16384; less free memory than the share stops the start in one line."""
     import vllm
     seen = {}
     monkeypatch.setattr(vllm, "LLM", lambda **kw: seen.update(kw) or "llm")
@@ -174,15 +174,17 @@ def test_vllm_on_cuda_takes_the_free_memory_and_a_ranks_whole_batch(monkeypatch)
     from rlmini.models import build_tiny_model
     path = build_tiny_model(rewards.load_task("addition").alphabet)
     args = common.Args(engine="vllm", prompts_per_step=32, group_size=8)
-    assert engine._start_vllm(args, path, torch.device("cuda"), torch.bfloat16, 4096) == "llm"
-    assert seen["gpu_memory_utilization"] == pytest.approx(48 / 80)
+    assert engine._start_vllm(args, path, torch.device("cuda"), torch.bfloat16, 4096, 0.55) == "llm"
+    assert seen["gpu_memory_utilization"] == 0.55
     assert seen["max_num_seqs"] == 256 and seen["max_num_batched_tokens"] == 16384
     assert seen["enable_sleep_mode"] and seen["dtype"] == "bfloat16"
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1 * gib, 80 * gib))
-    assert engine.vllm_memory_share(torch.device("cuda")) == 0.05
     args = common.Args(engine="vllm", vllm_gpu_memory_utilization=0.4)
-    engine._start_vllm(args, path, torch.device("cuda"), torch.bfloat16, 4096)
+    engine._start_vllm(args, path, torch.device("cuda"), torch.bfloat16, 4096, 0.55)
     assert seen["gpu_memory_utilization"] == 0.4
+    engine._start_vllm(args := common.Args(engine="vllm"), path, torch.device("cuda"), torch.bfloat16, 4096)
+    assert seen["gpu_memory_utilization"] == pytest.approx(48 / 80)  # eval.py, no plan: free less 2 GiB
+    with pytest.raises(SystemExit, match=r"gives vLLM 0.70 of the GPU \(56.0 GiB\) but only 50.0 GiB is "):
+        engine._start_vllm(args, path, torch.device("cuda"), torch.bfloat16, 4096, 0.7)
 
 
 def test_the_push_check_is_calibrated_on_a_completion_vllm_sampled(vllm_setup, monkeypatch):
