@@ -3,7 +3,7 @@ and measured, in one table; at the first rung that fails, exit status 1 and one 
 
     make gpu-check                                               # the built-in model, then a cached hub model
     make gpu-check ARGS="--model Qwen/Qwen2.5-0.5B-Instruct"     # the second rung on this model
-    python scripts/gpu_check.py --steps 3 --group_size 4   # other flags go to every rung's train_grpo.py
+    python scripts/gpu_check.py --steps 3 --group_size 4         # other flags: each rung's train_grpo.py
 
 Rung 1 trains the built-in model (`--model tiny`); rung 2 the hub model of --model, or else the smallest
 causal LM already in the Hugging Face cache (none: skipped, with a note). On CPU only rung 1 runs. A rung is
@@ -257,7 +257,8 @@ def main():
         def error(self, message):  # one line, not argparse's usage block
             raise SystemExit(f"gpu-check: {message}")
 
-    p = Parser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p = Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
+               epilog="Other flags go to every rung's train_grpo.py (python train_grpo.py --help).")
     p.add_argument("--model", default="", help="rung 2: a hub id or local folder (default: the smallest "
                                                "causal LM in the Hugging Face cache)")
     p.add_argument("--steps", type=int, default=4, help="training steps per rung (the first is warm-up)")
