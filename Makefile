@@ -1,7 +1,7 @@
 # `make demo` and `make test` create the environment if it is missing (cached under ~/.cache/rlmini).
 PY = "$$(bash scripts/setup_env.sh)/bin/python"
 
-.PHONY: demo test bench reproduce env
+.PHONY: demo test bench gpu-check reproduce env
 
 demo:  ## GRPO on the built-in tiny model and the addition task (CPU, offline, vLLM rollouts)
 	$(PY) train_grpo.py --run_name demo --overwrite true --wandb false $(ARGS)
@@ -11,6 +11,9 @@ test:  ## the whole test suite (CPU, offline)
 
 bench:  ## throughput table for each engine
 	$(PY) benchmarks/bench_engines.py $(ARGS)
+
+gpu-check:  ## certify a GPU machine: a few GRPO steps per model up a ladder, checked, in one table (docs/gpu.md)
+	$(PY) scripts/gpu_check.py $(ARGS)
 
 reproduce:  ## seed 000 end to end: tabular Tables 1-2 and the six trainers on `calibration`; rewrites the block in docs/seed000.md
 	$(PY) reproduce/seed000.py $(ARGS)

@@ -7,7 +7,6 @@ time goes (rollout, update, weight push), plus reward before and after.
 Each engine runs in its own process (a vLLM engine is process-wide). Prints a Markdown table.
 """
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -16,6 +15,37 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from rlmini import runlog  # noqa: E402
+
+
+def train(argv: list, out: str, run_name: str, launcher=(sys.executable,), env=None, timeout=None):
+    """train_grpo.py `argv` into out/run_name, in its own process (a vLLM engine is process-wide; `launcher`:
+    python, or torchrun's command): (exit status, None after `timeout` seconds; its stdout and stderr; the
+    rows of its metrics.jsonl, [] if none)."""
+    cmd = [*launcher, os.path.join(ROOT, "train_grpo.py"), *argv, "--out_dir", out, "--run_name", run_name,
+           "--wandb", "false"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        output, code = proc.communicate(timeout=timeout)[0], proc.returncode
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # torchrun passes SIGTERM on to its workers
+        try:
+            output = proc.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output = proc.communicate()[0]
+        code = None
+    path = os.path.join(out, run_name, "metrics.jsonl")
+    return code, output, runlog.read_metrics(path) if os.path.exists(path) else []
+
+
+def last_line(output: str) -> str:
+    """What a failed run said last: its one-line error, or a traceback's last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    return (errors or lines or ["no output"])[-1]
 
 
 def main():
@@ -28,13 +58,12 @@ def main():
     for engine in args.engines.split(","):
         with tempfile.TemporaryDirectory() as out:
             t0 = time.perf_counter()
-            cmd = [sys.executable, os.path.join(ROOT, "train_grpo.py"), "--engine", engine, "--steps",
-                   str(args.steps),
-                   "--out_dir", out, "--run_name", "bench", "--wandb", "false", "--save_every", "0", *extra]
-            subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            code, output, m = train(["--engine", engine, "--steps", str(args.steps), "--save_every", "0",
+                                     *extra], out, "bench")
+            if code != 0:
+                raise SystemExit(f"bench: --engines {engine} failed: {last_line(output)}")
             wall = time.perf_counter() - t0
-            with open(os.path.join(out, "bench", "metrics.jsonl")) as f:
-                m = [json.loads(line) for line in f][args.skip:]
+            m = m[args.skip:]
         step_s = [r["time/rollout"] + r["time/update"] + r["time/push"] for r in m]
         mean = lambda k: statistics.mean(r[k] for r in m)
         k = max(1, min(10, len(m) // 5))
