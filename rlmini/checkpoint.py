@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import pickle
 import shutil
 import sys
 
@@ -129,9 +130,15 @@ def save_checkpoint(path: str, state: dict) -> None:
 
 
 def load_checkpoint(path: str) -> dict:
+    """weights_only: tensors and plain containers only, so a checkpoint replaced by someone else runs nothing."""
     if not os.path.exists(path):
         raise SystemExit(f"--resume: no checkpoint at {path}")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # a global outside the allowed types: not a checkpoint of ours
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SystemExit(f"--resume: {path} holds more than tensors and plain values, refused "
+                         f"(weights_only): {first}") from None
 
 
 def save_sharded_checkpoint(path: str, state: dict, meta: dict) -> None:

@@ -2,6 +2,7 @@
 and trainer, the python tool's limits and faults, the call formats, and runs with tools."""
 import json
 import os
+import re
 import time
 
 import pytest
@@ -11,7 +12,7 @@ import common
 import rewards
 import train_ppo
 from conftest import assert_grad_close, read_metrics, undocumented
-from rlmini import data, logprobs, models, packing, tools
+from rlmini import data, logprobs, models, packing, sandbox, tools
 from rlmini.batches import Batch, micro_batch
 from rlmini.engine import HFEngine
 
@@ -86,27 +87,27 @@ class Scripted:
     ("while True: pass", "TimeoutError", True, True),                         # a hang (CPU)
     ("import time; time.sleep(60)", "TimeoutError", True, True),              # a hang (asleep)
     ("x = bytearray(8 << 30)", "MemoryError", True, False),                  # more than the memory limit
-    ("import os; os.fork()", "PermissionError: os.fork", True, False),        # a fork
-    ("import subprocess; subprocess.run(['true'])", "PermissionError: subprocess.Popen", True, False),
+    ("import os; os.fork()", "PermissionError: [Errno 1]", True, False),      # a fork (seccomp)
+    ("import subprocess; subprocess.run(['true'])", "PermissionError: [Errno 1]", True, False),
     ("import os; os.abort()", "killed by SIGABRT", True, False),              # kills itself
-    ("import os; os.kill(os.getppid(), 9)", "PermissionError: os.kill", True, False),  # kills its parent
+    (f"import os; os.kill({os.getpid()}, 9)", "[Errno 3] No such process|[Errno 1] Operation not permitted",
+     True, False),                                                            # kills the trainer
     ("print('x' * 50_000_000)", "[output cut: at least", False, False),      # megabytes of output
     ("open('a.txt', 'w').write('ok'); print(open('a.txt').read())", "ok", False, False),  # its scratch folder
-    ("open('/tmp/rlmini-outside.txt', 'w')", "may not write", True, False),
+    ("open('/tmp/rlmini-outside.txt', 'w')", "PermissionError: [Errno 13]", True, False),
 ])
 def test_the_python_tool_bounds_every_fault(code, expect, error, timed_out):
     b = box(timeout=3.0, memory_mb=512)
     start = time.perf_counter()
     r = tools.run_calls(b, [("python", code)])[0]
     assert time.perf_counter() - start < 3.0 + 5, "a call is bounded by its wall-clock limit"
-    assert expect in r.text and (r.error, r.timed_out) == (error, timed_out), r
+    assert re.search(re.escape(expect).replace(r"\|", "|"), r.text) and (r.error, r.timed_out) == (error,
+                                                                                          timed_out), r
     assert len(r.text) <= b.output_chars + 200
     assert not os.path.exists("/tmp/rlmini-outside.txt")
 
 
-def test_the_python_tool_cannot_read_or_touch_the_run_folder(tmp_path, monkeypatch):
-    import tempfile
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the scratch folders go
+def test_the_python_tool_cannot_read_or_touch_the_run_folder(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text("secret\n")
@@ -115,11 +116,11 @@ def test_the_python_tool_cannot_read_or_touch_the_run_folder(tmp_path, monkeypat
     codes = [f"print(open({str(run_dir / 'metrics.jsonl')!r}).read())",
              f"import os; os.listdir({str(run_dir)!r})",
              f"import os; os.remove({str(run_dir / 'metrics.jsonl')!r})",
-             f"open({str(run_dir / 'new.txt')!r}, 'w')", "import os; os.chdir('/')"]
+             f"open({str(run_dir / 'new.txt')!r}, 'w')"]
     for r in tools.run_calls(b, [("python", c) for c in codes]):
         assert r.error and "PermissionError" in r.text and "secret" not in r.text, r
     assert sorted(os.listdir(run_dir)) == before and (run_dir / "metrics.jsonl").read_text() == "secret\n"
-    assert os.listdir(tmp_path) == ["run"], "scratch folders are removed"
+    assert os.listdir(sandbox.scratch_parent("")) == [], "scratch folders are removed"
 
 
 def test_calls_run_in_parallel_and_a_hung_function_tool_is_abandoned():
@@ -232,7 +233,7 @@ def test_a_tool_cannot_write_the_answer(modmul):
     _, tok = modmul
     prompt = tok("```python\n37*48%7\n```\n", add_special_tokens=False)["input_ids"]
     r = tools.generate(Scripted(tok, [["```output", "</s>"]]), box(), tok, [prompt], 1, 12, 1.0, 0)
-    assert tools.policy_text(tok, r.completion_ids[0], r.policy_mask[0]).split("\n")[-1] == ""
+    assert data.policy_text(tok, r.completion_ids[0], r.policy_mask[0]).split("\n")[-1] == ""
     reward = data.score_rollouts(rewards.load_task("modmul"), tok, [{"prompt": "", "answer": 5}], r, 1)[0]
     assert reward.item() == 0.0
 
@@ -362,7 +363,7 @@ def test_hf_sampling_with_tools_is_what_the_trainer_scores(modmul):
     theirs = torch.tensor([x for lp, m in zip(r.sampler_logprobs, r.policy_mask) for x, k in zip(lp, m) if k])
     assert (ours - theirs).abs().max() < 1e-4
     for ids, m, s in zip(r.completion_ids, r.policy_mask, r.tool_stats):
-        runs = tools.turns_text(tok, ids, m)
+        runs = data.turns_text(tok, ids, m)
         assert sum(t["role"] == "tool" for t in runs) == s["calls"]  # one output per call, never merged
         for t in runs:
             if t["role"] == "tool" and len(ids) < 16:  # not cut by the limit

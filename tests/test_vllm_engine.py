@@ -257,7 +257,7 @@ def test_multi_turn_tool_rollouts_on_vllm(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import rewards
-    from rlmini import models, tools
+    from rlmini import data, models, tools
     task = rewards.load_task("modmul")
     path = models.build_tiny_model(task.alphabet)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -276,7 +276,7 @@ def test_multi_turn_tool_rollouts_on_vllm(tmp_path):
     torch.testing.assert_close(theirs, ours, atol=LOGPROB_TOL, rtol=0)
     mark = tok(tools.OUTPUT_MARK, add_special_tokens=False)["input_ids"]
     for ids, m, s in zip(r.completion_ids, r.policy_mask, r.tool_stats):
-        turns = tools.turns_text(tok, ids, m)
+        turns = data.turns_text(tok, ids, m)
         for k, t in enumerate(turns):  # a policy turn followed by tool output ended at the mark
             if t["role"] == "tool":
                 assert turns[k - 1]["text"].endswith(tools.OUTPUT_MARK)
