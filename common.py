@@ -118,7 +118,7 @@ class Args:
     tool_output_chars: int = arg(2000, "--tools: a longer tool output is cut to this many characters", ge=1)
     tool_workers: int = arg(8, "--tools: calls running at once", ge=1)
     tool_sandbox: Literal["auto", "namespaces", "landlock", "none"] = arg(
-        "auto", "--tools python: confinement of a call (docs/tools.md); auto: the strongest here, none: no boundary")
+        "auto", "--tools python: a call's confinement (docs/tools.md); auto: the strongest here, none: none")
     vllm_gpu_memory_utilization: float = arg(0.0, "share of GPU memory vLLM may take; 0: what is free at "
                                                   "start less 2 GiB (engine.vllm_memory_share)", ge=0, le=1)
     vllm_seed: Literal["request", "engine"] = arg(

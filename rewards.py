@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 
-OUTPUT_MARK = "```output"  # modmul and the code tool format: the model asks for the last block's output (ToRA)
+OUTPUT_MARK = "```output"  # modmul, the code tool format: the model asks for the last block's output (ToRA)
 
 # Bereket & Leskovec 2025, App. A.7: unparseable prediction = worst in-range log-likelihood
 LOG_FLOOR = math.log(0.01)

@@ -130,7 +130,7 @@ def save_checkpoint(path: str, state: dict) -> None:
 
 
 def load_checkpoint(path: str) -> dict:
-    """weights_only: tensors and plain containers only, so a checkpoint replaced by someone else runs nothing."""
+    """weights_only: tensors and plain values only, so a checkpoint replaced by someone else runs nothing."""
     if not os.path.exists(path):
         raise SystemExit(f"--resume: no checkpoint at {path}")
     try:

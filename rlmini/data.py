@@ -135,7 +135,7 @@ class Rollouts:
     finished: list          # True where the completion ended with EOS ("stop"), False at "length"
     pad_id: int = 0         # padding id for the trainer's batches
     policy_mask: list | None = None  # with tools: per token 1 sampled by the policy, 0 written by a tool
-    tool_stats: list | None = None   # with tools: per completion {turns, calls, errors, ...} (rlmini/tools.py::STATS)
+    tool_stats: list | None = None   # with tools: per completion {turns, calls, errors, ...} (tools.STATS)
 
     def lists(self) -> tuple:
         """The per-completion fields present (what groups are cut from and joined into)."""

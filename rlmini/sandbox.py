@@ -19,6 +19,7 @@ import ctypes
 import errno
 import functools
 import json
+import math
 import os
 import platform
 import resource
@@ -83,7 +84,8 @@ SYSCALLS = {
         io_uring_enter=426, io_uring_register=427, memfd_create=319, shmget=29, msgget=68, semget=64,
         chmod=90, fchmod=91, fchmodat=268, fchmodat2=452, chown=92, fchown=93, lchown=94, fchownat=260,
         setxattr=188, lsetxattr=189, fsetxattr=190, removexattr=197, lremovexattr=198, fremovexattr=199,
-        setxattrat=463, removexattrat=466, utime=132, utimes=235, futimesat=261, utimensat=280)),
+        setxattrat=463, removexattrat=466, utime=132, utimes=235, futimesat=261, utimensat=280,
+        landlock_create_ruleset=444, landlock_add_rule=445, landlock_restrict_self=446)),
     # include/uapi/asm-generic/unistd.h (no fork, vfork, chmod, chown, lchown, utime(s), futimesat)
     "aarch64": (0xC00000B7, dict(
         socket=198, clone=220, clone3=435, unshare=97, setns=268, mount=40, umount2=39, pivot_root=41,
@@ -93,7 +95,7 @@ SYSCALLS = {
         io_uring_enter=426, io_uring_register=427, memfd_create=279, shmget=194, msgget=186, semget=190,
         fchmod=52, fchmodat=53, fchmodat2=452, fchown=55, fchownat=54, setxattr=5, lsetxattr=6,
         fsetxattr=7, removexattr=14, lremovexattr=15, fremovexattr=16, setxattrat=463, removexattrat=466,
-        utimensat=88)),
+        utimensat=88, landlock_create_ruleset=444, landlock_add_rule=445, landlock_restrict_self=446)),
 }
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -135,11 +137,13 @@ def seccomp_missing() -> str:
 
 @functools.cache
 def read_paths() -> list:
-    """What a call may read: the system's library folders and the Python install (its prefixes and import
-    path), outermost folders only; plus the few files the C library and the time zone need."""
+    """What a call may read: the system's library folders and the Python install (its prefixes, standard
+    library and site-packages), outermost folders only; plus the files the C library and time zone need."""
+    import sysconfig
     found = ["/usr", "/lib", "/lib64", "/lib32", "/etc/ld.so.cache", "/etc/localtime"]
-    found += [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, os.path.dirname(sys.executable)]
-    found += [p for p in sys.path if p and os.path.isabs(p)]
+    found += [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
+    # the install's own folders, never sys.path (its first entry is the script's folder: the project's)
+    found += [sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")]
     real = sorted({os.path.realpath(p) for p in found if os.path.exists(p)})
     return [p for p in real if not any(p != q and _inside(p, q) for q in real)]
 
@@ -186,29 +190,31 @@ def _plan(requested: str) -> dict:
             raise SystemExit(f"--tools python: Landlock ABI {abi} is there but a call could not be confined "
                              f"({failed}); --tool_sandbox none runs it under the audit hook alone")
         mode = "landlock"
-    return {"mode": mode, "abi": abi, "line": _line(mode, abi, namespaces)}
+    why = namespaces or f"--tool_sandbox {requested}"
+    return {"mode": mode, "abi": abi, "line": _line(mode, abi, why)}
 
 
 def _try(mode: str, abi: int):
     """None if a trivial call runs confined in `mode`, else why not (the call's one-line report)."""
     scratch = tempfile.mkdtemp(prefix="probe-", dir=scratch_parent(""))
     try:
-        out, _, status, timed_out = run("print('ok')", {"mode": mode, "abi": abi, "scratch": scratch,
-                                                         "memory": 256 << 20, "cpu": 10, "read": read_paths(),
-                                                         "forbidden": []}, 30, 4096)
+        config = call_config({"mode": mode, "abi": abi}, scratch, 256, 30)
+        out, _, status, timed_out = run("print('ok')", config, 30, 4096)
     finally:
         remove_tree(scratch)
     text = out.decode("utf-8", "replace").strip()
     if timed_out:
         return "a trivial call did not finish in 30 s"
-    return None if status == 0 and text == "ok" else (text.splitlines() or [f"exit status {status}"])[-1]
+    last = (text.splitlines() or [f"exit status {status}"])[-1]
+    return None if status == 0 and text == "ok" else last.removeprefix(f"rlmini sandbox: {mode}: ")
 
 
 def _line(mode: str, abi: int, why_not_namespaces) -> str:
     """The one start-up line: what confines a python call and what stays open."""
     if mode == "none":
-        return ("python tool sandbox: none (--tool_sandbox none): an audit hook and rlimits only; model-written "
-                "code can switch the hook off and reach the network, other processes and the run folder")
+        return ("python tool sandbox: none (--tool_sandbox none): an audit hook and rlimits only; "
+                "model-written code can switch the hook off and reach the network, other processes and the "
+                "run folder")
     landlock = (f"Landlock ABI {abi} (read: system and Python folders; write: scratch"
                 + ("; TCP" if abi >= 4 else "") + ("; signals, abstract sockets" if abi >= 6 else "") + ")")
     limits = f"seccomp (one process, one thread; no chmod/xattr/mount/ptrace), no capabilities, rlimits"
@@ -216,12 +222,20 @@ def _line(mode: str, abi: int, why_not_namespaces) -> str:
     if abi < 6 and mode == "landlock":
         open_.append("signals to processes of the same user (Landlock ABI < 6)")
     if mode == "namespaces":
-        return (f"python tool sandbox: namespaces (user, pid, net, mount, ipc, uts; a {SCRATCH_MB} MiB scratch "
-                f"tmpfs) + {landlock} + {limits}; open: {', '.join(open_)}")
+        return (f"python tool sandbox: namespaces (user, pid, net, mount, ipc, uts; a {SCRATCH_MB} MiB "
+                f"scratch tmpfs) + {landlock} + {limits}; open: {', '.join(open_)}")
     open_ += [f"the scratch folder's total size ({SCRATCH_MB} MiB per file)",
               "other processes' ids (/proc stat)"]
-    return (f"python tool sandbox: {landlock} + {limits} + no sockets, without namespaces ({why_not_namespaces}); "
-            f"open: {', '.join(open_)}")
+    return (f"python tool sandbox: {landlock} + {limits} + no sockets, without namespaces "
+            f"({why_not_namespaces}); open: {', '.join(open_)}")
+
+
+def call_config(plan_: dict, scratch: str, memory_mb: int, timeout: float, forbidden=()) -> dict:
+    """What `run` and the call's interpreter need: the plan's mode, the scratch folder, the limits (CPU: the
+    wall-clock limit rounded up, plus a second), what may be read, and (mode none) the run folders."""
+    return {"mode": plan_["mode"], "abi": plan_["abi"], "scratch": scratch, "memory": memory_mb << 20,
+            "cpu": math.ceil(timeout) + 1, "read": read_paths(),
+            "forbidden": [os.path.realpath(f) for f in forbidden]}
 
 
 def run(code: str, config: dict, timeout: float, cap: int):
@@ -231,8 +245,9 @@ def run(code: str, config: dict, timeout: float, cap: int):
     produced, exit status (negative: the signal), timed out)."""
     start = time.perf_counter()
     chunks, size, timed_out = [], 0, False
-    proc = subprocess.Popen(command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            cwd=config["scratch"], env=environment(config), start_new_session=True)
+    proc = subprocess.Popen(command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, cwd=config["scratch"], env=environment(config),
+                            start_new_session=True)
     try:
         proc.stdin.write(code.encode("utf-8", "replace"))
         proc.stdin.close()
@@ -271,8 +286,8 @@ def environment(config: dict) -> dict:
     """The call's whole environment: no variable of the trainer's (tokens, keys) reaches it."""
     scratch = config["scratch"]
     return {"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8",
-            "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-            "CUDA_VISIBLE_DEVICES": "", "RLMINI_SANDBOX": json.dumps(config)}
+            "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "RLMINI_SANDBOX": json.dumps(config)}
 
 
 def scratch_parent(run_dir: str) -> str:
@@ -331,8 +346,8 @@ def check_run_dir(run_dir: str) -> None:
     real = os.path.realpath(run_dir)
     inner = [p for p in read_paths() if _inside(real, p)]
     if inner:
-        raise SystemExit(f"--tools python: the run folder {real} lies inside {inner[0]}, which the python tool "
-                         f"may read; choose an --out_dir outside the system and Python folders")
+        raise SystemExit(f"--tools python: the run folder {real} lies inside {inner[0]}, which the python "
+                         f"tool may read; choose an --out_dir outside the system and Python folders")
 
 
 # ------------------------------------------------------------------------------------- inside the call
@@ -353,9 +368,9 @@ def main() -> None:
             _drop_capabilities()
             _check(_prctl(PR_SET_NO_NEW_PRIVS, 1), "no_new_privs")
             _landlock(config["abi"], config["read"], config["scratch"])
-            _seccomp(network=mode == "namespaces")
+            install_seccomp(seccomp_program(network=mode == "namespaces"))
     except SetupError as e:
-        print(f"rlmini sandbox ({mode}): {e.strerror}", flush=True)
+        print(f"rlmini sandbox: {mode}: {e.strerror}", flush=True)
         os._exit(SETUP_FAILED)
     if mode == "none":
         sys.addaudithook(_audit_guard(config["scratch"], config["forbidden"]))
@@ -367,15 +382,16 @@ def _enter_namespaces(scratch: str) -> None:
     namespace; then fork PID 1 of the new PID namespace (when it ends, the kernel kills every process left in
     it), which forks the process that returns and runs the code; this process waits and exits as that did."""
     uid, gid = os.geteuid(), os.getegid()
-    _check(_libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
-                         | CLONE_NEWCGROUP), "unshare")
+    _check(_libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC
+                         | CLONE_NEWUTS | CLONE_NEWCGROUP), "unshare")
     for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
         try:
             with open(f"/proc/self/{name}", "w") as f:  # the same ids inside: files keep their owners
                 f.write(text)
         except OSError as e:
             raise SetupError(e.errno, f"/proc/self/{name}: {e.strerror}") from None
-    _check(_libc.mount(None, b"/", None, ctypes.c_ulong(MS_REC | MS_PRIVATE), None), "mount --make-rprivate /")
+    _check(_libc.mount(None, b"/", None, ctypes.c_ulong(MS_REC | MS_PRIVATE), None),
+           "mount --make-rprivate /")
     options = f"size={SCRATCH_MB}m,nr_inodes={SCRATCH_INODES},mode=700".encode()
     _check(_libc.mount(b"tmpfs", scratch.encode(), b"tmpfs", ctypes.c_ulong(MS_NOSUID | MS_NODEV), options),
            "mount the scratch tmpfs")
@@ -383,7 +399,7 @@ def _enter_namespaces(scratch: str) -> None:
     sys.stdout.flush()
     status_read, status_write = os.pipe()
     init = os.fork()
-    if init == 0:  # PID 1 of the namespace: the kernel ignores the signals it sends itself, so it runs no code
+    if init == 0:  # PID 1 of the namespace: the kernel drops signals it sends itself, so it runs no code
         os.close(status_read)
         _check(_prctl(PR_SET_PDEATHSIG, signal.SIGKILL), "PR_SET_PDEATHSIG")  # if the supervisor is killed
         worker = os.fork()
@@ -411,7 +427,7 @@ def _limit(config: dict) -> None:
               (resource.RLIMIT_FSIZE, SCRATCH_MB << 20), (resource.RLIMIT_CORE, 0),
               (resource.RLIMIT_NOFILE, OPEN_FILES)]
     if config["mode"] == "namespaces":
-        limits.append((resource.RLIMIT_NPROC, 3))  # the call, its init and its supervisor: the user's tasks there
+        limits.append((resource.RLIMIT_NPROC, 3))  # the call, its init, its supervisor: all the user's there
     elif config["mode"] == "landlock":
         limits.append((resource.RLIMIT_NPROC, 1))
     for kind, value in limits:
@@ -454,41 +470,47 @@ def _landlock(abi: int, read: list, scratch: str) -> None:
         except OSError:
             continue  # a folder this machine does not have
         if not stat.S_ISDIR(os.fstat(fd).st_mode):
-            rights &= FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE | FS_IOCTL_DEV  # a file's rights
+            rights &= FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE | FS_IOCTL_DEV  # a file's
         rule = struct.pack("=Qi", rights, fd)  # struct landlock_path_beneath_attr is packed
-        _check(_libc.syscall(ctypes.c_long(LANDLOCK_ADD_RULE), ruleset, ctypes.c_int(LANDLOCK_RULE_PATH_BENEATH),
-                             rule, ctypes.c_uint32(0)), f"landlock_add_rule {path}")
+        _check(_libc.syscall(ctypes.c_long(LANDLOCK_ADD_RULE), ruleset,
+                             ctypes.c_int(LANDLOCK_RULE_PATH_BENEATH), rule, ctypes.c_uint32(0)),
+               f"landlock_add_rule {path}")
         os.close(fd)
     _check(_libc.syscall(ctypes.c_long(LANDLOCK_RESTRICT_SELF), ruleset, ctypes.c_uint32(0)),
            "landlock_restrict_self")
     os.close(ruleset)
 
 
-def seccomp_program(network: bool, denied=_DENIED) -> bytes:
-    """A classic-BPF seccomp filter: another architecture's syscalls (and x32's) kill the process; the `denied`
-    syscalls fail with EPERM; socket() is allowed for AF_INET and AF_INET6 only where `network` (an empty
-    network namespace holds them), for no family otherwise; everything else is allowed."""
+def seccomp_program(network: bool, denied=None) -> bytes:
+    """A classic-BPF seccomp filter: another architecture's syscalls (and x32's) kill the process; the
+    `denied` syscalls ({name: errno}; default: every one in _DENIED, EPERM) fail with that error; socket()
+    is allowed for AF_INET and AF_INET6 only where `network` (an empty network namespace holds them), for no
+    family otherwise, and for any where `network` is None; everything else is allowed."""
     arch, numbers = SYSCALLS[platform.machine()]
+    denied = dict.fromkeys(_DENIED, errno.EPERM) if denied is None else dict(denied)
+    if network is False:
+        denied["socket"] = errno.EPERM
 
     def op(code, k, jt=0, jf=0):
         return struct.pack("HBBI", code, jt, jf, k)
 
-    eperm = op(RET_K, RET_ERRNO | errno.EPERM)
     prog = [op(LD_W_ABS, 4), op(JEQ_K, arch, 1, 0), op(RET_K, RET_KILL_PROCESS), op(LD_W_ABS, 0)]
     if platform.machine() == "x86_64":
         prog += [op(JGE_K, X32_BIT, 0, 1), op(RET_K, RET_KILL_PROCESS)]
-    for name in denied + (() if network else ("socket",)):
+    for name, err in denied.items():
         if name in numbers:
-            prog += [op(JEQ_K, numbers[name], 0, 1), eperm]
+            prog += [op(JEQ_K, numbers[name], 0, 1), op(RET_K, RET_ERRNO | err)]
     if network:  # socket(domain, ...): args[0]'s low 32 bits at offset 16
         prog += [op(JEQ_K, numbers["socket"], 0, 4), op(LD_W_ABS, 16), op(JEQ_K, AF_INET, 2, 0),
-                 op(JEQ_K, AF_INET6, 1, 0), eperm]
+                 op(JEQ_K, AF_INET6, 1, 0), op(RET_K, RET_ERRNO | errno.EPERM)]
     prog.append(op(RET_K, RET_ALLOW))
     return b"".join(prog)
 
 
 def install_seccomp(program: bytes) -> None:
-    """Install a seccomp filter on this process (no_new_privs must be set, or CAP_SYS_ADMIN held)."""
+    """Install a seccomp filter on this process and, once it is set, on every process it starts."""
+    _check(_prctl(PR_SET_NO_NEW_PRIVS, 1), "no_new_privs")  # what an unprivileged filter requires
+
     class Fprog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
 
@@ -497,19 +519,15 @@ def install_seccomp(program: bytes) -> None:
                        ctypes.c_ulong(0)), "seccomp")
 
 
-def _seccomp(network: bool) -> None:
-    install_seccomp(seccomp_program(network))
-
-
 def _audit_guard(scratch: str, forbidden: list):
     """--tool_sandbox none: an audit hook refusing fork, exec, signals, sockets, chdir, writes outside the
-    scratch folder and any access to the run folder. Advisory: code can get around it (ctypes, dir_fd, ...)."""
+    scratch folder and any access to the run folder. Advisory: code gets around it (ctypes, dir_fd, ...)."""
     scratch = os.path.realpath(scratch)
     forbidden = [os.path.realpath(p) for p in forbidden]
     refused = {"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.kill",
                "os.killpg", "subprocess.Popen", "pty.spawn", "os.chdir", "socket.connect", "socket.bind"}
-    writes = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.symlink", "os.link",
-              "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile"}
+    writes = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.symlink",
+              "os.link", "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile"}
 
     def guard(event, args):
         if event in refused:
@@ -521,7 +539,8 @@ def _audit_guard(scratch: str, forbidden: list):
                 return
             mode, flags = (args[1], args[2]) if event == "open" else (None, 0)
             write = (event in writes or isinstance(mode, str) and any(c in mode for c in "wax+")
-                     or isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC))
+                     or isinstance(flags, int)
+                     and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC))
             path = os.path.realpath(path)
             if write and not _inside(path, scratch) or any(_inside(path, f) for f in forbidden):
                 raise PermissionError(f"the python tool may not {'write' if write else 'read'} {path}")

@@ -76,9 +76,7 @@ def python(code: str, box: "Toolbox") -> Result:
     plan = sandbox.plan(box.sandbox)  # probed once per process, before the first call's clock starts
     start = time.perf_counter()
     scratch = tempfile.mkdtemp(prefix="call-", dir=box.scratch_root or sandbox.scratch_parent(""))
-    config = {"mode": plan["mode"], "abi": plan["abi"], "scratch": scratch, "memory": box.memory_mb << 20,
-              "cpu": math.ceil(box.timeout) + 1, "read": sandbox.read_paths(),
-              "forbidden": [os.path.realpath(f) for f in box.forbidden]}
+    config = sandbox.call_config(plan, scratch, box.memory_mb, box.timeout, box.forbidden)
     cap = 4 * box.output_chars + 4096  # bytes read at most: megabytes of output are never held
     try:
         out, size, status, timed_out = sandbox.run(code, config, box.timeout, cap)
@@ -423,10 +421,10 @@ def _response_ids(box, tokenizer, results: list) -> list:
     rendered = turn_suffix(tokenizer, box, [(name, m) for (name, _), m in zip(results, marks)], box.turn_end)
     pieces = re.split("(" + "|".join(marks) + ")", rendered)
     if [p for p in pieces if p in marks] != marks:  # the template rewrites a message's text: defuse instead
-        specials = sorted(set(tokenizer.all_special_tokens) | set(getattr(tokenizer, "added_tokens_encoder", {})),
-                          key=len, reverse=True)
-        safe = [(name, _defuse(text, specials)) for name, text in results]
-        return tokenizer(turn_suffix(tokenizer, box, safe, box.turn_end), add_special_tokens=False)["input_ids"]
+        specials = set(tokenizer.all_special_tokens) | set(getattr(tokenizer, "added_tokens_encoder", {}))
+        safe = [(name, _defuse(text, sorted(specials, key=len, reverse=True))) for name, text in results]
+        text = turn_suffix(tokenizer, box, safe, box.turn_end)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
     ids, texts = [], dict(zip(marks, (t for _, t in results)))
     for piece in pieces:
         ids += (_text_ids(tokenizer, texts[piece]) if piece in texts
