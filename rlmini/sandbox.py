@@ -12,25 +12,20 @@ model's code, enters the strongest confinement the machine offers (chosen once p
   none        the audit hook and rlimits alone (a guard against accidents, not a boundary)
 
 Everything here but `main` runs in the trainer; `main` runs in the call's own interpreter (`command`), and
-uses the standard library and ctypes only. Kernel ABI sources: include/uapi/linux/landlock.h,
+uses the standard library and ctypes only. The trainer's functions import their other modules themselves:
+a call's interpreter imports only what confining needs (every import is milliseconds of every call). Kernel ABI sources: include/uapi/linux/landlock.h,
 include/uapi/linux/seccomp.h, include/uapi/linux/filter.h, arch/x86/entry/syscalls/syscall_64.tbl and
 include/uapi/asm-generic/unistd.h (aarch64)."""
+import ast
 import ctypes
 import errno
-import functools
-import json
 import math
 import os
-import platform
 import resource
-import select
-import shutil
 import signal
 import stat
 import struct
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -128,24 +123,29 @@ def landlock_abi() -> int:
 
 def seccomp_missing() -> str:
     """Why a seccomp filter cannot be installed here ('' if it can)."""
-    if platform.machine() not in SYSCALLS:
-        return f"no syscall table for {platform.machine()} in rlmini/sandbox.py"
+    if os.uname().machine not in SYSCALLS:
+        return f"no syscall table for {os.uname().machine} in rlmini/sandbox.py"
     if _prctl(PR_GET_SECCOMP) < 0:
         return f"seccomp: {os.strerror(ctypes.get_errno())}"
     return ""
 
 
-@functools.cache
 def read_paths() -> list:
     """What a call may read: the system's library folders and the Python install (its prefixes, standard
     library and site-packages), outermost folders only; plus the files the C library and time zone need."""
+    if _READ:
+        return _READ
     import sysconfig
     found = ["/usr", "/lib", "/lib64", "/lib32", "/etc/ld.so.cache", "/etc/localtime"]
     found += [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
     # the install's own folders, never sys.path (its first entry is the script's folder: the project's)
     found += [sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")]
     real = sorted({os.path.realpath(p) for p in found if os.path.exists(p)})
-    return [p for p in real if not any(p != q and _inside(p, q) for q in real)]
+    _READ.extend(p for p in real if not any(p != q and _inside(p, q) for q in real))
+    return _READ
+
+
+_READ = []
 
 
 def _inside(path: str, root: str) -> bool:
@@ -196,6 +196,7 @@ def _plan(requested: str) -> dict:
 
 def _try(mode: str, abi: int):
     """None if a trivial call runs confined in `mode`, else why not (the call's one-line report)."""
+    import tempfile
     scratch = tempfile.mkdtemp(prefix="probe-", dir=scratch_parent(""))
     try:
         config = call_config({"mode": mode, "abi": abi}, scratch, 256, 30)
@@ -243,6 +244,8 @@ def run(code: str, config: dict, timeout: float, cap: int):
     forbidden), in its own session (the whole process group is killed at the end). Reads at most `cap` bytes
     of its output (stdout and stderr) within `timeout` seconds of wall clock. Returns (output, bytes
     produced, exit status (negative: the signal), timed out)."""
+    import select
+    import subprocess
     start = time.perf_counter()
     chunks, size, timed_out = [], 0, False
     proc = subprocess.Popen(command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -287,7 +290,7 @@ def environment(config: dict) -> dict:
     scratch = config["scratch"]
     return {"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8",
             "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "RLMINI_SANDBOX": json.dumps(config)}
+            "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "RLMINI_SANDBOX": repr(config)}
 
 
 def scratch_parent(run_dir: str) -> str:
@@ -303,6 +306,7 @@ def scratch_parent(run_dir: str) -> str:
 
 def _fresh_parent(key: str) -> str:
     import hashlib
+    import tempfile
     tmp = tempfile.gettempdir()
     name = ("rlmini-tool-run-" + hashlib.sha256(key.encode()).hexdigest()[:12] if key
             else f"rlmini-tool-pid{os.getpid()}")
@@ -327,6 +331,8 @@ def _alive(pid: int) -> bool:
 
 def remove_tree(path: str) -> None:
     """Remove a scratch folder even where its modes were taken away (chmod 000 folders)."""
+    import shutil
+
     def retry(function, failed, _):
         for p in (os.path.dirname(failed), failed):
             try:
@@ -356,7 +362,7 @@ def check_run_dir(run_dir: str) -> None:
 def main() -> None:
     """A call's interpreter: read the code, confine this process (its config in RLMINI_SANDBOX), run the code.
     A step that fails is reported in one line, exit status SETUP_FAILED: the code never runs unconfined."""
-    config = json.loads(os.environ.pop("RLMINI_SANDBOX"))
+    config = ast.literal_eval(os.environ.pop("RLMINI_SANDBOX"))
     source = sys.stdin.read()
     os.close(0)
     mode = config["mode"]
@@ -486,7 +492,7 @@ def seccomp_program(network: bool, denied=None) -> bytes:
     `denied` syscalls ({name: errno}; default: every one in _DENIED, EPERM) fail with that error; socket()
     is allowed for AF_INET and AF_INET6 only where `network` (an empty network namespace holds them), for no
     family otherwise, and for any where `network` is None; everything else is allowed."""
-    arch, numbers = SYSCALLS[platform.machine()]
+    arch, numbers = SYSCALLS[os.uname().machine]
     denied = dict.fromkeys(_DENIED, errno.EPERM) if denied is None else dict(denied)
     if network is False:
         denied["socket"] = errno.EPERM
@@ -495,7 +501,7 @@ def seccomp_program(network: bool, denied=None) -> bytes:
         return struct.pack("HBBI", code, jt, jf, k)
 
     prog = [op(LD_W_ABS, 4), op(JEQ_K, arch, 1, 0), op(RET_K, RET_KILL_PROCESS), op(LD_W_ABS, 0)]
-    if platform.machine() == "x86_64":
+    if os.uname().machine == "x86_64":
         prog += [op(JGE_K, X32_BIT, 0, 1), op(RET_K, RET_KILL_PROCESS)]
     for name, err in denied.items():
         if name in numbers:
@@ -550,7 +556,6 @@ def _audit_guard(scratch: str, forbidden: list):
 def _execute(source: str) -> None:
     """Run the code as a notebook cell (a final expression's value is printed); an exception's traceback from
     the tool's own frames on, exit status 1."""
-    import ast
     try:
         tree = ast.parse(source, "<tool>")
         last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None

@@ -10,6 +10,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -114,7 +115,7 @@ def test_a_run_folder_the_tool_may_read_is_refused():
 
 def test_a_killed_runs_scratch_folders_are_removed_when_it_starts_again(tmp_path, monkeypatch):
     monkeypatch.setattr(sandbox, "_PARENTS", {})
-    monkeypatch.setattr(sandbox.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     run_dir = str(tmp_path / "run")
     first = sandbox.scratch_parent(run_dir)
     os.makedirs(os.path.join(first, "call-left", "d"))  # a call of a run that was killed: its folder stays
