@@ -293,11 +293,11 @@ def environment(config: dict) -> dict:
             "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "RLMINI_SANDBOX": repr(config)}
 
 
-def scratch_parent(run_dir: str) -> str:
+def scratch_parent(run_dir: str, rank: int = 0) -> str:
     """The folder this run's call scratch folders go under, made empty the first time it is asked for: a run
-    folder gets one of its own (a killed trainer's leftovers are removed when the run starts again); other
-    processes (eval.py, tests) one per process id, and those of processes that are gone are removed."""
-    key = run_dir and os.path.realpath(run_dir)
+    folder's rank gets one of its own (a killed trainer's leftovers are removed when the run starts again);
+    other processes (eval.py, tests) one per process id, and those of processes that are gone are removed."""
+    key = f"{os.path.realpath(run_dir)}#{rank}" if run_dir else ""
     with _LOCK:
         if key not in _PARENTS:
             _PARENTS[key] = _fresh_parent(key)
@@ -310,9 +310,12 @@ def _fresh_parent(key: str) -> str:
     tmp = tempfile.gettempdir()
     name = ("rlmini-tool-run-" + hashlib.sha256(key.encode()).hexdigest()[:12] if key
             else f"rlmini-tool-pid{os.getpid()}")
-    for entry in os.listdir(tmp):  # a killed process's folder
+    for entry in os.listdir(tmp):  # a killed process's folder (another user's stays: not ours to remove)
         if entry.startswith("rlmini-tool-pid") and entry[15:].isdigit() and not _alive(int(entry[15:])):
-            remove_tree(os.path.join(tmp, entry))
+            try:
+                remove_tree(os.path.join(tmp, entry))
+            except OSError:
+                pass
     path = os.path.join(tmp, name)
     remove_tree(path)
     os.makedirs(path, mode=0o700)

@@ -182,7 +182,7 @@ def make_toolbox(args, run_dir: str = "", style: str = "tiny", tokenizer=None):
         line = sandbox.plan(args.tool_sandbox)["line"]
         if dist.rank() == 0:
             print(line, file=sys.stderr, flush=True)
-        box.scratch_root = sandbox.scratch_parent(run_dir)
+        box.scratch_root = sandbox.scratch_parent(run_dir, dist.rank())
     if args.tool_format == "chat":
         if style != "chat" or not getattr(tokenizer, "chat_template", None):
             raise SystemExit("--tool_format chat: the model has no chat template (the built-in tiny model "

@@ -127,6 +127,13 @@ def test_a_killed_runs_scratch_folders_are_removed_when_it_starts_again(tmp_path
     assert not dead.exists() and sorted(os.listdir(tmp_path)) == [os.path.basename(first)]
 
 
+def test_mode_none_is_the_audit_hook_alone():
+    from rlmini import tools
+    b = tools.Toolbox({"python": tools.python}, sandbox="none")
+    fork, ok = tools.run_calls(b, [("python", "import os; os.fork()"), ("python", "6 * 7")])
+    assert "PermissionError: os.fork is not allowed in the python tool" in fork.text and ok.text == "42\n"
+
+
 def test_a_checkpoint_with_code_in_it_is_refused_and_the_code_never_runs(tmp_path):
     marker = tmp_path / "ran"
 
