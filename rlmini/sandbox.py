@@ -13,9 +13,10 @@ model's code, enters the strongest confinement the machine offers (chosen once p
 
 Everything here but `main` runs in the trainer; `main` runs in the call's own interpreter (`command`), and
 uses the standard library and ctypes only. The trainer's functions import their other modules themselves:
-a call's interpreter imports only what confining needs (every import is milliseconds of every call). Kernel ABI sources: include/uapi/linux/landlock.h,
-include/uapi/linux/seccomp.h, include/uapi/linux/filter.h, arch/x86/entry/syscalls/syscall_64.tbl and
-include/uapi/asm-generic/unistd.h (aarch64)."""
+a call's interpreter imports only what confining needs (every import is milliseconds of every call).
+Kernel ABI sources: include/uapi/linux/landlock.h, include/uapi/linux/seccomp.h, include/uapi/linux/filter.h,
+include/uapi/linux/capability.h, arch/x86/entry/syscalls/syscall_64.tbl and include/uapi/asm-generic/unistd.h
+(aarch64)."""
 import ast
 import ctypes
 import errno
