@@ -154,6 +154,33 @@ def test_a_checkpoint_with_code_in_it_is_refused_and_the_code_never_runs(tmp_pat
     assert not marker.exists()
 
 
+def test_a_sharded_checkpoints_metadata_with_code_in_it_is_refused(tmp_path):
+    """torchrun's checkpoint folder: torch.distributed.checkpoint unpickles .metadata as it is; it is read
+    first with the globals such a file holds only."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    folder = str(tmp_path / "checkpoint")
+    dcp.save({"policy": dict(zip(("model", "optimizer"), get_state_dict(model, optimizer)))},
+             checkpoint_id=folder)
+    checkpoint.check_sharded_metadata(folder)  # a folder the trainer wrote passes
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    with open(os.path.join(folder, ".metadata"), "wb") as f:
+        pickle.dump(Payload(), f, protocol=2)
+    with pytest.raises(SystemExit, match=r"^--resume: .*\.metadata holds more than a checkpoint's metadata, "
+                                         r"refused: .*open is not"):
+        checkpoint.check_sharded_metadata(folder)
+    assert not marker.exists()
+
+
 def _project_imports() -> dict:
     """module -> the project modules it imports anywhere in its code (functions included)."""
     files = {os.path.splitext(f)[0]: os.path.join(ROOT, f) for f in os.listdir(ROOT) if f.endswith(".py")}
