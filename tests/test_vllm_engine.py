@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import common
+from conftest import tool_sandbox
 from rlmini import checkpoint as ckpt
 from rlmini import engine, logprobs, packing
 
@@ -265,7 +266,7 @@ def test_multi_turn_tool_rollouts_on_vllm(tmp_path):
     sampler = engine.make_engine(common.Args(engine="vllm", seed=0), path, model, tok, CPU, torch.float32,
                                  max_len=64)
     _KEPT.append(sampler)
-    box = tools.Toolbox({"python": tools.python}, max_turns=3)
+    box = tools.Toolbox({"python": tools.python}, max_turns=3, sandbox=tool_sandbox())
     prompts = [tok(e["prompt"], add_special_tokens=False)["input_ids"] for e in task.train[:8]]
     r = tools.generate(sampler, box, tok, prompts, 4, 16, 1.0, seed=5)
     assert sum(s["calls"] for s in r.tool_stats) > 0 and max(map(len, r.completion_ids)) <= 16
