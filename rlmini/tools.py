@@ -179,9 +179,11 @@ def make_toolbox(args, run_dir: str = "", style: str = "tiny", tokenizer=None):
     if python in tools.values():  # the confinement, said in one line, before any call runs
         if run_dir:
             sandbox.check_run_dir(run_dir)
-        line = sandbox.plan(args.tool_sandbox)["line"]
+        plan = sandbox.plan(args.tool_sandbox)
         if dist.rank() == 0:
-            print(line, file=sys.stderr, flush=True)
+            one = " in one process" if plan["mode"] != "none" else ""
+            print(f"{plan['line']}; a call: {args.tool_memory_mb} MiB of memory{one}, {args.tool_timeout:g} s",
+                  file=sys.stderr, flush=True)
         box.scratch_root = sandbox.scratch_parent(run_dir, dist.rank())
     if args.tool_format == "chat":
         if style != "chat" or not getattr(tokenizer, "chat_template", None):

@@ -93,6 +93,7 @@ def test_without_namespaces_landlock_holds_and_the_line_says_what_stays_open():
     assert "Landlock ABI" in auto and "without namespaces (unshare: Operation not permitted)" in auto
     assert "open: " in auto and "scratch folder's total size" in auto, "what stays open is said"
     assert lines[-1].startswith("python tool sandbox: none") and len(lines) == 3
+    assert auto.endswith("; a call: 1024 MiB of memory in one process, 5 s")
 
 
 def test_without_landlock_python_refuses_in_one_line_unless_told_none():
