@@ -249,9 +249,13 @@ def run(code: str, config: dict, timeout: float, cap: int):
     import subprocess
     start = time.perf_counter()
     chunks, size, timed_out = [], 0, False
+    status_read, status_write = os.pipe() if config["mode"] == "namespaces" else (-1, -1)
+    config = {**config, "status_fd": status_write}
     proc = subprocess.Popen(command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, cwd=config["scratch"], env=environment(config),
-                            start_new_session=True)
+                            start_new_session=True, pass_fds=(status_write,) if status_write >= 0 else ())
+    if status_write >= 0:
+        os.close(status_write)
     try:
         proc.stdin.write(code.encode("utf-8", "replace"))
         proc.stdin.close()
@@ -277,7 +281,13 @@ def run(code: str, config: dict, timeout: float, cap: int):
     except (ProcessLookupError, PermissionError):
         pass
     proc.stdout.close()
-    return b"".join(chunks), size, proc.wait(), timed_out
+    if status_read < 0:
+        return b"".join(chunks), size, proc.wait(), timed_out
+    with os.fdopen(status_read, "rb") as f:
+        raw = f.read(4)
+    status = os.waitstatus_to_exitcode(struct.unpack("i", raw)[0]) if len(raw) == 4 else -signal.SIGKILL
+    threading.Thread(target=proc.wait, daemon=True).start()  # reaped while the namespaces are torn down
+    return b"".join(chunks), size, status, timed_out
 
 
 def command() -> list:
@@ -372,7 +382,7 @@ def main() -> None:
     mode = config["mode"]
     try:
         if mode == "namespaces":
-            _enter_namespaces(config["scratch"])
+            _enter_namespaces(config["scratch"], config["status_fd"])
         _limit(config)
         if mode != "none":
             _drop_capabilities()
@@ -387,10 +397,11 @@ def main() -> None:
     _execute(source)
 
 
-def _enter_namespaces(scratch: str) -> None:
+def _enter_namespaces(scratch: str, status_fd: int) -> None:
     """Into new user, mount, PID, network, IPC and UTS namespaces, the scratch folder a tmpfs of the mount
     namespace; then fork PID 1 of the new PID namespace (when it ends, the kernel kills every process left in
-    it), which forks the process that returns and runs the code; this process waits and exits as that did."""
+    it), which forks the process that returns and runs the code, and writes its wait status to `status_fd`
+    (the trainer has it then, before the namespaces' teardown, which can take seconds on a loaded machine)."""
     uid, gid = os.geteuid(), os.getegid()
     _check(_libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC
                          | CLONE_NEWUTS | CLONE_NEWCGROUP), "unshare")
@@ -407,27 +418,18 @@ def _enter_namespaces(scratch: str) -> None:
            "mount the scratch tmpfs")
     os.chdir(scratch)  # the tmpfs, not the folder under it
     sys.stdout.flush()
-    status_read, status_write = os.pipe()
     init = os.fork()
     if init == 0:  # PID 1 of the namespace: the kernel drops signals it sends itself, so it runs no code
-        os.close(status_read)
         _check(_prctl(PR_SET_PDEATHSIG, signal.SIGKILL), "PR_SET_PDEATHSIG")  # if the supervisor is killed
         worker = os.fork()
         if worker == 0:
-            os.close(status_write)
+            os.close(status_fd)
             return
-        os.write(status_write, struct.pack("i", os.waitpid(worker, 0)[1]))
+        os.write(status_fd, struct.pack("i", os.waitpid(worker, 0)[1]))
         os._exit(0)
-    os.close(status_write)
-    raw = os.read(status_read, 4)
+    os.close(status_fd)  # init's copy is the only one left: killed before it writes, the trainer reads EOF
     os.waitpid(init, 0)
-    status = struct.unpack("i", raw)[0] if len(raw) == 4 else signal.SIGKILL  # init killed: as if by SIGKILL
-    if os.WIFSIGNALED(status):  # die the same way, so that the trainer sees the signal
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if os.WTERMSIG(status) not in (signal.SIGKILL, signal.SIGSTOP):
-            signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
-        os.kill(os.getpid(), os.WTERMSIG(status))
-    os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+    os._exit(0)
 
 
 def _limit(config: dict) -> None:
