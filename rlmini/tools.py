@@ -182,8 +182,8 @@ def make_toolbox(args, run_dir: str = "", style: str = "tiny", tokenizer=None):
         plan = sandbox.plan(args.tool_sandbox)
         if dist.rank() == 0:
             one = " in one process" if plan["mode"] != "none" else ""
-            print(f"{plan['line']}; a call: {args.tool_memory_mb} MiB of memory{one}, {args.tool_timeout:g} s",
-                  file=sys.stderr, flush=True)
+            limits = f"a call: {args.tool_memory_mb} MiB of memory{one}, {args.tool_timeout:g} s"
+            print(f"{plan['line']}; {limits}", file=sys.stderr, flush=True)
         box.scratch_root = sandbox.scratch_parent(run_dir, dist.rank())
     if args.tool_format == "chat":
         if style != "chat" or not getattr(tokenizer, "chat_template", None):
