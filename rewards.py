@@ -22,7 +22,6 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
-
 OUTPUT_MARK = "```output"  # modmul, the code tool format: the model asks for the last block's output (ToRA)
 
 # Bereket & Leskovec 2025, App. A.7: unparseable prediction = worst in-range log-likelihood
