@@ -18,6 +18,7 @@ Kernel ABI sources: include/uapi/linux/landlock.h, include/uapi/linux/seccomp.h,
 include/uapi/linux/capability.h, arch/x86/entry/syscalls/syscall_64.tbl and include/uapi/asm-generic/unistd.h
 (aarch64)."""
 import ast
+import atexit
 import ctypes
 import errno
 import math
@@ -305,9 +306,10 @@ def environment(config: dict) -> dict:
 
 
 def scratch_parent(run_dir: str, rank: int = 0) -> str:
-    """The folder this run's call scratch folders go under, made empty the first time it is asked for: a run
-    folder's rank gets one of its own (a killed trainer's leftovers are removed when the run starts again);
-    other processes (eval.py, tests) one per process id, and those of processes that are gone are removed."""
+    """The folder this run's call scratch folders go under, made empty the first time it is asked for and
+    removed at exit: a run folder's rank gets one of its own (a killed trainer's leftovers are removed when
+    the run starts again); other processes (eval.py, tests) one per process id, and those of processes that
+    are gone are removed."""
     key = f"{os.path.realpath(run_dir)}#{rank}" if run_dir else ""
     with _LOCK:
         if key not in _PARENTS:
@@ -330,6 +332,7 @@ def _fresh_parent(key: str) -> str:
     path = os.path.join(tmp, name)
     remove_tree(path)
     os.makedirs(path, mode=0o700)
+    atexit.register(remove_tree, path)  # a finished process leaves none; a killed one, until its next start
     return path
 
 

@@ -166,15 +166,18 @@ def main(mode: str) -> dict:
                 "error": lines[-1] if lines else f"(no output, status {status})", "status": status}
 
     todo = [a for a in ATTACKS if isinstance(a[3], str) or plan["mode"] in a[3]]
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(attack, todo))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(attack, todo))
+    finally:
+        after = snapshot(home)
+        sandbox.remove_tree(home)
     leftovers = [p for p in (f"/tmp/{MARK}", f"/tmp/{MARK}-hook", f"/tmp/{MARK}.db", f"/dev/shm/{MARK}",
                              f"{site}/{MARK}.pth") if os.path.lexists(p)]
-    checks = {"run folder unchanged": snapshot(home) == before,
+    checks = {"run folder unchanged": after == before,
               "nothing left in /tmp, /dev/shm, site-packages": not leftovers,
               "no scratch folder left": os.listdir(parent) == [],
               "the trainer's secret never shown": not any(SECRET in r["error"] for r in results)}
-    sandbox.remove_tree(home)
     return {"line": plan["line"], "uid": os.getuid(), "results": results, "checks": checks}
 
 

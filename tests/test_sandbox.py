@@ -128,6 +128,11 @@ def test_a_killed_runs_scratch_folders_are_removed_when_it_starts_again(tmp_path
     monkeypatch.setattr(sandbox, "_PARENTS", {})         # the run starts again
     assert sandbox.scratch_parent(run_dir) == first and os.listdir(first) == []
     assert not dead.exists() and sorted(os.listdir(tmp_path)) == [os.path.basename(first)]
+    assert subprocess.run([sys.executable, "-c", f"import sys, tempfile; sys.path.insert(0, {ROOT!r}); "
+                           f"tempfile.tempdir = {str(tmp_path)!r}; from rlmini import sandbox; "
+                           f"print(sandbox.scratch_parent({run_dir!r} + '2'))"], capture_output=True,
+                          check=True).stdout.strip(), "a process that ends removes its own"
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(first)]
 
 
 def test_mode_none_is_the_audit_hook_alone():
