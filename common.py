@@ -117,6 +117,8 @@ class Args:
     tool_memory_mb: int = arg(1024, "--tools: the python tool's memory limit (address space), MiB", ge=64)
     tool_output_chars: int = arg(2000, "--tools: a longer tool output is cut to this many characters", ge=1)
     tool_workers: int = arg(8, "--tools: calls running at once", ge=1)
+    tool_sandbox: Literal["auto", "namespaces", "landlock", "none"] = arg(
+        "auto", "--tools python: a call's confinement (docs/tools.md); auto: the strongest here, none: none")
     vllm_gpu_memory_utilization: float = arg(0.0, "share of GPU memory vLLM may take; 0: what the memory "
                                                   "plan leaves it (memplan.plan_run)", ge=0, le=1)
     vllm_seed: Literal["request", "engine"] = arg(

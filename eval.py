@@ -19,6 +19,7 @@ import json
 import math
 import os
 import sys
+import typing
 
 import numpy as np
 import torch
@@ -26,6 +27,9 @@ import torch
 import common
 import rewards
 from rlmini import data, dist, engine, models, runlog, tools
+
+TOOL_OPTIONS = ("tools", "tool_format", "max_turns", "tool_timeout", "tool_memory_mb", "tool_output_chars",
+                "tool_workers", "tool_sandbox")  # the trainers' (common.Args), taken as they are
 
 # ---------------------------------------------------------------------------------------------- metrics
 
@@ -325,12 +329,11 @@ def cmd_evaluate(argv) -> dict:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="output folder (default runs/eval-<model>-<task>)")
-    for name in ("tools", "tool_format", "max_turns", "tool_timeout", "tool_memory_mb", "tool_output_chars",
-                 "tool_workers"):  # the trainers' tool options, with their defaults and help
+    for name in TOOL_OPTIONS:  # the trainers' tool options, with their defaults and help
         f = common.Args.__dataclass_fields__[name]
-        kind = str if name in ("tools", "tool_format") else type(f.default)
-        p.add_argument(f"--{name}", type=kind, default=f.default, help=f.metadata.get("help", ""),
-                       choices=("code", "chat") if name == "tool_format" else None)
+        choices = typing.get_args(f.type) if typing.get_origin(f.type) is typing.Literal else None
+        p.add_argument(f"--{name}", type=str if choices else type(f.default), default=f.default,
+                       help=f.metadata.get("help", ""), choices=choices)
     a = p.parse_args(argv)
     for flag, value, low in (("--n", a.n, 1), ("--limit", a.limit, 0),
                              ("--max_new_tokens", a.max_new_tokens, 0)):
@@ -346,8 +349,7 @@ def cmd_evaluate(argv) -> dict:
         raise SystemExit(f"--k {a.k}: every k must lie in 1..--n ({a.n})")
     if a.engine == "vllm":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    tool_options = {k: getattr(a, k) for k in ("tools", "tool_format", "max_turns", "tool_timeout",
-                                               "tool_memory_mb", "tool_output_chars", "tool_workers")}
+    tool_options = {k: getattr(a, k) for k in TOOL_OPTIONS}
     args = common.Args(model=a.model, task=a.task, engine=a.engine, temperature=a.temperature, seed=a.seed,
                        max_new_tokens=a.max_new_tokens, dtype=a.dtype, **tool_options)
     style = models.prompt_style(a.model)

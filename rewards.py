@@ -22,7 +22,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
-from rlmini.tools import OUTPUT_MARK
+OUTPUT_MARK = "```output"  # modmul, the code tool format: the model asks for the last block's output (ToRA)
 
 # Bereket & Leskovec 2025, App. A.7: unparseable prediction = worst in-range log-likelihood
 LOG_FLOOR = math.log(0.01)
@@ -168,7 +168,7 @@ def modmul_task(style: str, seed: int, modulus: int = 7, n_test: int = 200) -> T
     """(a * b) mod M for two-digit a and b, neither a multiple of M (every answer 1..M-1 equally likely): the
     task that needs a tool (--tools python). The tiny style's prompt is a python block computing it,
     "```python\n37*48%7\n```\n"; the answer is what the policy itself writes after the output mark
-    (tools.OUTPUT_MARK), then EOS. With the python tool the mark runs the block and its output comes back as
+    (OUTPUT_MARK), then EOS. With the python tool the mark runs the block and its output comes back as
     context, so the policy can copy it; without, the mark is text and the policy can only guess (1/(M-1)).
     The chat style asks in words, answer in \\boxed{}."""
     # neither a multiple of 7: every answer 1-6 is equally likely, so no guess beats 1/6

@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import pickle
 import shutil
 import sys
 
@@ -129,9 +130,43 @@ def save_checkpoint(path: str, state: dict) -> None:
 
 
 def load_checkpoint(path: str) -> dict:
+    """weights_only: tensors and plain values only, so a checkpoint replaced by someone else runs nothing."""
     if not os.path.exists(path):
         raise SystemExit(f"--resume: no checkpoint at {path}")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # a global outside the allowed types: not a checkpoint of ours
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SystemExit(f"--resume: {path} holds more than tensors and plain values, refused "
+                         f"(weights_only): {first}") from None
+
+
+# what torch.distributed.checkpoint's .metadata pickle names: its own metadata classes, dtypes, sizes, paths
+_METADATA_GLOBALS = {"torch.distributed.checkpoint.metadata": None,
+                     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+                     "torch.serialization": {"_get_layout"}, "torch": {"Size"},
+                     "pathlib": {"PosixPath", "PurePosixPath"}, "collections": {"OrderedDict"}}
+
+
+def check_sharded_metadata(path: str) -> None:
+    """torch.distributed.checkpoint unpickles a checkpoint folder's .metadata with no restriction: read it
+    first with an unpickler that finds only the globals such a file holds (and torch's dtypes), so a folder
+    written by someone else stops here in one line, its code never run."""
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            names = _METADATA_GLOBALS.get(module, set())
+            found = getattr(torch, name, None) if module == "torch" else None
+            if names is None or name in names or isinstance(found, torch.dtype):
+                return super().find_class(module, name)
+            raise pickle.UnpicklingError(f"{module}.{name} is not a checkpoint's metadata")
+
+    metadata = os.path.join(path, ".metadata")
+    try:
+        with open(metadata, "rb") as f:
+            Unpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
+        raise SystemExit(f"--resume: {metadata} holds more than a checkpoint's metadata, refused: "
+                         f"{e}") from None
 
 
 def save_sharded_checkpoint(path: str, state: dict, meta: dict) -> None:
@@ -241,6 +276,7 @@ def restore(run, key: str, module, optimizer) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     parts = get_state_dict(module, optimizer, options=_state_options(module))
     state = {key: dict(zip(("model", "optimizer"), parts))}
+    check_sharded_metadata(sharded_checkpoint_dir(run.run_dir))
     dcp.load(state, checkpoint_id=sharded_checkpoint_dir(run.run_dir))
     set_state_dict(module, optimizer, model_state_dict=state[key]["model"],
                    optim_state_dict=state[key]["optimizer"], options=_state_options(module))

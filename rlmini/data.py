@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 import rewards
-from rlmini import tools
 
 
 def seed_everything(seed: int) -> None:
@@ -28,7 +27,10 @@ def rollout_seed(seed: int, step: int, rank: int, sampling_round: int = 0) -> in
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG's state in types torch.load(weights_only=True) reads: NumPy's key array as a tensor."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos,
+                                                     has_gauss, gauss], "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -36,7 +38,8 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -179,7 +182,7 @@ def score_rollouts(task, tokenizer, examples: list, rollouts: Rollouts, group_si
     scores, masks = [], rollouts.policy_mask
     for k, toks in enumerate(rollouts.completion_ids):
         text = (tokenizer.decode(toks, skip_special_tokens=True) if masks is None
-                else tools.policy_text(tokenizer, toks, masks[k]))  # a tool cannot write the answer
+                else policy_text(tokenizer, toks, masks[k]))  # a tool cannot write the answer
         scores.append(task.score(text, examples[k // group_size], rollouts.finished[k]))
     reward = torch.tensor([s.reward for s in scores], dtype=torch.float32)
     correct = torch.tensor([s.correct for s in scores], dtype=torch.float32)
@@ -190,3 +193,21 @@ def score_rollouts(task, tokenizer, examples: list, rollouts: Rollouts, group_si
 def reward_parts(scores: list, names: list) -> torch.Tensor:
     """[completions, functions]: each --reward function's unweighted value (logged as reward/<name>)."""
     return torch.tensor([list(s.parts) for s in scores], dtype=torch.float32).view(len(scores), len(names))
+
+
+def turns_text(tokenizer, ids: list, mask: list) -> list:
+    """[{"role": "policy" | "tool", "text"}] of a trajectory, its runs of policy and tool tokens in order
+    (--log_completions)."""
+    out, start = [], 0
+    for k in range(1, len(ids) + 1):
+        if k == len(ids) or mask[k] != mask[start]:
+            out.append({"role": "policy" if mask[start] else "tool",
+                        "text": tokenizer.decode(ids[start:k], skip_special_tokens=True)})
+            start = k
+    return out
+
+
+def policy_text(tokenizer, ids: list, mask: list) -> str:
+    """What a verifier reads: the policy's own turns joined by line breaks (tool output left out, so that a
+    tool cannot write the answer)."""
+    return "\n".join(t["text"] for t in turns_text(tokenizer, ids, mask) if t["role"] == "policy")

@@ -12,7 +12,7 @@ import time
 import torch
 
 import rewards
-from rlmini import dist, tools
+from rlmini import data, dist
 from rlmini.checkpoint import atomic_write_text
 
 
@@ -115,7 +115,7 @@ def log_completions(run, examples: list, rollouts, reward_values, correct, fmt, 
                          "format": float(fmt[k]), "advantage": float(advantages[k]),
                          "length": len(completion), "truncated": not rollouts.finished[k]})
             if rollouts.policy_mask is not None:  # --tools: the policy's turns and the tools' outputs
-                rows[-1]["turns"] = tools.turns_text(run.tokenizer, completion, rollouts.policy_mask[k])
+                rows[-1]["turns"] = data.turns_text(run.tokenizer, completion, rollouts.policy_mask[k])
                 rows[-1]["tool_stats"] = rollouts.tool_stats[k]
     run.log.completions(run.step, dist.all_gather_objects(rows))
 

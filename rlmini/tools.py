@@ -22,19 +22,18 @@ import math
 import operator
 import os
 import re
-import select
-import shutil
+import secrets
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 
-from rlmini import dist
+from rewards import OUTPUT_MARK, DataError, import_function
+from rlmini import dist, sandbox
+from rlmini.data import Rollouts
 
-OUTPUT_MARK = "```output"  # code format: the model asks for the last block's output (ToRA's stop word)
 _BLOCK = re.compile(r"```([A-Za-z_][\w.-]*)[ \t]*\n(.*?)```", re.S)
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 STATS = ("turns", "calls", "errors", "timeouts", "seconds", "tool_tokens", "turn_limit")
@@ -62,111 +61,28 @@ class Toolbox:
     forbidden: list = field(default_factory=list)  # folders the python tool may not read (the run's)
     schemas: list = field(default_factory=list)    # chat: the tool definitions the template renders
     turn_end: str = ""          # chat: the token text that ends an assistant turn in the template
+    sandbox: str = "auto"       # the python tool's confinement (--tool_sandbox, rlmini/sandbox.py)
+    scratch_root: str = ""      # where the python tool's scratch folders go (sandbox.scratch_parent)
 
 
 # ---------------------------------------------------------------------------------------------- the tools
 
-_RUNNER = r'''
-import ast, os, resource, sys
-limit = int(os.environ["RLMINI_TOOL_MEMORY"])
-resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-cpu = int(os.environ["RLMINI_TOOL_CPU"])
-resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 20, 64 << 20))
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-scratch = os.path.realpath(os.getcwd())
-forbidden = [os.path.realpath(p) for p in os.environ["RLMINI_TOOL_FORBIDDEN"].split(os.pathsep) if p]
-REFUSED = {"os.fork", "os.forkpty", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.kill",
-           "os.killpg", "subprocess.Popen", "pty.spawn", "os.chdir", "socket.connect", "socket.bind"}
-WRITES = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.symlink", "os.link",
-          "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile"}
-def inside(path, root):
-    path = os.path.realpath(path)
-    return path == root or path.startswith(root + os.sep)
-def guard(event, args):
-    if event in REFUSED:
-        raise PermissionError(f"{event} is not allowed in the python tool")
-    if event in ("open", "os.listdir", "os.scandir") or event in WRITES:
-        path = args[0] if args else None
-        if isinstance(path, bytes):
-            path = os.fsdecode(path)
-        if not isinstance(path, str):
-            return
-        mode, flags = (args[1], args[2]) if event == "open" else (None, 0)
-        write = (event in WRITES or isinstance(mode, str) and any(c in mode for c in "wax+")
-                 or isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC))
-        if write and not inside(path, scratch) or any(inside(path, f) for f in forbidden):
-            raise PermissionError(f"the python tool may not {'write' if write else 'read'} {path}")
-source = sys.stdin.read()
-sys.addaudithook(guard)
-try:
-    tree = ast.parse(source, "<tool>")
-    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-    namespace = {"__name__": "__main__"}
-    exec(compile(tree, "<tool>", "exec"), namespace)
-    if last is not None:  # like a notebook cell: the value of a final expression is shown
-        value = eval(compile(ast.Expression(last.value), "<tool>", "eval"), namespace)
-        if value is not None:
-            print(repr(value))
-except BaseException as e:  # the traceback from the tool's own code on (none of this runner's frames)
-    import traceback
-    tb = e.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename != "<tool>":
-        tb = tb.tb_next
-    lines = (traceback.format_exception(type(e), e, tb) if tb is not None
-             else traceback.format_exception_only(type(e), e))
-    sys.stdout.flush()
-    sys.stderr.write("".join(lines))
-    sys.exit(1)
-'''
-
-
 def python(code: str, box: "Toolbox") -> Result:
     """The built-in python tool: `code` in a fresh interpreter process (its own session, so the whole process
-    group is killed at the end), in a scratch folder of its own that is removed afterwards, with an address-
-    space limit, a CPU-time and a wall-clock limit, no fork/exec/kill, no writes outside the scratch folder
-    and no reads of the run folder (an audit hook: a guard against accidents, not a security boundary
-    against hostile code: run untrusted models in a container). Output (stdout and stderr) beyond a few times
-    the kept length is not read; errors, time-outs and signals come back as the output."""
+    group is killed at the end) confined as --tool_sandbox says (rlmini/sandbox.py: namespaces, Landlock,
+    seccomp, rlimits), in a scratch folder of its own that is removed afterwards, with address-space, CPU-time
+    and wall-clock limits. Output (stdout and stderr) beyond a few times the kept length is not read; errors,
+    time-outs, signals and the kernel's refusals come back as the output."""
+    plan = sandbox.plan(box.sandbox)  # probed once per process, before the first call's clock starts
     start = time.perf_counter()
-    scratch = tempfile.mkdtemp(prefix="rlmini-tool-")
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": scratch, "TMPDIR": scratch,
-           "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-           "MKL_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "RLMINI_TOOL_MEMORY": str(box.memory_mb << 20),
-           "RLMINI_TOOL_CPU": str(math.ceil(box.timeout) + 1),
-           "RLMINI_TOOL_FORBIDDEN": os.pathsep.join(os.path.realpath(f) for f in box.forbidden)}
+    scratch = tempfile.mkdtemp(prefix="call-", dir=box.scratch_root or sandbox.scratch_parent(""))
+    config = sandbox.call_config(plan, scratch, box.memory_mb, box.timeout, box.forbidden)
     cap = 4 * box.output_chars + 4096  # bytes read at most: megabytes of output are never held
-    chunks, size, timed_out = [], 0, False
     try:
-        proc = subprocess.Popen([sys.executable, "-I", "-c", _RUNNER], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=scratch, env=env,
-                                start_new_session=True)
-        try:
-            proc.stdin.write(code.encode("utf-8", "replace"))
-            proc.stdin.close()
-        except BrokenPipeError:
-            pass
-        fd, deadline = proc.stdout.fileno(), start + box.timeout
-        while True:
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                timed_out = True
-                break
-            if not select.select([fd], [], [], left)[0]:
-                continue
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            chunks.append(chunk[:max(cap - size, 0)])
-            size += len(chunk)
-            if size >= cap:  # enough to show: the rest is not read
-                break
-        _kill_group(proc)
-        proc.stdout.close()
-        status = proc.wait()
+        out, size, status, timed_out = sandbox.run(code, config, box.timeout, cap)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    text = b"".join(chunks).decode("utf-8", "replace")
+        sandbox.remove_tree(scratch)
+    text = out.decode("utf-8", "replace")
     seconds = time.perf_counter() - start
     if timed_out or status == -signal.SIGXCPU:  # the wall clock, or the CPU-time limit behind it
         return Result(_cut(text, box.output_chars) + "\n" + _timeout_text(box), True, True, seconds)
@@ -176,13 +92,6 @@ def python(code: str, box: "Toolbox") -> Result:
                       seconds)
     return Result(_cut(text, box.output_chars, size if size >= cap else None),
                   status not in (0, None) and size < cap, False, seconds)
-
-
-def _kill_group(proc) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the process and anything it started in its session
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _cut(text: str, chars: int, size: int | None = None) -> str:
@@ -249,7 +158,6 @@ SCHEMAS = {
 def make_toolbox(args, run_dir: str = "", style: str = "tiny", tokenizer=None):
     """The run's Toolbox from --tools (python, calculator, module:function for the user's own; empty: none)
     and the --tool_* options; None without tools. Chat format: the template must render tool definitions."""
-    from rewards import DataError, import_function
     names = [x.strip() for x in args.tools.split(",") if x.strip()]
     if not names:
         return None
@@ -266,7 +174,17 @@ def make_toolbox(args, run_dir: str = "", style: str = "tiny", tokenizer=None):
         if args.tool_format == "chat":
             schemas.append(_schema(name, fn, item))
     box = Toolbox(tools, args.tool_format, args.max_turns, args.tool_timeout, args.tool_memory_mb,
-                  args.tool_output_chars, args.tool_workers, [run_dir] if run_dir else [], schemas)
+                  args.tool_output_chars, args.tool_workers, [run_dir] if run_dir else [], schemas,
+                  sandbox=args.tool_sandbox)
+    if python in tools.values():  # the confinement, said in one line, before any call runs
+        if run_dir:
+            sandbox.check_run_dir(run_dir)
+        plan = sandbox.plan(args.tool_sandbox)
+        if dist.rank() == 0:
+            one = " in one process" if plan["mode"] != "none" else ""
+            limits = f"a call: {args.tool_memory_mb} MiB of memory{one}, {args.tool_timeout:g} s"
+            print(f"{plan['line']}; {limits}", file=sys.stderr, flush=True)
+        box.scratch_root = sandbox.scratch_parent(run_dir, dist.rank())
     if args.tool_format == "chat":
         if style != "chat" or not getattr(tokenizer, "chat_template", None):
             raise SystemExit("--tool_format chat: the model has no chat template (the built-in tiny model "
@@ -333,7 +251,17 @@ def run_calls(box: Toolbox, calls: list) -> list:
     deadline = time.perf_counter() + math.ceil(len(calls) / box.workers) * (box.timeout + 1) + 1
     for t in threads:
         t.join(timeout=max(0.0, deadline - time.perf_counter()))
-    return [r if r is not None else Result(_timeout_text(box), True, True, box.timeout) for r in results]
+    results = [r if r is not None else Result(_timeout_text(box), True, True, box.timeout) for r in results]
+    return [Result(clean_output(r.text), r.error, r.timed_out, r.seconds) for r in results]
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def clean_output(text: str) -> str:
+    """A tool's output as plain text: each control character but tab and line feed is written out as \\xNN
+    (carriage returns, ANSI escapes, NUL reach the model as what they are, never as controls)."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 # ---------------------------------------------------------------------------------------------- call formats
@@ -408,7 +336,6 @@ def generate(engine, box, tokenizer, prompt_ids: list, n: int, max_new_tokens: i
     cache), with what is left of the length budget. Returns Rollouts with policy_mask and tool_stats."""
     if box is None:
         return engine.generate(prompt_ids, n, max_new_tokens, temperature, seed)
-    from rlmini.data import Rollouts  # data imports this module
     B = len(prompt_ids) * n
     prompts = [list(prompt_ids[i // n]) for i in range(B)]
     ids, logps, masks = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]
@@ -431,7 +358,7 @@ def generate(engine, box, tokenizer, prompt_ids: list, n: int, max_new_tokens: i
             masks[i] += [1] * len(toks)
             stats[i]["turns"] += 1
             finished[i] = r.finished[k]
-            found = _calls(box, tokenizer, prompts[i], ids[i], toks, r.finished[k])
+            found = _calls(box, tokenizer, prompts[i], ids[i], masks[i], toks, r.finished[k])
             if not found:
                 continue
             if turn + 1 == box.max_turns:  # the turn limit: the call is not run, the trajectory ends
@@ -464,14 +391,21 @@ def generate(engine, box, tokenizer, prompt_ids: list, n: int, max_new_tokens: i
     return Rollouts(prompts, ids, logps, finished, engine.pad_id, masks, stats)
 
 
-def _calls(box, tokenizer, prompt: list, ids: list, turn: list, ended: bool) -> list:
+def _calls(box, tokenizer, prompt: list, ids: list, mask: list, turn: list, ended: bool) -> list:
     """The calls a turn ends with: code format, at most one (the turn stopped at ```output); chat format,
     every <tool_call> of a turn the model ended itself."""
     if box.fmt == "code":
         if ended or OUTPUT_MARK not in tokenizer.decode(turn[-len(OUTPUT_MARK) - 2:]):
             return []
-        # the block may open in the prompt or an earlier turn: the text up to here, for parsing only
-        call = parse_code_call(tokenizer.decode(prompt + ids))
+        # the block may open in the prompt or an earlier turn: the prompt and the policy's turns, for parsing
+        # only (a block a tool printed is never run)
+        runs, start = [], 0
+        for k in range(1, len(ids) + 1):
+            if k == len(ids) or mask[k] != mask[start]:
+                runs += [ids[start:k]] if mask[start] else []
+                start = k
+        text = "\n".join([tokenizer.decode(prompt + runs[0])] + [tokenizer.decode(r) for r in runs[1:]])
+        call = parse_code_call(text)
         return [call] if call is not None else []
     if not ended or tokenizer.decode(turn[-1:]) != box.turn_end:  # another EOS ends the trajectory
         return []
@@ -479,27 +413,34 @@ def _calls(box, tokenizer, prompt: list, ids: list, turn: list, ended: bool) -> 
 
 
 def _response_ids(box, tokenizer, results: list) -> list:
-    """The tool output's tokens, tokenised once and appended after the sampled ones."""
+    """The tool output's tokens, tokenised once and appended after the sampled ones. A tool's text is only
+    ever text: a special token's string in it (`<|im_end|>`, `</s>`) is tokenised as ordinary characters, so
+    it cannot end a turn or open a role; in the chat format only the template's own parts are special."""
     if box.fmt == "code":
         text = "\n" + "\n".join(t for _, t in results).rstrip("\n") + "\n```\n"
-    else:
-        text = turn_suffix(tokenizer, box, results, box.turn_end)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+        return _text_ids(tokenizer, text)
+    marks = [f"rlmini-tool-output-{k}-{secrets.token_hex(8)}" for k in range(len(results))]
+    rendered = turn_suffix(tokenizer, box, [(name, m) for (name, _), m in zip(results, marks)], box.turn_end)
+    pieces = re.split("(" + "|".join(marks) + ")", rendered)
+    if [p for p in pieces if p in marks] != marks:  # the template rewrites a message's text: defuse instead
+        specials = set(tokenizer.all_special_tokens) | set(getattr(tokenizer, "added_tokens_encoder", {}))
+        safe = [(name, _defuse(text, sorted(specials, key=len, reverse=True))) for name, text in results]
+        text = turn_suffix(tokenizer, box, safe, box.turn_end)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids, texts = [], dict(zip(marks, (t for _, t in results)))
+    for piece in pieces:
+        ids += (_text_ids(tokenizer, texts[piece]) if piece in texts
+                else tokenizer(piece, add_special_tokens=False)["input_ids"]) if piece else []
+    return ids
 
 
-def turns_text(tokenizer, ids: list, mask: list) -> list:
-    """[{"role": "policy" | "tool", "text"}] of a trajectory, its runs of policy and tool tokens in order
-    (--log_completions)."""
-    out, start = [], 0
-    for k in range(1, len(ids) + 1):
-        if k == len(ids) or mask[k] != mask[start]:
-            out.append({"role": "policy" if mask[start] else "tool",
-                        "text": tokenizer.decode(ids[start:k], skip_special_tokens=True)})
-            start = k
-    return out
+def _text_ids(tokenizer, text: str) -> list:
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
 
-def policy_text(tokenizer, ids: list, mask: list) -> str:
-    """What a verifier reads: the policy's own turns joined by line breaks (tool output left out, so that a
-    tool cannot write the answer)."""
-    return "\n".join(t["text"] for t in turns_text(tokenizer, ids, mask) if t["role"] == "policy")
+def _defuse(text: str, specials: list) -> str:
+    """A special token's string broken by a word joiner (U+2060) after its first character."""
+    for s in specials:
+        if len(s) > 1:
+            text = text.replace(s, s[0] + "\u2060" + s[1:])
+    return text

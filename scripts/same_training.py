@@ -137,10 +137,10 @@ def weights_fingerprint(run_dir: str) -> dict:
         path = os.path.join(tempfile.mkdtemp(), "converted.pt")
         dcp_to_torch_save(os.path.join(run_dir, "checkpoint"), path)
         meta = torch.load(os.path.join(run_dir, "checkpoint", "meta.pt"), map_location="cpu",
-                          weights_only=False)
-        state = {**torch.load(path, map_location="cpu", weights_only=False), **meta}
+                          weights_only=True)
+        state = {**torch.load(path, map_location="cpu", weights_only=True), **meta}
     else:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     state.pop("args", None)
     out.update(fingerprint(state, "checkpoint"))
     for folder, _, files in os.walk(os.path.join(run_dir, "final")):

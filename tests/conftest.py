@@ -12,9 +12,24 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import rewards  # noqa: E402
-from rlmini import models, runlog  # noqa: E402
+from rlmini import models, runlog, sandbox  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def tool_sandbox() -> str:
+    """--tool_sandbox for tests that run the python tool: auto where the machine confines it (Landlock and
+    seccomp), else none (the audit hook), where tests/test_sandbox.py says in its skips what is missing."""
+    if not TOOL_SANDBOX:
+        try:
+            sandbox.plan("auto")
+            TOOL_SANDBOX.append("auto")
+        except SystemExit:
+            TOOL_SANDBOX.append("none")
+    return TOOL_SANDBOX[0]
+
+
+TOOL_SANDBOX = []
 
 
 def read_metrics(run_dir):

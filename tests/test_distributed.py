@@ -15,7 +15,7 @@ import torch
 import common
 import train_grpo
 import train_ppo
-from conftest import ROOT
+from conftest import ROOT, tool_sandbox
 from rlmini import dist, engine, runlog
 from test_train_grpo import _rows_without_timing, _same
 
@@ -39,8 +39,10 @@ RUNS = [  # each exercises a statistic defined over the batch, or a path that sy
                                   "--gradient_checkpointing", "true", *OWN_REWARD]),
     # multi-turn: tool tokens masked, turns synchronised across ranks, tools/* over the global batch
     ("grpo-tools", "train_grpo",
-     BATCH + ["--task", "modmul", "--tools", "python", "--loss_agg", "token-mean"]),
-    ("ppo-tools", "train_ppo", BATCH + ["--task", "modmul", "--tools", "python", "--gamma", "0.9"]),
+     BATCH + ["--task", "modmul", "--tools", "python", "--loss_agg", "token-mean", "--tool_sandbox",
+              tool_sandbox()]),
+    ("ppo-tools", "train_ppo", BATCH + ["--task", "modmul", "--tools", "python", "--gamma", "0.9",
+                                        "--tool_sandbox", tool_sandbox()]),
 ]
 RESUME = [  # on 2 ranks: 4 steps straight, and 2 steps + resume to 4 (HA-DW's anchor, PPO's critic)
     (f"{name}-{part}", script, BATCH[2:] + ["--steps", steps, "--save_every", "2", *resume, *extra])

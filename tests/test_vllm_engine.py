@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import common
+from conftest import tool_sandbox
 from rlmini import checkpoint as ckpt
 from rlmini import engine, logprobs, packing
 
@@ -259,7 +260,7 @@ def test_multi_turn_tool_rollouts_on_vllm(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import rewards
-    from rlmini import models, tools
+    from rlmini import data, models, tools
     task = rewards.load_task("modmul")
     path = models.build_tiny_model(task.alphabet)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -267,7 +268,7 @@ def test_multi_turn_tool_rollouts_on_vllm(tmp_path):
     sampler = engine.make_engine(common.Args(engine="vllm", seed=0), path, model, tok, CPU, torch.float32,
                                  max_len=64)
     _KEPT.append(sampler)
-    box = tools.Toolbox({"python": tools.python}, max_turns=3)
+    box = tools.Toolbox({"python": tools.python}, max_turns=3, sandbox=tool_sandbox())
     prompts = [tok(e["prompt"], add_special_tokens=False)["input_ids"] for e in task.train[:8]]
     r = tools.generate(sampler, box, tok, prompts, 4, 16, 1.0, seed=5)
     assert sum(s["calls"] for s in r.tool_stats) > 0 and max(map(len, r.completion_ids)) <= 16
@@ -278,7 +279,7 @@ def test_multi_turn_tool_rollouts_on_vllm(tmp_path):
     torch.testing.assert_close(theirs, ours, atol=LOGPROB_TOL, rtol=0)
     mark = tok(tools.OUTPUT_MARK, add_special_tokens=False)["input_ids"]
     for ids, m, s in zip(r.completion_ids, r.policy_mask, r.tool_stats):
-        turns = tools.turns_text(tok, ids, m)
+        turns = data.turns_text(tok, ids, m)
         for k, t in enumerate(turns):  # a policy turn followed by tool output ended at the mark
             if t["role"] == "tool":
                 assert turns[k - 1]["text"].endswith(tools.OUTPUT_MARK)
