@@ -133,6 +133,7 @@ class Args:
     print_every: int = arg(10, "without a terminal (cluster job, nohup, CI): a line every N steps", ge=0)
     verbose: bool = arg(False, "show vLLM's warnings (most are hints the user cannot act on)")
     min_group_size: ClassVar[int] = 1  # scripts with a group baseline raise it to 2
+    trains: ClassVar[bool] = True  # eval.py's options sample only: --dtype float16 is allowed there
 
     def __post_init__(self):
         validate(self)
