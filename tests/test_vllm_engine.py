@@ -178,6 +178,9 @@ def test_vllm_on_cuda_takes_the_free_memory_and_a_ranks_whole_batch(monkeypatch)
     assert seen["gpu_memory_utilization"] == pytest.approx(48 / 80)
     assert seen["max_num_seqs"] == 256 and seen["max_num_batched_tokens"] == 16384
     assert seen["enable_sleep_mode"] and seen["dtype"] == "bfloat16"
+    assert seen["sleep_mode_offload_cudagraph"]  # asleep, the CUDA graphs leave the GPU too
+    import dataclasses
+    assert set(seen) <= {f.name for f in dataclasses.fields(vllm.EngineArgs)}  # every one is vLLM's
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1 * gib, 80 * gib))
     assert engine.vllm_memory_share(torch.device("cuda")) == 0.05
     args = common.Args(engine="vllm", vllm_gpu_memory_utilization=0.4)
