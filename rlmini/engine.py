@@ -190,12 +190,61 @@ def _start_vllm(args, path: str, device, dtype, max_len: int):
         kwargs.update(distributed_executor_backend="external_launcher")  # the default lands all on cuda:0
     try:
         llm = vllm.LLM(**kwargs)
-    except Exception as e:  # an architecture or a shape this vLLM build cannot run
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+    except Exception as e:  # too little memory for vLLM's share, or an architecture this build cannot run
+        short = lambda x: str(x).strip().splitlines()[0][:300] if str(x).strip() else ""  # noqa: E731
+        memory = _out_of_memory(e)
+        if memory is not None:
+            raise SystemExit(_memory_failure(memory, short(memory).split(". ")[0], kwargs, device)) from None
         raise SystemExit(f"--engine vllm: vLLM {vllm.__version__} could not build {arch} from {path}: "
-                         f"{type(e).__name__}: {first}; use --engine hf") from None
+                         f"{type(e).__name__}: {short(e)}; use --engine hf") from None
     set_rng_state(saved)
     return llm
+
+
+# how vLLM 0.32 says that its start-up ran out of memory: what that means here, and what makes room
+_MEMORY_ERRORS = {
+    # vllm/v1/worker/utils.py::request_memory: the share is more than is free
+    "is less than desired GPU memory utilization": (
+        "less than the share is free at start (the trainer holds the rest)",
+        "lower --vllm_gpu_memory_utilization (0: what is free at start less 2 GiB)"),
+    # vllm/v1/core/kv_cache_utils.py::_check_enough_kv_cache_memory: weights, activations, graphs fill it
+    "No available memory for the cache blocks": (
+        "its weights, activations and CUDA graphs fill the share, leaving nothing for the KV cache",
+        "raise --vllm_gpu_memory_utilization"),
+    "To serve at least one request with the model's max seq len": (
+        "the KV cache left in the share cannot hold one sequence of max_model_len tokens",
+        "raise --vllm_gpu_memory_utilization"),
+    "CUDA out of memory": ("CUDA ran out of memory", "lower --vllm_gpu_memory_utilization"),
+}
+
+
+def _out_of_memory(e: BaseException):
+    """The exception in `e`'s chain that says vLLM's start-up ran out of memory (_MEMORY_ERRORS, torch's
+    OutOfMemoryError), or None."""
+    while e is not None:
+        if isinstance(e, torch.OutOfMemoryError) or any(m in str(e) for m in _MEMORY_ERRORS):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _memory_failure(e: BaseException, text: str, kwargs: dict, device) -> str:
+    """One line: vLLM could not start for lack of memory, its share in GiB, why, and the flags that make room.
+    """
+    oom = _MEMORY_ERRORS["CUDA out of memory"]  # torch's OutOfMemoryError
+    why, fix = next((v for m, v in _MEMORY_ERRORS.items() if m in str(e)), oom)
+    room = (f"shorter sequences (--max_new_tokens: max_model_len {kwargs['max_model_len']}), fewer at once "
+            f"(--prompts_per_step, --group_size: max_num_seqs {kwargs['max_num_seqs']}), less trainer memory "
+            f"(--lora_rank, more ranks)")
+    if device.type != "cuda":
+        space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "?")
+        return (f"--engine vllm: vLLM could not start: not enough memory for its KV cache "
+                f"(VLLM_CPU_KVCACHE_SPACE={space} GiB): {why} (vLLM: {text}); raise VLLM_CPU_KVCACHE_SPACE, "
+                f"or {room}")
+    share, total = kwargs["gpu_memory_utilization"], torch.cuda.mem_get_info(device)[1]
+    return (f"--engine vllm: vLLM could not start: not enough GPU memory for gpu_memory_utilization="
+            f"{share:.3g} ({share * total / 2**30:.1f} GiB of {total / 2**30:.1f} GiB): {why} "
+            f"(vLLM: {text}); {fix}, or {room}")
 
 
 def _vllm_lora(args) -> bool:

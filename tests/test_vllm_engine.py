@@ -1,6 +1,7 @@
 """vLLM in-process: sampler log-probs agree with the trainer, weight pushes take effect, and a
 push that silently does nothing is caught."""
 import copy
+import re
 
 import pytest
 import torch
@@ -186,6 +187,64 @@ def test_vllm_on_cuda_takes_the_free_memory_and_a_ranks_whole_batch(monkeypatch)
     args = common.Args(engine="vllm", vllm_gpu_memory_utilization=0.4)
     engine._start_vllm(args, path, torch.device("cuda"), torch.bfloat16, 4096)
     assert seen["gpu_memory_utilization"] == 0.4
+
+
+def _vllm_errors():
+    """vLLM 0.32's own start-up errors, raised by the functions that raise them, and torch's CUDA one."""
+    import types
+
+    from vllm.v1.core.kv_cache_utils import _check_enough_kv_cache_memory
+    from vllm.v1.worker.utils import request_memory
+    gib, at = 2**30, types.SimpleNamespace
+    snapshot = at(total_memory=80 * gib, free_memory=50 * gib, device_="cuda:0")
+    raising = {"free": lambda: request_memory(snapshot, at(gpu_memory_utilization=0.9)),
+               "none": lambda: _check_enough_kv_cache_memory(0, lambda: gib, 4096, lambda m: 0),
+               "one": lambda: _check_enough_kv_cache_memory(gib, lambda: 3 * gib, 4096, lambda m: 1024)}
+    for name, call in raising.items():
+        with pytest.raises(ValueError) as e:
+            call()
+        yield name, e.value
+    try:  # the in-process engine may wrap it
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    except torch.OutOfMemoryError as cause:
+        try:
+            raise RuntimeError("Engine core initialization failed") from cause
+        except RuntimeError as wrapped:
+            yield "cuda", wrapped
+
+
+def test_a_vllm_start_up_without_memory_says_so_and_names_the_share(monkeypatch):
+    """vLLM failing to start for lack of memory (a test double raising vLLM's own errors) stops the run in one
+    line that says so, gives the share in GiB and the flags that make room, instead of "could not build ...
+    use --engine hf", which stays for what is not about memory."""
+    import vllm
+
+    import rewards
+    from rlmini.models import build_tiny_model
+    path = build_tiny_model(rewards.load_task("addition").alphabet)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (50 * 2**30, 80 * 2**30))
+    args = common.Args(engine="vllm", prompts_per_step=32, group_size=8, vllm_gpu_memory_utilization=0.6)
+    raise_, lower = r"raise --vllm_gpu_memory_utilization", r"lower --vllm_gpu_memory_utilization"
+    why = {"free": r"less than the share is free at start .*\(vLLM: Free memory on device cuda:0 .*\); "
+                   + lower + r" \(0: what is free at start less 2 GiB\)",
+           "none": r"nothing for the KV cache \(vLLM: No available memory for the cache blocks\); " + raise_,
+           "one": r"max_model_len tokens \(vLLM: To serve at least one request .*\(1.0 GiB\)\); " + raise_,
+           "cuda": r"CUDA ran out of memory \(vLLM: CUDA out of memory\); " + lower}
+    room = (r", or shorter sequences \(--max_new_tokens: max_model_len 4096\), fewer at once "
+            r"\(--prompts_per_step, --group_size: max_num_seqs 256\), less trainer memory")
+    for name, error in _vllm_errors():
+        monkeypatch.setattr(vllm, "LLM", lambda error=error, **kw: (_ for _ in ()).throw(error))
+        with pytest.raises(SystemExit) as stop:
+            engine._start_vllm(args, path, torch.device("cuda"), torch.bfloat16, 4096)
+        line = str(stop.value)
+        assert "\n" not in line and "use --engine hf" not in line, line
+        start = r"^--engine vllm: vLLM could not start: not enough GPU memory for gpu_memory_utilization=0.6 "
+        assert re.search(start + r"\(48.0 GiB of 80.0 GiB\): .*" + why[name] + room, line), line
+    other = ValueError("no kernel for this shape")
+    monkeypatch.setattr(vllm, "LLM", lambda **kw: (_ for _ in ()).throw(other))
+    with pytest.raises(SystemExit, match="could not build .* no kernel for this shape; use --engine hf"):
+        engine._start_vllm(args, path, torch.device("cuda"), torch.bfloat16, 4096)
 
 
 def test_the_push_check_is_calibrated_on_a_completion_vllm_sampled(vllm_setup, monkeypatch):
