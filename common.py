@@ -121,7 +121,8 @@ class Args:
                                                   "start less 2 GiB (engine.vllm_memory_share)", ge=0, le=1)
     vllm_seed: Literal["request", "engine"] = arg(
         "request", "vLLM sampling seeds: per request (each prompt's samples fixed by seed, step and index; "
-                   "vLLM samples them one by one) or one engine stream (batched; one process only)")
+                   "vLLM's V1 runner samples them one by one) or one engine stream (the process's RNG: "
+                   "torch's, NumPy's under vLLM's V2 runner; one process only)")
     vllm_sleep: bool = arg(True, "CUDA only: free vLLM's memory (sleep level 2) while the trainer updates")
     push_check_every: int = arg(10, "check vLLM against the trainer on a probe every N steps (0 = off)", ge=0)
     push_check_tol: float = arg(0.0, "mean |logprob diff| allowed on the probe; 0 = by dtype", ge=0)

@@ -302,15 +302,19 @@ class VLLMEngine:
 
     def generate(self, prompt_ids: list, n: int, max_new_tokens, temperature: float, seed: int, stop=None):
         """n completions per prompt. --vllm_seed request: fixed by `seed` and the prompt's index, whatever
-        else runs (vLLM then samples each request with its own generator, one by one); engine: drawn in one
-        batch from the engine's stream (the process's torch RNG, seeded by --seed, saved in checkpoints), so
-        they depend on everything sampled before in the run (evaluation included) and on how requests batch.
-        `max_new_tokens`: one budget or one per prompt; `stop`: stop strings, kept in the output."""
+        else runs (vLLM's V1 runner then samples each request with its own generator, one by one); engine:
+        drawn from the process's RNG, seeded by --seed and saved in checkpoints (rlmini/data.py::rng_state):
+        torch's in the V1 runner (CPU, and CUDA without Triton), NumPy's in the V2 runner (CUDA's default in
+        vLLM 0.32), which gives each request a seed from it; so they depend on everything sampled before in
+        the run (evaluation included) and on how requests batch. `max_new_tokens`: one budget or one per
+        prompt; `stop`: stop strings, kept in the output."""
         from vllm import SamplingParams
         if self.asleep:
             raise EngineStateError("generate() on a sleeping vLLM engine: sleep level 2 discarded its "
                                    "weights; push() restores them and wakes it")
-        # with n > 1 vLLM gives child i the seed + i, so requests are spaced by n
+        # with n > 1 vLLM gives child i the seed + i, so requests are spaced by n; no seed: the V2 runner
+        # draws one from NumPy (vllm/v1/worker/gpu/sample/states.py::SamplingStates.add_request), the V1
+        # runner samples with torch's RNG (vllm/v1/sample/ops/topk_topp_sampler.py::random_sample)
         budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompt_ids)
         params = [SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0, max_tokens=budgets[i],
                                  logprobs=0, stop=stop, include_stop_str_in_output=bool(stop),

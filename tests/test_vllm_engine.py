@@ -60,17 +60,41 @@ def test_per_request_seeds_reproduce(vllm_setup, monkeypatch):
     assert a.completion_ids == b.completion_ids != c.completion_ids
 
 
-def test_the_engine_seed_is_one_stream_the_process_rng(vllm_setup, monkeypatch):
-    """--vllm_seed engine: samples come from one stream, the process's torch RNG, which a checkpoint saves
-    and a resume restores: the same RNG state gives the same samples; the stream moves on."""
+def test_the_engine_seed_is_one_stream_the_checkpoints_rng(vllm_setup, monkeypatch):
+    """--vllm_seed engine: samples come from one stream, the process's RNG, which a checkpoint saves and a
+    resume restores (rlmini/data.py::rng_state): the same RNG state gives the same samples; the stream moves
+    on. vLLM's V1 runner (here: no Triton on CPU) samples with torch's RNG; its V2 runner (CUDA's default)
+    gives each request a seed drawn from NumPy's (its SamplingStates, with a CPU stand-in for its pinned
+    buffers): saved and restored alike, and torch's RNG plays no part there."""
+    from vllm import SamplingParams
+    from vllm.v1.worker.gpu.sample import states
+
+    from rlmini import data
     sampler, _, _, prompts = vllm_setup
     monkeypatch.setattr(sampler, "seed_per_request", False)
-    torch.manual_seed(5)
+    saved = data.rng_state()
     a = sampler.generate(prompts, 4, 4, 1.0, 0)
     b = sampler.generate(prompts, 4, 4, 1.0, 0)
-    torch.manual_seed(5)
+    data.set_rng_state(saved)
     c = sampler.generate(prompts, 4, 4, 1.0, 0)
     assert a.completion_ids == c.completion_ids != b.completion_ids
+
+    class Buffer:  # UvaBackedTensor without CUDA's pinned memory
+        def __init__(self, n, dtype):
+            self.gpu = torch.zeros(n, dtype=dtype)
+            self.np = self.gpu.numpy()
+
+        def copy_to_uva(self):
+            pass
+    monkeypatch.setattr(states, "UvaBackedTensor", Buffer)
+    v2 = states.SamplingStates(max_num_reqs=4, vocab_size=16)
+    saved = data.rng_state()
+    for i in range(3):
+        v2.add_request(i, SamplingParams(temperature=1.0))
+    data.set_rng_state(saved)
+    torch.manual_seed(123)  # not NumPy's: no effect
+    v2.add_request(3, SamplingParams(temperature=1.0))
+    assert v2.seeds.np[3] == v2.seeds.np[0] and len(set(v2.seeds.np[:3].tolist())) == 3
 
 
 def test_push_changes_samples_and_passes_the_probe(vllm_setup):
