@@ -256,6 +256,6 @@ def test_evaluation_samples_in_float16_which_training_refuses(tmp_path, monkeypa
     seen, make = [], engine.make_engine
     monkeypatch.setattr(engine, "make_engine", lambda args, path, model, tok, device, dtype, max_len:
                         seen.append(dtype) or make(args, path, model, tok, device, dtype, max_len))
-    result = ev.cmd_evaluate(["--task", "addition", "--n", "2", "--k", "1,2", "--limit", "3", "--engine", "hf",
-                              "--max_new_tokens", "4", "--dtype", "float16", "--out", str(tmp_path)])
+    result = ev.cmd_evaluate(["--task", "addition", "--n", "2", "--k", "1,2", "--limit", "3", "--engine",
+                              "hf", "--max_new_tokens", "4", "--dtype", "float16", "--out", str(tmp_path)])
     assert seen == [torch.float16] and result["questions"] == 3
