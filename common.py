@@ -123,7 +123,8 @@ class Args:
                                                   "plan leaves it (memplan.plan_run)", ge=0, le=1)
     vllm_seed: Literal["request", "engine"] = arg(
         "request", "vLLM sampling seeds: per request (each prompt's samples fixed by seed, step and index; "
-                   "vLLM samples them one by one) or one engine stream (batched; one process only)")
+                   "vLLM's V1 runner samples them one by one) or one engine stream (the process's RNG: "
+                   "torch's, NumPy's under vLLM's V2 runner; one process only)")
     vllm_sleep: bool = arg(True, "CUDA only: free vLLM's memory (sleep level 2) while the trainer updates")
     push_check_every: int = arg(10, "check vLLM against the trainer on a probe every N steps (0 = off)", ge=0)
     push_check_tol: float = arg(0.0, "mean |logprob diff| allowed on the probe; 0 = by dtype", ge=0)
@@ -135,6 +136,7 @@ class Args:
     print_every: int = arg(10, "without a terminal (cluster job, nohup, CI): a line every N steps", ge=0)
     verbose: bool = arg(False, "show vLLM's warnings (most are hints the user cannot act on)")
     min_group_size: ClassVar[int] = 1  # scripts with a group baseline raise it to 2
+    trains: ClassVar[bool] = True  # eval.py's options sample only: --dtype float16 is allowed there
 
     def __post_init__(self):
         validate(self)
@@ -493,7 +495,9 @@ def hadw_reweight(rewards, advantages, state, args):
 class StepStats:
     """A step's diagnostics: token-weighted sums over its micro-batches (then over ranks, in check_sampler)
     and its optimizer steps. The metrics they become are named here and in step_metrics, once for every
-    script."""
+    script. The sums stay on the device in float64 (each value adds as .item() would give it, so the totals
+    are the same to the bit) until check_sampler copies them to the host at once: on CUDA every .item() is a
+    host sync, and add() would cost about ten per micro-batch."""
 
     def __init__(self):
         names = ["loss/policy", "clip_frac", "kl", "kl/old", "entropy", "logprob/sampler_diff", "is/mean",
@@ -502,29 +506,33 @@ class StepStats:
         self.tokens, self.updates, self.skipped, self.grad_norm, self.has_kl = 0.0, 0, 0, 0.0, False
         self.totals = {}
 
+    def _add(self, name: str, value) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + value.detach().double()
+
     def add(self, micro: Micro, loss, old, entropy, info: dict, is_info: dict, value_loss=None,
             value_clipped=None) -> None:
         """One micro-batch: its loss (this rank's share), pi_old and the entropies of its tokens, the
         surrogate's `info` (clipped, ratio, kl), the rollout correction's `is_info`; PPO's value loss and
         clipped values."""
-        s, mask = self.sums, micro.mask
+        s, mask, add = self.sums, micro.mask, self._add
         s["perf/computed"] += micro.computed
         s["perf/padded"] += micro.padded
-        self.tokens += mask.sum().item()
-        s["loss/policy"] += loss.item() / world_size()  # this rank's share (FSDP2 averages)
-        s["clip_frac"] += (info["clipped"] * mask).sum().item()
+        self.tokens = self.tokens + mask.sum().double()
+        add("loss/policy", loss.detach().double() / world_size())  # this rank's share (FSDP2 averages)
+        add("clip_frac", (info["clipped"] * mask).sum())
         self.has_kl = self.has_kl or "kl" in info
-        s["kl"] += (info["kl"] * mask).sum().item() if "kl" in info else 0.0
+        if "kl" in info:
+            add("kl", (info["kl"] * mask).sum())
         log_r = torch.log(info["ratio"].clamp(min=1e-30))
-        s["kl/old"] += ((torch.exp(-log_r) + log_r - 1) * mask).sum().item()
+        add("kl/old", ((torch.exp(-log_r) + log_r - 1) * mask).sum())
         if micro.epoch == 0:  # once per rollout token: the sampler against pi_old
-            s["entropy"] += (entropy * mask).sum().item()
-            s["logprob/sampler_diff"] += ((micro.sampler_logp - old).abs() * mask).sum().item()
+            add("entropy", (entropy * mask).sum())
+            add("logprob/sampler_diff", ((micro.sampler_logp - old).abs() * mask).sum())
             for key, name in (("w", "is/mean"), ("changed", "is/clip_frac"), ("kl", "is/kl")):
-                s[name] += (is_info[key] * mask).sum().item()
+                add(name, (is_info[key] * mask).sum())
         if value_loss is not None:
-            s["value/loss"] = s.get("value/loss", 0.0) + value_loss.item() / world_size()
-            s["value/clip_frac"] = s.get("value/clip_frac", 0.0) + value_clipped.sum().item()
+            add("value/loss", value_loss.detach().double() / world_size())
+            add("value/clip_frac", value_clipped.sum())
 
 
 def check_sampler(run, batch: Batch, stats: StepStats) -> None:

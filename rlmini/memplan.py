@@ -12,7 +12,8 @@ Phases, per rank (the update runs with vLLM asleep, level 2; rollout and push wi
   over the ranks under FSDP2. The trainer materialises AdamW's state before vLLM starts (materialize_adamw).
 - update: persistent + gradients + the working copies (autocast's compute-dtype weights, or FSDP2's gathered
   units) + the saved activations of one micro-batch (--micro_batch_tokens) + the larger of the chunked LM
-  head's fp32 buffers and (checkpointing) one layer recomputed + what vLLM keeps asleep (its CUDA graphs).
+  head's fp32 buffers and (checkpointing) one layer recomputed; vLLM asleep keeps nothing on the GPU (its
+  CUDA graphs are offloaded too); with --vllm_sleep false it keeps its whole share.
 - rollout: persistent + vLLM's share (weights, KV cache, activations, CUDA graphs) + the CUDA context.
 - push: persistent + vLLM's weights (woken first) + one gathered parameter in transit, before its KV cache.
 """
@@ -25,7 +26,7 @@ import torch
 GiB = 2**30
 CONTEXT = 1.0 * GiB  # CUDA context and the NCCL/cuBLAS workspaces outside torch's allocator, per process
 VLLM_OVERHEAD = 1.5 * GiB  # vLLM's non-torch memory and the sampler's buffers beyond its profiled peak
-CUDAGRAPH = 1.0 * GiB  # vLLM's captured CUDA graphs (eager on CPU: none); see engine.py::_start_vllm
+CUDAGRAPH = 1.0 * GiB  # vLLM's captured CUDA graphs, inside its share while awake (eager on CPU: none)
 MIN_MARGIN = 2 * GiB  # the allocator's fragmentation and what no term above counts
 
 
@@ -161,7 +162,9 @@ def plan(c: dict, *, ranks: int = 1, compute_bytes: int = 2, tokens: int = 8192,
         graphs = vllm.get("cudagraph", CUDAGRAPH)
         v_min = v_weights + kv_min + v_act + graphs + VLLM_OVERHEAD
         v_want = v_weights + kv_need + v_act + graphs + VLLM_OVERHEAD
-        asleep = graphs if vllm.get("sleep", True) else None  # None: vLLM stays whole through the update
+        # asleep, its CUDA graphs go to host memory with the rest (engine.py::_start_vllm,
+        # sleep_mode_offload_cudagraph): nothing stays; without sleep vLLM stays whole through the update
+        asleep = 0.0 if vllm.get("sleep", True) else None
     push_extra = (4 + cb) * c["largest"]  # one parameter gathered in fp32 and cast for vLLM
     fixed, given = context + margin(gpu_bytes), share > 0
     if vllm and not given:  # what the trainer leaves free while vLLM is awake

@@ -43,10 +43,10 @@ def validate(args) -> None:
     if args.is_low > args.is_high:
         raise ValueError(f"--is_low {args.is_low} must not exceed --is_high {args.is_high}")
     if getattr(args, "vllm_seed", "request") == "engine" and int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        # the stream is each process's torch RNG: the same on every rank, and checkpoints keep rank 0's
+        # the stream is the process's RNG (torch's or NumPy's), the same on every rank; checkpoints: rank 0's
         raise ValueError("--vllm_seed engine: one process only (under torchrun every rank would draw the "
                          "same stream); use --vllm_seed request")
-    if args.dtype == "float16":  # fp16's 5-bit exponent flushes small gradients to 0 without a loss scaler
+    if args.dtype == "float16" and args.trains:  # fp16's 5-bit exponent flushes small gradients to 0 unscaled
         raise ValueError("--dtype float16: training in fp16 needs gradient scaling, which this trainer does "
                          "not do; use bfloat16 (eval.py samples in float16 if asked)")
 

@@ -250,21 +250,53 @@ def packed_attention(delegate):
 def _flex_attention(query, key, value, block_mask, scaling, softcap):
     """FlexAttention over the packed sequence ([1, heads, N, head_dim] in, [1, N, heads, head_dim] out):
     compiled on CUDA (a fused kernel: memory linear in N, blocks outside the mask skipped); eager elsewhere
-    (it materialises the scores: for tests)."""
+    (it materialises the scores: for tests). q and k are cast to v's dtype, as sdpa's autocast does: under
+    autocast the policy's rotary embedding leaves them fp32 against a bf16 v, the reference's are bf16, and
+    each mix would be one more compiled variant of the few that fit torch's recompile_limit."""
     from torch.nn.attention.flex_attention import flex_attention
-
-    def soft_cap(score, b, h, q, kv):  # Gemma 2's attention soft cap, as in its eager attention
-        return torch.tanh(score / softcap) * softcap
-    attend = _compiled_flex() if query.is_cuda else flex_attention
-    out = attend(query, key, value, score_mod=None if softcap is None else soft_cap, block_mask=block_mask,
-                 scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    backend = _FLEX["backend"]
+    attend = _compiled_flex(backend or "inductor") if query.is_cuda or backend else flex_attention
+    query, key = query.to(value.dtype), key.to(value.dtype)
+    try:
+        out = attend(query, key, value, block_mask=block_mask, scale=scaling,
+                     score_mod=None if softcap is None else _soft_cap(softcap, query.device),
+                     enable_gqa=query.shape[1] != key.shape[1])
+    except torch._dynamo.exc.FailOnRecompileLimitHit:
+        raise RuntimeError(f"FlexAttention needs more than torch._dynamo.config.recompile_limit = "
+                           f"{torch._dynamo.config.recompile_limit} compiled variants (this call: "
+                           f"{_variant(query, key, value)}); past it torch runs eager flex, which "
+                           f"materialises [N, N] scores: use --packed_attention rows") from None
     return out.transpose(1, 2)
 
 
 @functools.cache
-def _compiled_flex():
+def _soft_cap(softcap: float, device):
+    """Gemma 2's attention soft cap as a score_mod, as in its eager attention; one per cap, which is a tensor:
+    dynamo makes a float captured by a score_mod an unbacked symbol, and the grad pass fails to trace it."""
+    cap = torch.tensor(softcap, device=device)
+
+    def soft_cap(score, b, h, q, kv):
+        return torch.tanh(score / cap) * cap
+    return soft_cap
+
+
+_FLEX = {"backend": None}  # None: inductor on CUDA, eager elsewhere; tests count variants with their own
+
+
+def _variant(*tensors) -> str:
+    """What a compiled variant is keyed on besides the model: grad mode, dtypes, the length (one block or
+    more: dynamo specialises a dimension of size 1)."""
+    grad = "grad" if torch.is_grad_enabled() and any(t.requires_grad for t in tensors) else "no-grad"
+    dtypes = "/".join(str(t.dtype).removeprefix("torch.") for t in tensors)
+    return f"{grad}, q/k/v {dtypes}, {tensors[0].shape[2]} tokens"
+
+
+@functools.cache
+def _compiled_flex(backend):
     from torch.nn.attention.flex_attention import flex_attention
-    return torch.compile(flex_attention, dynamic=True)  # the packed length changes every micro-batch
+    # dynamic: the packed length changes every micro-batch; fullgraph: past recompile_limit dynamo raises
+    # instead of running flex eagerly (torch/_dynamo/convert_frame.py::_compile: "fullgraph=True")
+    return torch.compile(flex_attention, dynamic=True, fullgraph=True, backend=backend)
 
 
 def _softcapped_attention(q, k, v, allowed, scaling, softcap):

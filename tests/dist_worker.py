@@ -7,7 +7,8 @@ RUNS_JSON is a list of {"name", "script", "argv"}; each run is a train_*.py main
 process. Generation is replaced by a deterministic double (tests/rollout_double.py): the completions of a
 prompt depend on the prompt's text alone, so the global batch is the same whatever the number of ranks and
 whichever rank samples it. Every gradient clip call (the policy's, then PPO's critic's) records the flattened
-gradient it is given, before clipping, into OUT/<name>.rank<r>.pt.
+gradient it is given, before clipping, into OUT/<name>.rank<r>.pt. Then dist.top_share_threshold of fixed
+values split unevenly over the ranks (one rank may hold none) goes to OUT/thresholds.rank<r>.json.
 """
 import importlib
 import json
@@ -42,3 +43,11 @@ for spec in runs:
     argv = ["--out_dir", out_dir, "--run_name", spec["name"], "--wandb", "false", "--engine", "hf"]
     importlib.import_module(spec["script"]).main(argv + spec["argv"])
     torch.save(list(recorded), os.path.join(out_dir, f"{spec['name']}.rank{dist.rank()}.pt"))
+
+values = torch.rand(1000, generator=torch.Generator().manual_seed(0)).round(decimals=2)  # ties too
+cuts = {1: [(0, 1000)], 2: [(0, 300), (300, 1000)]}[dist.world_size()]
+mine = values[slice(*cuts[dist.rank()])]
+last = [values] if dist.rank() == dist.world_size() - 1 else []  # all on the last rank, none elsewhere
+thresholds = {f"{share}/{case}": dist.top_share_threshold(parts, share) for share in (0.2, 0.37, 1.0, 1e-4)
+              for case, parts in (("split", [mine[:50], mine[50:]]), ("one rank", last))}
+json.dump(thresholds, open(os.path.join(out_dir, f"thresholds.rank{dist.rank()}.json"), "w"))

@@ -233,3 +233,41 @@ def test_the_engine_seed_stream_is_refused_under_torchrun(monkeypatch):
     with pytest.raises(SystemExit, match="--vllm_seed engine: one process only"):
         common.parse_args(train_grpo.Args, ["--vllm_seed", "engine"])
     common.parse_args(train_grpo.Args, [])  # the per-request default is fine
+
+
+def test_step_stats_stay_on_the_device_until_one_copy_per_step(monkeypatch):
+    """StepStats.add copies nothing to the host (each .item() is a host sync on CUDA; it made about ten per
+    micro-batch); check_sampler's all_sum copies every sum in one .tolist(). The totals are, to the bit, the
+    float64 sums of the values as .item() gives them, micro-batch by micro-batch."""
+    from rlmini.batches import Micro
+    g = torch.Generator().manual_seed(0)
+    micros, expected = [], {}
+    for epoch, rows in ((0, 3), (0, 2), (1, 3)):
+        mask = (torch.rand(rows, 5, generator=g) > 0.3).float()
+        layout = {"mask": mask}
+        micro = Micro(list(range(rows)), epoch, layout, mask, torch.randn(rows, 5, generator=g), 17, 2)
+        r = lambda: torch.rand(rows, 5, generator=g) + 0.5  # noqa: E731
+        values = dict(loss=torch.randn((), generator=g), old=torch.randn(rows, 5, generator=g), entropy=r(),
+                      info={"clipped": (r() > 1).float(), "ratio": r(), "kl": r()},
+                      is_info={"w": r(), "changed": (r() > 1).float(), "kl": r()},
+                      value_loss=torch.randn((), generator=g), value_clipped=(r() > 1).float() * mask)
+        micros.append((micro, values))
+        for name, x in (("tokens", mask.sum()), ("clip_frac", (values["info"]["clipped"] * mask).sum()),
+                        ("loss/policy", values["loss"]), ("value/clip_frac", values["value_clipped"].sum())):
+            expected[name] = expected.get(name, 0.0) + x.item()
+        if epoch == 0:
+            expected["entropy"] = expected.get("entropy", 0.0) + (values["entropy"] * mask).sum().item()
+    stats, copies = common.StepStats(), []
+    for method in ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy"):
+        real = getattr(torch.Tensor, method)
+        monkeypatch.setattr(torch.Tensor, method, lambda self, *a, _m=method, _real=real, **k:
+                            copies.append(_m) or _real(self, *a, **k))
+    for micro, v in micros:
+        stats.add(micro, v["loss"], v["old"], v["entropy"], v["info"], v["is_info"], v["value_loss"],
+                  v["value_clipped"])
+    assert copies == []
+    totals = common.all_sum({**stats.sums, "tokens": stats.tokens})
+    assert copies == ["tolist"]
+    monkeypatch.undo()
+    assert {k: totals[k] for k in expected} == expected  # bit for bit
+    assert totals["perf/computed"] == 51 and totals["perf/padded"] == 6

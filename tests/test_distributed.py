@@ -274,3 +274,17 @@ def test_vllm_under_torchrun_samples_from_the_pushed_shards(tmp_path):
     rows = runlog.read_metrics(str(tmp_path / "v" / "metrics.jsonl"))
     assert rows[0]["grad_norm"] > 0  # the policy moved, so a push that did nothing would show at step 2
     assert all(r["logprob/sampler_diff"] < 1e-4 for r in rows)
+
+
+def test_the_top_share_threshold_over_ranks_is_the_one_rank_value(one_and_two_ranks):
+    """--top_entropy_quantile's threshold from values split unevenly over 2 ranks (300 and 700; all on the
+    last rank, none on the other), gathered as tensors, equals exactly the 1-rank value of the same values."""
+    one, two = one_and_two_ranks
+    values = torch.rand(1000, generator=torch.Generator().manual_seed(0)).round(decimals=2)
+    t1 = json.load(open(one / "thresholds.rank0.json"))
+    for share in (0.2, 0.37, 1.0, 1e-4):
+        assert t1[f"{share}/split"] == t1[f"{share}/one rank"] == dist.top_share_threshold([values], share)
+    for r in (0, 1):
+        t2 = json.load(open(two / f"thresholds.rank{r}.json"))
+        for share in (0.2, 0.37, 1.0, 1e-4):
+            assert t2[f"{share}/split"] == t2[f"{share}/one rank"] == t1[f"{share}/split"], (r, share)

@@ -244,3 +244,18 @@ def test_cli_bad_input_gives_a_clear_error(argv, message):
     with pytest.raises(AssertionError, match=message) as e:
         run_script("eval.py", argv)
     assert "Traceback" not in str(e.value)
+
+
+def test_evaluation_samples_in_float16_which_training_refuses(tmp_path, monkeypatch):
+    """--dtype float16: the options check refuses it for training (no gradient scaler) and its message
+    points to eval.py, which samples in float16."""
+    import train_grpo
+    with pytest.raises(SystemExit, match="--dtype float16: training in fp16 needs gradient scaling"):
+        common.parse_args(train_grpo.Args, ["--dtype", "float16"])
+    from rlmini import engine
+    seen, make = [], engine.make_engine
+    monkeypatch.setattr(engine, "make_engine", lambda args, path, model, tok, device, dtype, max_len:
+                        seen.append(dtype) or make(args, path, model, tok, device, dtype, max_len))
+    result = ev.cmd_evaluate(["--task", "addition", "--n", "2", "--k", "1,2", "--limit", "3", "--engine",
+                              "hf", "--max_new_tokens", "4", "--dtype", "float16", "--out", str(tmp_path)])
+    assert seen == [torch.float16] and result["questions"] == 3

@@ -419,3 +419,50 @@ def test_flex_layout_is_linear_in_tokens():
     assert mask.kv_indices.numel() == ((n + 127) // 128) ** 2 < 1.1 * n  # N^2 / 128^2
     # the row sets for the same batch: one row of 8192 queries over 512 + 8192 keys
     assert 8192 * (512 + 8192) > 4000 * n
+
+
+def test_flex_compiles_few_known_variants_and_stops_past_the_limit(monkeypatch):
+    """The compiled FlexAttention of the CUDA path, counted on CPU with a counting (non-inductor) backend over
+    what a training step runs: the policy (fp32 weights under bf16 autocast: its q and k leave the rotary
+    embedding in fp32, v in bf16) with and without gradients, the reference in bf16, micro-batches of one
+    block of 128 tokens and of several, of varying lengths. q and k cast to v's dtype: 4 variants (grad or
+    not, one block or more), under torch's recompile_limit of 8; uncast, 6. Past the limit the run stops in
+    one line instead of running eager flex (N x N scores). Gemma 2's soft cap traces with gradients."""
+    import torch.nn.attention.flex_attention as flex
+    from torch._dynamo.testing import CompileCounter
+    monkeypatch.setattr(flex, "_validate_device", lambda *a: None)  # CPU refuses grad inputs before tracing
+    policy = qwen3()
+    models.prepare_for_training(policy, gradient_checkpointing=False, packing=True)
+    reference = copy.deepcopy(policy).to(torch.bfloat16).requires_grad_(False)
+    cpu = torch.device("cpu")
+    lengths = [(2, 3, 10, 12), (2, 3, 40, 60), (1, 2, 5, 3), (2, 2, 70, 90)]  # 53, 251, 8, 296 tokens
+    batches = [packing.make_batch(*micro_batch(n, g, p, seed=i, max_len=m), 0, cpu, kernel="flex")
+               for i, (n, g, p, m) in enumerate(lengths)]
+    assert [b["packed"]["computed"] <= 128 for b in batches] == [True, False, True, False]
+
+    def step(batch):
+        with models.autocast(cpu, torch.bfloat16):
+            with torch.no_grad():
+                logprobs.token_logprobs(policy, batch, 0.7)
+                logprobs.token_logprobs(reference, batch, 0.7)
+            logprobs.token_logprobs(policy, batch, 0.7, with_entropy=True)
+    torch._dynamo.reset()
+    try:
+        counter = CompileCounter()
+        monkeypatch.setitem(packing._FLEX, "backend", counter)
+        for batch in batches:
+            step(batch)
+        assert counter.frame_count == 4
+        torch._dynamo.reset()
+        monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 3)
+        monkeypatch.setitem(packing._FLEX, "backend", CompileCounter())
+        with pytest.raises(RuntimeError, match=r"recompile_limit = 3 compiled variants \(this call: grad, "
+                                               r"q/k/v bfloat16/bfloat16/bfloat16, 251 tokens\).*rows"):
+            for batch in batches:
+                step(batch)
+        torch._dynamo.reset()
+        layout = batches[1]["packed"]["rows"]
+        q, k, v = (torch.randn(1, h, layout.n, 8, requires_grad=True) for h in (4, 2, 2))
+        packing._flex_attention(q, k, v, layout.block_mask(), 0.25, 0.02)  # a float cap failed to trace
+    finally:
+        torch._dynamo.reset()

@@ -1,6 +1,7 @@
 """vLLM in-process: sampler log-probs agree with the trainer, weight pushes take effect, and a
 push that silently does nothing is caught."""
 import copy
+import re
 
 import pytest
 import torch
@@ -60,17 +61,41 @@ def test_per_request_seeds_reproduce(vllm_setup, monkeypatch):
     assert a.completion_ids == b.completion_ids != c.completion_ids
 
 
-def test_the_engine_seed_is_one_stream_the_process_rng(vllm_setup, monkeypatch):
-    """--vllm_seed engine: samples come from one stream, the process's torch RNG, which a checkpoint saves
-    and a resume restores: the same RNG state gives the same samples; the stream moves on."""
+def test_the_engine_seed_is_one_stream_the_checkpoints_rng(vllm_setup, monkeypatch):
+    """--vllm_seed engine: samples come from one stream, the process's RNG, which a checkpoint saves and a
+    resume restores (rlmini/data.py::rng_state): the same RNG state gives the same samples; the stream moves
+    on. vLLM's V1 runner (here: no Triton on CPU) samples with torch's RNG; its V2 runner (CUDA's default)
+    gives each request a seed drawn from NumPy's (its SamplingStates, with a CPU stand-in for its pinned
+    buffers): saved and restored alike, and torch's RNG plays no part there."""
+    from vllm import SamplingParams
+    from vllm.v1.worker.gpu.sample import states
+
+    from rlmini import data
     sampler, _, _, prompts = vllm_setup
     monkeypatch.setattr(sampler, "seed_per_request", False)
-    torch.manual_seed(5)
+    saved = data.rng_state()
     a = sampler.generate(prompts, 4, 4, 1.0, 0)
     b = sampler.generate(prompts, 4, 4, 1.0, 0)
-    torch.manual_seed(5)
+    data.set_rng_state(saved)
     c = sampler.generate(prompts, 4, 4, 1.0, 0)
     assert a.completion_ids == c.completion_ids != b.completion_ids
+
+    class Buffer:  # UvaBackedTensor without CUDA's pinned memory
+        def __init__(self, n, dtype):
+            self.gpu = torch.zeros(n, dtype=dtype)
+            self.np = self.gpu.numpy()
+
+        def copy_to_uva(self):
+            pass
+    monkeypatch.setattr(states, "UvaBackedTensor", Buffer)
+    v2 = states.SamplingStates(max_num_reqs=4, vocab_size=16)
+    saved = data.rng_state()
+    for i in range(3):
+        v2.add_request(i, SamplingParams(temperature=1.0))
+    data.set_rng_state(saved)
+    torch.manual_seed(123)  # not NumPy's: no effect
+    v2.add_request(3, SamplingParams(temperature=1.0))
+    assert v2.seeds.np[3] == v2.seeds.np[0] and len(set(v2.seeds.np[:3].tolist())) == 3
 
 
 def test_push_changes_samples_and_passes_the_probe(vllm_setup):
@@ -179,6 +204,9 @@ def test_vllm_on_cuda_takes_the_plans_share_and_a_ranks_whole_batch(monkeypatch)
     assert seen["gpu_memory_utilization"] == 0.55
     assert seen["max_num_seqs"] == 256 and seen["max_num_batched_tokens"] == 16384
     assert seen["enable_sleep_mode"] and seen["dtype"] == "bfloat16"
+    assert seen["sleep_mode_offload_cudagraph"]  # asleep, the CUDA graphs leave the GPU too
+    import dataclasses
+    assert set(seen) <= {f.name for f in dataclasses.fields(vllm.EngineArgs)}  # every one is vLLM's
     args = common.Args(engine="vllm", vllm_gpu_memory_utilization=0.4)
     engine._start_vllm(args, path, torch.device("cuda"), torch.bfloat16, 4096, 0.55)
     assert seen["gpu_memory_utilization"] == 0.4
@@ -186,6 +214,64 @@ def test_vllm_on_cuda_takes_the_plans_share_and_a_ranks_whole_batch(monkeypatch)
     assert seen["gpu_memory_utilization"] == pytest.approx(48 / 80)  # eval.py, no plan: free less 2 GiB
     with pytest.raises(SystemExit, match=r"gives vLLM 0.70 of the GPU \(56.0 GiB\) but only 50.0 GiB is "):
         engine._start_vllm(args, path, torch.device("cuda"), torch.bfloat16, 4096, 0.7)
+
+
+def _vllm_errors():
+    """vLLM 0.32's own start-up errors, raised by the functions that raise them, and torch's CUDA one."""
+    import types
+
+    from vllm.v1.core.kv_cache_utils import _check_enough_kv_cache_memory
+    from vllm.v1.worker.utils import request_memory
+    gib, at = 2**30, types.SimpleNamespace
+    snapshot = at(total_memory=80 * gib, free_memory=50 * gib, device_="cuda:0")
+    raising = {"free": lambda: request_memory(snapshot, at(gpu_memory_utilization=0.9)),
+               "none": lambda: _check_enough_kv_cache_memory(0, lambda: gib, 4096, lambda m: 0),
+               "one": lambda: _check_enough_kv_cache_memory(gib, lambda: 3 * gib, 4096, lambda m: 1024)}
+    for name, call in raising.items():
+        with pytest.raises(ValueError) as e:
+            call()
+        yield name, e.value
+    try:  # the in-process engine may wrap it
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    except torch.OutOfMemoryError as cause:
+        try:
+            raise RuntimeError("Engine core initialization failed") from cause
+        except RuntimeError as wrapped:
+            yield "cuda", wrapped
+
+
+def test_a_vllm_start_up_without_memory_says_so_and_names_the_share(monkeypatch):
+    """vLLM failing to start for lack of memory (a test double raising vLLM's own errors) stops the run in one
+    line that says so, gives the share in GiB and the flags that make room, instead of "could not build ...
+    use --engine hf", which stays for what is not about memory."""
+    import vllm
+
+    import rewards
+    from rlmini.models import build_tiny_model
+    path = build_tiny_model(rewards.load_task("addition").alphabet)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (50 * 2**30, 80 * 2**30))
+    args = common.Args(engine="vllm", prompts_per_step=32, group_size=8, vllm_gpu_memory_utilization=0.6)
+    raise_, lower = r"raise --vllm_gpu_memory_utilization", r"lower --vllm_gpu_memory_utilization"
+    why = {"free": r"less than the share is free at start .*\(vLLM: Free memory on device cuda:0 .*\); "
+                   + lower + r" \(0: what the memory plan leaves it\)",
+           "none": r"nothing for the KV cache \(vLLM: No available memory for the cache blocks\); " + raise_,
+           "one": r"max_model_len tokens \(vLLM: To serve at least one request .*\(1.0 GiB\)\); " + raise_,
+           "cuda": r"CUDA ran out of memory \(vLLM: CUDA out of memory\); " + lower}
+    room = (r", or shorter sequences \(--max_new_tokens: max_model_len 4096\), fewer at once "
+            r"\(--prompts_per_step, --group_size: max_num_seqs 256\), less trainer memory")
+    for name, error in _vllm_errors():
+        monkeypatch.setattr(vllm, "LLM", lambda error=error, **kw: (_ for _ in ()).throw(error))
+        with pytest.raises(SystemExit) as stop:
+            engine._start_vllm(args, path, torch.device("cuda"), torch.bfloat16, 4096)
+        line = str(stop.value)
+        assert "\n" not in line and "use --engine hf" not in line, line
+        start = r"^--engine vllm: vLLM could not start: not enough GPU memory for gpu_memory_utilization=0.6 "
+        assert re.search(start + r"\(48.0 GiB of 80.0 GiB\): .*" + why[name] + room, line), line
+    other = ValueError("no kernel for this shape")
+    monkeypatch.setattr(vllm, "LLM", lambda **kw: (_ for _ in ()).throw(other))
+    with pytest.raises(SystemExit, match="could not build .* no kernel for this shape; use --engine hf"):
+        engine._start_vllm(args, path, torch.device("cuda"), torch.bfloat16, 4096)
 
 
 def test_the_push_check_is_calibrated_on_a_completion_vllm_sampled(vllm_setup, monkeypatch):
