@@ -215,9 +215,9 @@ def test_rollout_correction_auto_is_on_for_bf16_vllm_only():
     for engine_name, dtype, expected in (("vllm", torch.bfloat16, "token-tis"),
                                          ("vllm", torch.float16, "token-tis"),
                                          ("vllm", torch.float32, "off"), ("hf", torch.bfloat16, "off")):
-        assert common.correction_for(common.Args(engine=engine_name), dtype) == expected
+        assert engine.correction_for(common.Args(engine=engine_name), dtype) == expected
     chosen = common.Args(engine="vllm", rollout_correction="seq-mis")
-    assert common.correction_for(chosen, torch.bfloat16) == "seq-mis"
+    assert engine.correction_for(chosen, torch.bfloat16) == "seq-mis"
 
 
 def test_lora_adapters_pushed_to_vllms_own_lora(tiny_addition):
