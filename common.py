@@ -300,8 +300,8 @@ def rollout(run, keep: Keep | None = None) -> Batch:
         seed = data.rollout_seed(args.seed, run.step, rank(), rounds)
         scored = generate(run, dist.shard(examples), G, seed=seed)  # --temperature
         first = first or (scored.rewards, scored.correct, scored.fmt, scored.parts)
-        groups = data.split_groups(scored.examples, scored.rollouts, scored.rewards, scored.correct, scored.fmt,
-                                   G)
+        groups = data.split_groups(scored.examples, scored.rollouts, scored.rewards, scored.correct,
+                                   scored.fmt, G)
         spread = [getattr(g, on).min() < getattr(g, on).max() for g in groups]
         same = [g for g, s in zip(groups, spread) if not s]  # the last round's: they top the batch up
         kept += [g for g, s in zip(groups, spread) if s] if keep else groups

@@ -1,5 +1,5 @@
-"""The optimizer: fused AdamW over the trainable parameters (the policy's, PPO's critic's), and the lr schedule
-over the run's optimizer steps."""
+"""The optimizer: fused AdamW over the trainable parameters (the policy's, PPO's critic's), and the lr
+schedule over the run's optimizer steps."""
 import math
 
 import torch

@@ -124,9 +124,9 @@ def test_hf_greedy_decoding_is_transformers_greedy_generate(tiny_addition):
 
 
 def hf_run(tmp_path, *argv):
-    args = common.parse_args(train_grpo.Args, ["--engine", "hf", "--out_dir", str(tmp_path), "--wandb",
-                                               "false", "--prompts_per_step", "4", "--group_size", "3", *argv])
-    return common.setup(args, algo="grpo")
+    argv = ["--engine", "hf", "--out_dir", str(tmp_path), "--wandb", "false", "--prompts_per_step", "4",
+            "--group_size", "3", *argv]
+    return common.setup(common.parse_args(train_grpo.Args, argv), algo="grpo")
 
 
 def test_generate_is_the_rollouts_path_and_seeds_a_scripts_own_calls_apart(tmp_path):
