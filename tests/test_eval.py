@@ -69,8 +69,8 @@ def test_lr_decay_reaches_zero_at_the_last_step():
 
 
 def test_lr_schedule_resumes_where_it_stopped():
-    """A resumed run restores the optimizer's and the scheduler's state_dicts (checkpoint.resume) and rebuilds the
-    same lambda from the same options: the lr goes on as in a straight run."""
+    """A resumed run restores the optimizer's and the scheduler's state_dicts (checkpoint.resume) and rebuilds
+    the same lambda from the same options: the lr goes on as in a straight run."""
     def make():
         opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
         return opt, torch.optim.lr_scheduler.LambdaLR(opt, optim.lr_lambda(2, "cosine", 8))
