@@ -3,11 +3,13 @@
     args = common.parse_args(Args)              # the script's Args: these options and its own
     run = common.setup(args, algo="grpo")       # task, model, engine, optimizer, run folder (or --resume)
     batch = common.rollout(run, keep)           # G completions per prompt, scored (keep: resampling)
+    extra = common.generate(run, batch.examples, 1, temperature=0)  # more, scored alike: before the sleep
+    run.engine.sleep()                          # until run.engine.push() the engine refuses to generate
     pre = common.pre_update(run, batch, ref)    # pi_old, the reference's log-probs, entropies
     for mb in common.minibatches(run, batch):   # whole groups; each yields its micro-batches
     common.optimizer_step(run, stats)           # clip, guard against NaN/inf, step
     common.check_sampler(run, batch, stats)     # the trainer reproduced the sampler's log-probs
-    metrics = common.step_metrics(...)          # every metric over the global batch, named once here
+    metrics = common.step_metrics(...)          # every metric over the global batch (rlmini/metrics.py)
 
 The algorithms (advantages, losses) live in the train_*.py scripts, the plumbing in rlmini/ (one concern per
 module); the switches several algorithms share live here.
