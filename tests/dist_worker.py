@@ -7,7 +7,9 @@ RUNS_JSON is a list of {"name", "script", "argv"}; each run is a train_*.py main
 process. Generation is replaced by a deterministic double (tests/rollout_double.py): the completions of a
 prompt depend on the prompt's text alone, so the global batch is the same whatever the number of ranks and
 whichever rank samples it. Every gradient clip call (the policy's, then PPO's critic's) records the flattened
-gradient it is given, before clipping, into OUT/<name>.rank<r>.pt.
+gradient it is given, before clipping, into OUT/<name>.rank<r>.pt. A run with "generate": after training, a
+script's own common.generate calls (greedy, 2 per prompt) on the first 4, 3 and 1 held-out prompts, shared
+out over the ranks (2 + 2, 2 + 1, 1 + none), gathered into OUT/<name>.generate.rank<r>.pt.
 """
 import importlib
 import json
@@ -17,6 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common  # noqa: E402
 from rlmini import dist  # noqa: E402
 from rlmini.engine import HFEngine  # noqa: E402
 from rollout_double import generate_double  # noqa: E402
@@ -40,5 +43,14 @@ torch.nn.utils.clip_grad_norm_ = recording_clip
 for spec in runs:
     recorded.clear()
     argv = ["--out_dir", out_dir, "--run_name", spec["name"], "--wandb", "false", "--engine", "hf"]
-    importlib.import_module(spec["script"]).main(argv + spec["argv"])
+    run = importlib.import_module(spec["script"]).main(argv + spec["argv"])
     torch.save(list(recorded), os.path.join(out_dir, f"{spec['name']}.rank{dist.rank()}.pt"))
+    if spec.get("generate"):
+        out = {}
+        for k in (4, 3, 1):
+            s = common.generate(run, dist.shard(run.task.test[:k]), 2, temperature=0)
+            fields = (s.rewards.tolist(), s.correct.tolist(), s.rollouts.completion_ids, s.rollouts.policy_mask)
+            out[k] = [dist.all_gather_objects(x) for x in fields]
+            if k == 4:  # the same count on every rank: the tensors gather as the batch's do
+                out["tensor"] = common.all_gather(s.rewards).tolist()
+        torch.save(out, os.path.join(out_dir, f"{spec['name']}.generate.rank{dist.rank()}.pt"))
