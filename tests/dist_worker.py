@@ -49,8 +49,9 @@ for spec in runs:
         out = {}
         for k in (4, 3, 1):
             s = common.generate(run, dist.shard(run.task.test[:k]), 2, temperature=0)
-            fields = (s.rewards.tolist(), s.correct.tolist(), s.rollouts.completion_ids, s.rollouts.policy_mask)
-            out[k] = [dist.all_gather_objects(x) for x in fields]
+            r = s.rollouts
+            out[k] = [dist.all_gather_objects(x) for x in (s.rewards.tolist(), s.correct.tolist(),
+                                                             r.completion_ids, r.policy_mask)]
             if k == 4:  # the same count on every rank: the tensors gather as the batch's do
                 out["tensor"] = common.all_gather(s.rewards).tolist()
         torch.save(out, os.path.join(out_dir, f"{spec['name']}.generate.rank{dist.rank()}.pt"))
