@@ -262,15 +262,15 @@ def generate(run, examples: list, n: int, temperature: float | None = None,
 
     Call it before run.engine.sleep(): from there to run.engine.push() the engine refuses to generate
     (EngineStateError). Under torchrun every rank calls it (the HF engine's forwards are collectives), a
-    rank without examples on a stand-in it drops; all_gather(scored.rewards) is every rank's, in rank order
-    (for batch.examples: one per prompt of the global batch, in the order of all_gather(batch.rewards))."""
+    rank without examples on a stand-in it drops. For batch.examples (as many on every rank),
+    all_gather(scored.rewards) is the global batch's, its prompts in the order of all_gather(batch.rewards)."""
     args = run.args
     temperature = args.temperature if temperature is None else temperature
     if n < 1 or not temperature >= 0:
         raise ValueError(f"common.generate: n {n}, temperature {temperature}: n must be >= 1 and the "
                          f"temperature >= 0 (0: greedy)")
     if seed is None:  # a script's own call: the k-th of this step
-        step, k = run.extra_calls if run.extra_calls[0] == run.step else (run.step, 0)
+        k = run.extra_calls[1] if run.extra_calls[0] == run.step else 0
         run.extra_calls, seed = (run.step, k + 1), data.extra_seed(args.seed, run.step, rank(), k)
     mine = examples or run.task.train[:1]  # FSDP2: a rank with nothing still joins every forward
     prompt_ids = data.encode_prompts(run.tokenizer, [e["prompt"] for e in mine], run.style == "chat",
