@@ -263,7 +263,7 @@ def generate(run, examples: list, n: int, temperature: float | None = None,
     Call it before run.engine.sleep(): from there to run.engine.push() the engine refuses to generate
     (EngineStateError). Under torchrun every rank calls it (the HF engine's forwards are collectives), a
     rank without examples on a stand-in it drops. For batch.examples (as many on every rank),
-    all_gather(scored.rewards) is the global batch's, its prompts in the order of all_gather(batch.rewards)."""
+    all_gather(scored.rewards) is the global batch's, its prompts in all_gather(batch.rewards)'s order."""
     args = run.args
     temperature = args.temperature if temperature is None else temperature
     if n < 1 or not temperature >= 0:
