@@ -185,6 +185,8 @@ def test_args_from_config_file_with_command_line_override(tmp_path):
     (["--hadw_eta", "1.5"], r"--hadw_eta 1.5: must be in \[0, 1\]"),
     (["--is_low", "3"], "--is_low 3.0 must not exceed --is_high 2.0"),
     (["--dtype", "float16"], "--dtype float16: training in fp16 needs gradient scaling"),
+    (["--temperature", "0"], r"--temperature 0: greedy decoding is no distribution to train on .* ask "
+                             r"common.generate\(run, examples, 1, temperature=0\) for greedy completions$"),
 ])
 def test_bad_arguments_name_the_flag(argv, message):
     with pytest.raises(SystemExit, match=message):
