@@ -3,16 +3,17 @@
     args = common.parse_args(Args)              # the script's Args: these options and its own
     run = common.setup(args, algo="grpo")       # task, model, engine, optimizer, run folder (or --resume)
     batch = common.rollout(run, keep)           # G completions per prompt, scored (keep: resampling)
+    extra = common.generate(run, batch.examples, 1, temperature=0)  # more, scored alike: before the sleep
+    run.engine.sleep()                          # until run.engine.push() the engine refuses to generate
     pre = common.pre_update(run, batch, ref)    # pi_old, the reference's log-probs, entropies
     for mb in common.minibatches(run, batch):   # whole groups; each yields its micro-batches
     common.optimizer_step(run, stats)           # clip, guard against NaN/inf, step
     common.check_sampler(run, batch, stats)     # the trainer reproduced the sampler's log-probs
-    metrics = common.step_metrics(...)          # every metric over the global batch, named once here
+    metrics = common.step_metrics(...)          # every metric over the global batch (rlmini/metrics.py)
 
 The algorithms (advantages, losses) live in the train_*.py scripts, the plumbing in rlmini/ (one concern per
 module); the switches several algorithms share live here.
 """
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -22,14 +23,15 @@ import numpy as np
 import torch
 
 from rlmini import checkpoint as ckpt
-from rlmini import data, dist, engine, faults, logprobs, memplan, models, runlog, tools
-from rlmini.batches import (Batch, Keep, Micro, Minibatch, PreUpdate, group_permutation, micro_batch,
-                             micro_rows)
+from rlmini import data, dist, engine, faults, logprobs, memplan, models, optim, runlog, tools
+from rlmini.batches import (Batch, Keep, Micro, Minibatch, PreUpdate, Scored, group_permutation,
+                             micro_batch, micro_rows)
 
 # what the scripts use as it is: collectives, the entry point's guard, what PPO's critic is built from
 from rlmini.dist import all_gather, all_mean_var, all_sum, local_slice, rank, world_size  # noqa: F401
 from rlmini.faults import user_errors  # noqa: F401
 from rlmini.logprobs import to_ragged  # noqa: F401
+from rlmini.metrics import StepStats, step_metrics  # noqa: F401
 from rlmini.models import add_lora, autocast, prepare_for_training, trainable_parameters  # noqa: F401
 from rlmini.options import arg, check_ranks, parse_args, validate  # noqa: F401
 from rlmini.packing import model_forward, to_batch_layout  # noqa: F401
@@ -172,30 +174,9 @@ class Run:
     critic_optimizer: object = None
     resumed: dict = field(default_factory=dict)  # after --resume: the checkpoint (torchrun: its meta.pt)
     quiet_steps: int = 0    # steps in a row without entropy or gradient (faults.warn_on_collapse)
+    extra_calls: tuple = (-1, 0)  # (step, common.generate calls of the script's own in it): their seeds
     times: dict = field(default_factory=dict)  # this step's clock readings (the time/* metrics)
     plan: dict = field(default_factory=dict)  # the memory plan (memplan.plan_run); CUDA: measured per phase
-
-
-def lr_lambda(warmup: int, schedule: str = "constant", total: int = 0):
-    """The lr's multiplier at optimizer step k: linear warm-up, then constant, or decaying to 0 at step
-    `total` (linear: nanochat's warm-down; cosine: Loshchilov & Hutter 2017, TRL's "cosine")."""
-    def multiplier(k: int) -> float:
-        if k < warmup:
-            return (k + 1) / warmup
-        if schedule == "constant" or total <= warmup:
-            return 1.0
-        t = min(1.0, (k - warmup) / (total - warmup))
-        return 1.0 - t if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * t))
-    return multiplier
-
-
-def correction_for(args, dtype) -> str:
-    """--rollout_correction auto: token-tis (cap --is_cap) where vLLM samples in bf16/fp16, whose kernels draw
-    from another distribution than the trainer's (Yao et al. 2025); off where the engines agree to float
-    precision (fp32: ~1e-6)."""
-    if args.rollout_correction != "auto":
-        return args.rollout_correction
-    return "token-tis" if args.engine == "vllm" and dtype != torch.float32 else "off"
 
 
 def setup(args, algo: str) -> Run:
@@ -211,7 +192,7 @@ def setup(args, algo: str) -> Run:
     path = models.model_path(args.model, task)  # builds the tiny model on first use, before torch.distributed
     device, dtype = dist.setup_device(args)
     tokenizer = models.load_tokenizer(path)
-    args.rollout_correction = correction_for(args, dtype)
+    args.rollout_correction = engine.correction_for(args, dtype)
     max_new = args.max_new_tokens or task.max_new_tokens
     context = getattr(memplan.load_config(path), "max_position_embeddings", 4096)
     max_prompt = data.fit_prompts(task, tokenizer, style == "chat", max_new, context, args.task)
@@ -220,12 +201,9 @@ def setup(args, algo: str) -> Run:
     plan = memplan.plan_run(args, algo, path, device, dtype, max_len, run_dir)
     model, tokenizer, path = models.load_model(args, task, device, dtype, tokenizer)
     model = dist.shard_model(model, dtype)  # torchrun: FSDP2 over the ranks
-    # LoRA: the adapters only; fused: one kernel for every parameter
-    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=args.lr, weight_decay=args.weight_decay,
-                                  betas=(0.9, 0.999), fused=True)
+    optimizer = optim.adamw(trainable_parameters(model), args.lr, args.weight_decay)  # LoRA: the adapters
     memplan.materialize_adamw(optimizer)  # its state exists before vLLM sizes itself (bit-identical training)
-    total = args.steps * args.updates_per_rollout * args.minibatches  # optimizer steps in the run
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.warmup, args.lr_schedule, total))
+    scheduler = optim.schedule(optimizer, args)
     probe_prompt = data.encode_prompts(tokenizer, [task.train[0]["prompt"]], style == "chat")[0]
     sampler = engine.make_engine(args, path, model, tokenizer, device, dtype, max_len, plan["share"])
     # both guards' tolerances: the dtype's floor, or more where the engines already differ at start
@@ -237,14 +215,7 @@ def setup(args, algo: str) -> Run:
     run = Run(args, algo, run_dir, device, dtype, task, style, model, tokenizer, path, sampler, optimizer,
               scheduler, max_new, probe, tools.make_toolbox(args, run_dir, style, tokenizer), plan=plan)
     if args.resume:
-        run.resumed = ckpt.load_resumed(run_dir)
-        ckpt.check_resumed_options(run.resumed, args, algo, run_dir)
-        ckpt.restore(run, "policy", model, optimizer)
-        scheduler.load_state_dict(run.resumed["scheduler"])
-        run.step, run.data_pos = run.resumed["step"], run.resumed["data_pos"]
-        run.hadw = run.resumed["algo_state"].get("hadw", {})
-        data.set_rng_state(run.resumed["rng"])
-        run.engine.push()
+        ckpt.resume(run)  # the policy, its optimizer and schedule, the step, data position, RNG, HA-DW
     run.log = runlog.RunLog(args, run_dir, run.step, args.steps, algo)
     return run
 
@@ -258,8 +229,7 @@ def add_critic(run, critic, lr: float) -> None:
     """PPO's value model beside the policy: sharded like it, with an AdamW of its own, restored on --resume
     and saved in every checkpoint."""
     run.critic = dist.shard_model(critic, run.dtype)
-    run.critic_optimizer = torch.optim.AdamW(trainable_parameters(run.critic), lr=lr,
-                                             weight_decay=run.args.weight_decay, fused=True)
+    run.critic_optimizer = optim.adamw(trainable_parameters(run.critic), lr, run.args.weight_decay)
     memplan.materialize_adamw(run.critic_optimizer)  # reserved in the plan, made now
     if run.args.resume:
         ckpt.restore(run, "critic", run.critic, run.critic_optimizer)
@@ -292,9 +262,46 @@ def overlong_penalty(rollouts, limit: int, buffer: int, penalty: float) -> torch
     return penalty * ((limit - buffer - length) / buffer).clamp(-1.0, 0.0)
 
 
+def generate(run, examples: list, n: int, temperature: float | None = None,
+             seed: int | None = None) -> Scored:
+    """n completions of each of this rank's `examples`, sampled by the engine from the weights it was last
+    pushed (with --tools, multi-turn), scored and shaped exactly as training rollouts are (the format bonus,
+    the overlong penalty; a NaN/inf reward stops the run or warns, every rank alike). temperature: None is
+    --temperature, 0 greedy. seed: None is the convention for a script's own calls, the k-th of the step
+    drawing with data.extra_seed(--seed, step, rank, k), apart from the training rounds' seeds.
+
+    Call it before run.engine.sleep(): from there to run.engine.push() the engine refuses to generate
+    (EngineStateError). Under torchrun every rank calls it (the HF engine's forwards are collectives), a
+    rank without examples on a stand-in it drops. For batch.examples (as many on every rank),
+    all_gather(scored.rewards) is the global batch's, its prompts in all_gather(batch.rewards)'s order."""
+    args = run.args
+    temperature = args.temperature if temperature is None else temperature
+    if n < 1 or not temperature >= 0:
+        raise ValueError(f"common.generate: n {n}, temperature {temperature}: n must be >= 1 and the "
+                         f"temperature >= 0 (0: greedy)")
+    if seed is None:  # a script's own call: the k-th of this step
+        k = run.extra_calls[1] if run.extra_calls[0] == run.step else 0
+        run.extra_calls, seed = (run.step, k + 1), data.extra_seed(args.seed, run.step, rank(), k)
+    mine = examples or run.task.train[:1]  # FSDP2: a rank with nothing still joins every forward
+    prompt_ids = data.encode_prompts(run.tokenizer, [e["prompt"] for e in mine], run.style == "chat",
+                                     run.toolbox)
+    rollouts = tools.generate(run.engine, run.toolbox, run.tokenizer, prompt_ids, n, run.max_new_tokens,
+                              temperature, seed)
+    for f in rollouts.lists() if not examples else ():  # the stand-in's completions are dropped
+        setattr(rollouts, f, [])
+    rewards, correct, fmt, scores = data.score_rollouts(run.task, run.tokenizer, examples, rollouts, n)
+    rewards = rewards + args.format_weight * fmt  # the format bonus, in the reward only
+    rewards = rewards + overlong_penalty(rollouts, run.max_new_tokens, args.overlong_buffer,
+                                         args.overlong_penalty)
+    faults.check_rewards(rewards, examples, n, run.step + 1, args.on_nonfinite)  # NaN/inf: stop or skip
+    return Scored(examples, rollouts, rewards, correct, fmt, data.reward_parts(scores, run.task.reward_names),
+                  scores)
+
+
 def rollout(run, keep: Keep | None = None) -> Batch:
-    """G completions of each of this rank's prompts, sampled by the engine from the weights it was last
-    pushed, and scored; with `keep`, groups without a spread are replaced by new prompts' groups (Keep)."""
+    """G completions of each of this rank's prompts (generate), sampled by the engine from the weights it was
+    last pushed, and scored; with `keep`, groups without a spread are replaced by new prompts' groups (Keep).
+    """
     args, G = run.args, run.args.group_size
     run.times = {"start": time.perf_counter()}
     on = keep.on if keep else "correct"
@@ -302,33 +309,24 @@ def rollout(run, keep: Keep | None = None) -> Batch:
     while True:
         examples, run.data_pos = data.prompt_batch(run.task.train, run.data_pos, args.prompts_per_step,
                                                    args.seed)
-        examples = dist.shard(examples)
-        prompt_ids = data.encode_prompts(run.tokenizer, [e["prompt"] for e in examples], run.style == "chat",
-                                         run.toolbox)
         seed = data.rollout_seed(args.seed, run.step, rank(), rounds)
-        # with --tools: multi-turn, the tool output in the tokens (masked out of the loss)
-        rollouts = tools.generate(run.engine, run.toolbox, run.tokenizer, prompt_ids, G, run.max_new_tokens,
-                                  args.temperature, seed)
-        rewards, correct, fmt, scores = data.score_rollouts(run.task, run.tokenizer, examples, rollouts, G)
-        rewards = rewards + args.format_weight * fmt  # the format bonus, in the reward only
-        rewards = rewards + overlong_penalty(rollouts, run.max_new_tokens, args.overlong_buffer,
-                                             args.overlong_penalty)
-        faults.check_rewards(rewards, examples, G, run.step + 1, args.on_nonfinite)  # NaN/inf: stop or skip
-        first = first or (rewards, correct, fmt, data.reward_parts(scores, run.task.reward_names))
-        groups = data.split_groups(examples, rollouts, rewards, correct, fmt, G)
+        scored = generate(run, dist.shard(examples), G, seed=seed)  # --temperature
+        first = first or (scored.rewards, scored.correct, scored.fmt, scored.parts)
+        groups = data.split_groups(scored.examples, scored.rollouts, scored.rewards, scored.correct,
+                                   scored.fmt, G)
         spread = [getattr(g, on).min() < getattr(g, on).max() for g in groups]
         same = [g for g, s in zip(groups, spread) if not s]  # the last round's: they top the batch up
         kept += [g for g, s in zip(groups, spread) if s] if keep else groups
-        rounds, generated = rounds + 1, generated + len(rollouts.completion_ids)
+        rounds, generated = rounds + 1, generated + len(scored)
         if keep is None:
             break
         if keep.min_valid is None:
-            enough = all_sum(max(len(examples) - len(kept), 0)) == 0  # no rank misses a group
+            enough = all_sum(max(len(scored.examples) - len(kept), 0)) == 0  # no rank misses a group
         else:
             enough = all_sum(len(kept)) >= keep.min_valid  # valid groups, all ranks
         if enough or rounds >= keep.max_rounds:
             break
-    examples, rollouts, rewards, correct, fmt = data.join_groups((kept + same)[:len(examples)])
+    examples, rollouts, rewards, correct, fmt = data.join_groups((kept + same)[:len(scored.examples)])
     # DAPO's overlong filtering (Yu et al. 2025, sec. 3.4): completions cut by the length limit leave the loss
     in_loss = torch.tensor(rollouts.finished, dtype=torch.float32)
     in_loss = in_loss if args.mask_truncated else torch.ones(len(rewards))
@@ -489,50 +487,7 @@ def hadw_reweight(rewards, advantages, state, args):
     return advantages * phi, info
 
 
-# ---------------------------------------------------------------------------------------------- metrics
-
-
-class StepStats:
-    """A step's diagnostics: token-weighted sums over its micro-batches (then over ranks, in check_sampler)
-    and its optimizer steps. The metrics they become are named here and in step_metrics, once for every
-    script. The sums stay on the device in float64 (each value adds as .item() would give it, so the totals
-    are the same to the bit) until check_sampler copies them to the host at once: on CUDA every .item() is a
-    host sync, and add() would cost about ten per micro-batch."""
-
-    def __init__(self):
-        names = ["loss/policy", "clip_frac", "kl", "kl/old", "entropy", "logprob/sampler_diff", "is/mean",
-                 "is/clip_frac", "is/kl", "perf/computed", "perf/padded"]
-        self.sums = dict.fromkeys(names, 0.0)
-        self.tokens, self.updates, self.skipped, self.grad_norm, self.has_kl = 0.0, 0, 0, 0.0, False
-        self.totals = {}
-
-    def _add(self, name: str, value) -> None:
-        self.sums[name] = self.sums.get(name, 0.0) + value.detach().double()
-
-    def add(self, micro: Micro, loss, old, entropy, info: dict, is_info: dict, value_loss=None,
-            value_clipped=None) -> None:
-        """One micro-batch: its loss (this rank's share), pi_old and the entropies of its tokens, the
-        surrogate's `info` (clipped, ratio, kl), the rollout correction's `is_info`; PPO's value loss and
-        clipped values."""
-        s, mask, add = self.sums, micro.mask, self._add
-        s["perf/computed"] += micro.computed
-        s["perf/padded"] += micro.padded
-        self.tokens = self.tokens + mask.sum().double()
-        add("loss/policy", loss.detach().double() / world_size())  # this rank's share (FSDP2 averages)
-        add("clip_frac", (info["clipped"] * mask).sum())
-        self.has_kl = self.has_kl or "kl" in info
-        if "kl" in info:
-            add("kl", (info["kl"] * mask).sum())
-        log_r = torch.log(info["ratio"].clamp(min=1e-30))
-        add("kl/old", ((torch.exp(-log_r) + log_r - 1) * mask).sum())
-        if micro.epoch == 0:  # once per rollout token: the sampler against pi_old
-            add("entropy", (entropy * mask).sum())
-            add("logprob/sampler_diff", ((micro.sampler_logp - old).abs() * mask).sum())
-            for key, name in (("w", "is/mean"), ("changed", "is/clip_frac"), ("kl", "is/kl")):
-                add(name, (is_info[key] * mask).sum())
-        if value_loss is not None:
-            add("value/loss", value_loss.detach().double() / world_size())
-            add("value/clip_frac", value_clipped.sum())
+# ---------------------------------------------------------------------------------------------- the guard
 
 
 def check_sampler(run, batch: Batch, stats: StepStats) -> None:
@@ -546,67 +501,3 @@ def check_sampler(run, batch: Batch, stats: StepStats) -> None:
     faults.check_sampler_diff(diff, run.step + 1, run.args.sampler_diff_tol)
     faults.nonfinite(stats.totals["loss/policy"], "loss", run.step + 1, run.args.on_nonfinite)
     run.times["push"] = time.perf_counter()
-
-
-def step_metrics(run, batch: Batch, pre: PreUpdate, stats: StepStats, advantages, extra=None) -> dict:
-    """The step's metrics over the global batch: per-completion values gathered from every rank, and token
-    sums over ranks, so each equals its 1-rank value on the same batch (docs/metrics.md). `advantages`: one
-    per completion of the global batch. Also writes --log_completions and warns about a collapsed policy."""
-    now, t, G, tot = time.perf_counter(), run.times, run.args.group_size, stats.totals
-    first = [all_gather(x) for x in batch.first]  # reward/* logs the first sampling round: the policy's rates
-    rewards, lengths = all_gather(batch.rewards), all_gather(batch.lengths)
-    trained = all_gather(getattr(batch, batch.spread_on)).view(-1, G)  # the groups trained on (Keep's filter)
-    finished = all_gather(torch.tensor(batch.rollouts.finished, dtype=torch.float32))
-    failed, first_groups = rewards < run.task.pass_threshold, first[0].view(-1, G)
-    updates, n = stats.updates + stats.skipped, tot["first_pass_tokens"]
-    metrics = {
-        "reward/mean": first[0].mean().item(),
-        "reward/std": first[0].std().item() if len(first[0]) > 1 else 0.0,
-        "reward/correct": first[1].mean().item(), "reward/format": first[2].mean().item(),
-        **{f"reward/{name}": first[3][:, j].mean().item() for j, name in enumerate(run.task.reward_names)},
-        "frac_reward_zero_std": (first_groups.amax(1) == first_groups.amin(1)).float().mean().item(),  # TRL's
-        "sampling/rounds": batch.rounds, "sampling/extra_rollouts": all_sum(batch.generated - len(batch)),
-        "sampling/kept_zero_std": (trained.amax(1) == trained.amin(1)).float().mean().item(),
-        "adv/mean": advantages.mean().item(), "adv/abs_mean": advantages.abs().mean().item(),
-        "adv/failed_pos_frac": (advantages[failed] > 0).float().mean().item() if failed.any() else math.nan,
-        "loss/policy": tot["loss/policy"] / updates, "nonfinite/skipped": stats.skipped,
-        "kl": tot["kl"] / tot["tokens"] if stats.has_kl else float("nan"),
-        "kl/old": tot["kl/old"] / tot["tokens"], "clip_frac": tot["clip_frac"] / tot["tokens"],
-        "entropy": tot["entropy"] / n, "logprob/sampler_diff": tot["logprob/sampler_diff"] / n,
-        "is/mean": tot["is/mean"] / n, "is/clip_frac": tot["is/clip_frac"] / n, "is/kl": tot["is/kl"] / n,
-        "grad_norm": stats.grad_norm / stats.updates if stats.updates else float("nan"),  # NaN: all skipped
-        "lr": run.scheduler.get_last_lr()[0], "entropy/threshold": pre.tau,
-        "len/mean": lengths.mean().item(), "len/truncated": 1.0 - finished.mean().item(),
-        "time/rollout": t["update"] - t["start"], "time/update": t["update_end"] - t["update"],
-        "time/push": now - t["push"],  # this rank's clock (rank 0 logs)
-        "perf/tokens_per_s": n / (now - t["start"]),  # every rank's tokens
-        "perf/pad_frac": tot["perf/padded"] / max(tot["perf/computed"], 1.0),  # the update's forwards
-    }
-    memplan.phase_end("push", run.times)  # CUDA: the push's (and check's) peak, vLLM waking
-    metrics.update(memplan.metrics(run.times, run.plan, run.engine))
-    if "value/loss" in tot:  # PPO's critic
-        metrics["value/loss"] = tot["value/loss"] / updates
-        metrics["value/clip_frac"] = tot["value/clip_frac"] / tot["tokens"]
-    if batch.rollouts.tool_stats is not None:  # --tools
-        metrics.update(tool_metrics(batch.rollouts))
-    metrics.update(extra or {})
-    faults.warn_on_collapse(run, metrics)  # no gradient or no entropy for several steps in a row
-    runlog.log_completions(run, batch.examples, batch.rollouts, batch.rewards, batch.correct, batch.fmt,
-                           advantages[local_slice(len(batch))], run.args.log_completions)
-    return metrics
-
-
-def tool_metrics(rollouts) -> dict:
-    """--tools: calls, turns, errors, time-outs, tool time and the tool's share of the tokens, over the global
-    batch (per trajectory; rates per call)."""
-    per = all_gather(torch.tensor([[st[k] for k in tools.STATS] for st in rollouts.tool_stats],
-                                  dtype=torch.float64))
-    st = dict(zip(tools.STATS, per.T))
-    calls, tokens = st["calls"].sum().item(), all_sum(float(sum(len(c) for c in rollouts.completion_ids)))
-    return {"tools/calls": st["calls"].mean().item(),
-            "tools/call_frac": (st["calls"] > 0).double().mean().item(),
-            "tools/turns": st["turns"].mean().item(),
-            "tools/success_rate": 1 - st["errors"].sum().item() / calls if calls else math.nan,
-            "tools/errors": st["errors"].sum().item(), "tools/timeouts": st["timeouts"].sum().item(),
-            "tools/seconds": st["seconds"].sum().item(), "tools/turn_limit": st["turn_limit"].mean().item(),
-            "tools/token_frac": st["tool_tokens"].sum().item() / max(tokens, 1.0)}

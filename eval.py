@@ -237,19 +237,12 @@ def sample_and_score(run, examples: list, n: int, seed: int) -> list:
     """The Score of n samples of every example, in order (n per example). Under torchrun each rank samples
     its block of the examples (`seed` differs per rank) and every rank gets all the scores back: metrics
     such as ECE cannot be averaged over shards, they are computed once on all predictions."""
-    mine = dist.shard(examples)
-    # a rank with no example (more ranks than examples) still generates, on a stand-in it then drops:
-    # under FSDP2 every forward of the HF engine is a collective that all ranks must join
-    batch = mine or examples[:1]
-    prompt_ids = data.encode_prompts(run.tokenizer, [e["prompt"] for e in batch], run.style == "chat",
-                                     run.toolbox)
-    # --tools: the training loop's own multi-turn rollouts, so pass@k with tools compares with training
-    rollouts = tools.generate(run.engine, run.toolbox, run.tokenizer, prompt_ids, n, run.max_new_tokens,
-                              run.args.temperature, seed)
-    scores = data.score_rollouts(run.task, run.tokenizer, batch, rollouts, n)[3][:len(mine) * n]
-    for s, st in zip(scores, rollouts.tool_stats or []):
+    # training's own generation (--tools: multi-turn), so pass@k compares with training; a rank without
+    # examples (more ranks than examples) still joins the HF engine's forwards, collectives under FSDP2
+    scored = common.generate(run, dist.shard(examples), n, seed=seed)
+    for s, st in zip(scored.scores, scored.rollouts.tool_stats or []):
         s.tools = st
-    return dist.all_gather_objects(scores)
+    return dist.all_gather_objects(scored.scores)
 
 
 @torch.no_grad()
@@ -372,7 +365,7 @@ def cmd_evaluate(argv) -> dict:
     max_len = min(getattr(model.config, "max_position_embeddings", 4096), longest + max_new + 8)
     rollouts = engine.make_engine(args, path, model, tok, device, dtype, max_len)
     run = argparse.Namespace(args=args, tokenizer=tok, style=style, engine=rollouts, model=model,
-                             max_new_tokens=max_new, device=device, dtype=dtype, task=task,
+                             max_new_tokens=max_new, device=device, dtype=dtype, task=task, step=0,
                              toolbox=tools.make_toolbox(args, "", style, tok))
     scores = sample_and_score(run, examples, a.n, seed=data.rollout_seed(a.seed, -1, dist.rank()))
     result = {"model": a.model, "task": a.task, "split": a.split, "temperature": a.temperature,

@@ -22,6 +22,22 @@ class Keep:
 
 
 @dataclass
+class Scored:
+    """What common.generate returns, this rank's: n completions of each prompt (grouped by prompt), scored and
+    shaped as training rollouts are."""
+    examples: list          # one per prompt
+    rollouts: Rollouts
+    rewards: torch.Tensor   # the task's reward + --format_weight x format + the overlong penalty
+    correct: torch.Tensor
+    fmt: torch.Tensor
+    parts: torch.Tensor     # [completions, --reward functions]: each function's unweighted value
+    scores: list            # each completion's rewards.Score (its extracted answer, its probability, ...)
+
+    def __len__(self):
+        return len(self.rollouts.completion_ids)
+
+
+@dataclass
 class Batch:
     """This rank's share of a step's rollouts: whole groups of G completions, scored."""
     examples: list

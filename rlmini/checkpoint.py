@@ -12,7 +12,7 @@ import sys
 import torch
 
 from rlmini import dist
-from rlmini.data import rng_state
+from rlmini.data import rng_state, set_rng_state
 from rlmini.engine import named_weights
 from rlmini.faults import NonFiniteError
 from rlmini.models import is_lora
@@ -280,6 +280,19 @@ def restore(run, key: str, module, optimizer) -> None:
     dcp.load(state, checkpoint_id=sharded_checkpoint_dir(run.run_dir))
     set_state_dict(module, optimizer, model_state_dict=state[key]["model"],
                    optim_state_dict=state[key]["optimizer"], options=_state_options(module))
+
+
+def resume(run) -> None:
+    """--resume: the checkpoint's policy, optimizer and lr schedule, step, data position, RNG states and HA-DW
+    state into `run` (its options checked against the saved ones first), then the weights into the engine."""
+    run.resumed = load_resumed(run.run_dir)
+    check_resumed_options(run.resumed, run.args, run.algo, run.run_dir)
+    restore(run, "policy", run.model, run.optimizer)
+    run.scheduler.load_state_dict(run.resumed["scheduler"])
+    run.step, run.data_pos = run.resumed["step"], run.resumed["data_pos"]
+    run.hadw = run.resumed["algo_state"].get("hadw", {})
+    set_rng_state(run.resumed["rng"])
+    run.engine.push()
 
 
 def save_final(model, tokenizer, path: str, style: str = "chat") -> None:

@@ -22,8 +22,18 @@ def seed_everything(seed: int) -> None:
 def rollout_seed(seed: int, step: int, rank: int, sampling_round: int = 0) -> int:
     """The sampling seed of one generate call: distinct for every (--seed, step, rank, sampling round), the
     same in every script; evaluation uses step -1 (the same draws at every evaluation)."""
-    digest = hashlib.sha256(f"rollout/{seed}/{step}/{rank}/{sampling_round}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFF_FFFF
+    return _seed(f"rollout/{seed}/{step}/{rank}/{sampling_round}")
+
+
+def extra_seed(seed: int, step: int, rank: int, call: int) -> int:
+    """The seed of a script's own common.generate call (one without a seed): the k-th such call of a step
+    has call = k (0, 1, ...), under a key of its own, so it never draws a training round's or evaluation's
+    samples, and adding a call after it leaves its draws as they were."""
+    return _seed(f"extra/{seed}/{step}/{rank}/{call}")
+
+
+def _seed(key: str) -> int:
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little") & 0x7FFF_FFFF  # vLLM's range
 
 
 def rng_state() -> dict:

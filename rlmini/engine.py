@@ -2,7 +2,12 @@
 
 VLLMEngine runs vLLM in this process and samples from the weights it was last pushed (no disk round trip);
 on CUDA it sleeps (level 2: weights and KV cache freed) while the trainer updates. HFEngine samples with a
-transformers loop on the policy itself: nothing to push, nothing to free.
+transformers loop on the policy itself: nothing to push, nothing to free. Both refuse to generate between
+sleep() and the push() that follows it, on every device, so a script that generates in the wrong place of
+the step fails on CPU too, not only on CUDA where the weights are gone.
+
+Temperature 0 is greedy decoding in both (argmax; the sampler's log-prob of a token is then the log-softmax
+of the untempered logits, what vLLM reports): the n completions of a prompt are one, repeated.
 """
 import itertools
 import json
@@ -20,6 +25,13 @@ from rlmini.packing import make_batch, unwrapped
 
 class EngineStateError(RuntimeError):
     pass
+
+
+def _check_awake(engine) -> None:
+    if engine.asleep:
+        raise EngineStateError("generate() after run.engine.sleep(): the engine sleeps from the end of the "
+                               "rollout to run.engine.push() (CUDA vLLM discards its weights at sleep level "
+                               "2); call common.generate before run.engine.sleep()")
 
 
 class PushError(RuntimeError):
@@ -55,12 +67,13 @@ class HFEngine:
     def __init__(self, model, tokenizer, device=torch.device("cpu"), dtype=torch.float32):
         self.model, self.tokenizer, self.device, self.dtype = model, tokenizer, device, dtype
         self.eos_ids, self.pad_id = stop_ids(tokenizer, model), tokenizer.pad_token_id
+        self.asleep = False  # nothing to free: the state only enforces the step's order (_check_awake)
 
     def sleep(self) -> None:
-        pass
+        self.asleep = True
 
     def push(self) -> None:
-        pass
+        self.asleep = False
 
     def check_push(self, probe: tuple, tol: float) -> float:
         return 0.0
@@ -71,10 +84,14 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompt_ids: list, n: int, max_new_tokens, temperature: float, seed: int, stop=None):
         """n completions per prompt, fixed by `seed`; the sampler's log-prob of each token is
-        log_softmax(logits / T), as the trainer computes it. `max_new_tokens`: one budget, or one per prompt;
-        `stop`: strings that end a completion when its text contains one (kept in it, like vLLM's
-        include_stop_str_in_output; rlmini/tools.py)."""
+        log_softmax(logits / T), as the trainer computes it. T = 0: greedy (the argmax of the logits, as
+        transformers' generate(do_sample=False)), the log-prob log_softmax(logits). `max_new_tokens`: one
+        budget, or one per prompt; `stop`: strings that end a completion when its text contains one (kept in
+        it, like vLLM's include_stop_str_in_output; rlmini/tools.py)."""
         from transformers import DynamicCache
+        _check_awake(self)
+        greedy = temperature == 0
+        copies, n = (n, 1) if greedy else (1, n)  # greedy: one completion per prompt, repeated
         model, device, dtype = self.model, self.device, self.dtype
         was_training = model.training
         model.eval()
@@ -109,8 +126,11 @@ class HFEngine:
         active = torch.arange(B, device=device)  # the batch rows still in the cache, in cache order
         done = torch.zeros(B, dtype=torch.bool, device=device)  # per cache row; only a placeholder can be
         for t in range(max_new_tokens):
-            logp = torch.log_softmax(logits.float() / temperature, -1)
-            tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
+            if greedy:
+                logp, tok = torch.log_softmax(logits.float(), -1), logits.float().argmax(-1)
+            else:
+                logp = torch.log_softmax(logits.float() / temperature, -1)
+                tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
             live = ~done
             rows = active[live]
             tokens[rows, t], logps[rows, t], length[rows] = tok[live], logp[live, tok[live]], t + 1
@@ -142,10 +162,11 @@ class HFEngine:
         r = Rollouts([], [], [], [], self.pad_id)
         for i in range(B):
             toks = tokens[i][:length[i]]
-            r.prompt_ids.append(list(prompt_ids[i // n]))
-            r.completion_ids.append(toks)
-            r.sampler_logprobs.append(logps[i][:length[i]])
-            r.finished.append(bool(toks) and toks[-1] in self.eos_ids)
+            for _ in range(copies):
+                r.prompt_ids.append(list(prompt_ids[i // n]))
+                r.completion_ids.append(list(toks))
+                r.sampler_logprobs.append(logps[i][:length[i]])
+                r.finished.append(bool(toks) and toks[-1] in self.eos_ids)
         return r
 
 
@@ -302,8 +323,8 @@ def check_free_memory(device, share: float) -> None:
 
 
 class VLLMEngine:
-    """vLLM in this process: samples from the weights it was last pushed; a sleeping engine (CUDA, level 2:
-    its weights discarded) refuses to generate until the next push wakes it."""
+    """vLLM in this process: samples from the weights it was last pushed; after sleep() (on CUDA, level 2:
+    its weights discarded; elsewhere a state only) it refuses to generate until the next push wakes it."""
 
     def __init__(self, llm, model, tokenizer, device=torch.device("cpu"), dtype=torch.float32,
                  sleep_mode=False, seed_per_request=True, adapters=False):
@@ -311,7 +332,7 @@ class VLLMEngine:
         self.seed_per_request = seed_per_request
         self.adapters, self.lora = (Adapters() if adapters else None), None  # --lora_push adapter
         self.eos_ids, self.pad_id = stop_ids(tokenizer, model), tokenizer.pad_token_id
-        self.sleep_mode, self.asleep = sleep_mode, False
+        self.sleep_mode, self.asleep, self.slept = sleep_mode, False, False  # slept: sleep mode's, on CUDA
         self.tied = llm.apply_model(_tied_groups)[0] if llm is not None else []  # names sharing one tensor
         self.weighted = llm.apply_model(_weighted_layers)[0] if llm is not None else set()
 
@@ -322,24 +343,25 @@ class VLLMEngine:
         torch's in the V1 runner (CPU, and CUDA without Triton), NumPy's in the V2 runner (CUDA's default in
         vLLM 0.32), which gives each request a seed from it; so they depend on everything sampled before in
         the run (evaluation included) and on how requests batch. `max_new_tokens`: one budget or one per
-        prompt; `stop`: stop strings, kept in the output."""
+        prompt; `stop`: stop strings, kept in the output. T = 0: vLLM's greedy (n = 1, repeated n times;
+        log-probs of the untempered logits)."""
         from vllm import SamplingParams
-        if self.asleep:
-            raise EngineStateError("generate() on a sleeping vLLM engine: sleep level 2 discarded its "
-                                   "weights; push() restores them and wakes it")
+        _check_awake(self)
+        greedy = temperature == 0
         # with n > 1 vLLM gives child i the seed + i, so requests are spaced by n; no seed: the V2 runner
         # draws one from NumPy (vllm/v1/worker/gpu/sample/states.py::SamplingStates.add_request), the V1
         # runner samples with torch's RNG (vllm/v1/sample/ops/topk_topp_sampler.py::random_sample)
         budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompt_ids)
-        params = [SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0, max_tokens=budgets[i],
-                                 logprobs=0, stop=stop, include_stop_str_in_output=bool(stop),
+        params = [SamplingParams(n=1 if greedy else n, temperature=temperature, top_p=1.0, top_k=0,
+                                 max_tokens=budgets[i], logprobs=0, stop=stop,
+                                 include_stop_str_in_output=bool(stop),
                                  seed=(seed * 1_000_003 + i * n) % 2**31 if self.seed_per_request else None)
                   for i in range(len(prompt_ids))]
         outs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False,
                                  lora_request=self.lora)
         r = Rollouts([], [], [], [], self.pad_id)
         for ids, out in zip(prompt_ids, outs):
-            for c in out.outputs:
+            for c in out.outputs * (n if greedy else 1):
                 toks = list(c.token_ids)
                 r.prompt_ids.append(list(ids))
                 r.completion_ids.append(toks)
@@ -349,14 +371,15 @@ class VLLMEngine:
 
     def sleep(self) -> None:
         """Free vLLM's GPU memory (weights and KV cache) while the trainer updates: level 2 discards the
-        weights instead of copying them to CPU memory, since the push after the update replaces them. A no-op
-        on CPU, where vLLM has no sleep mode."""
-        if self.sleep_mode and not self.asleep:
+        weights instead of copying them to CPU memory, since the push after the update replaces them. On CPU,
+        where vLLM has no sleep mode, only the state that refuses generate() until the push."""
+        if self.sleep_mode and not self.slept:
             self.llm.sleep(level=2)
-            self.asleep = True
+            self.slept = True
+        self.asleep = True
 
     def _wake(self, tags: list) -> None:
-        if self.asleep:
+        if self.slept:
             torch.cuda.empty_cache()  # the trainer's cached blocks go back before vLLM allocates
             self.llm.wake_up(tags=tags)
 
@@ -365,7 +388,7 @@ class VLLMEngine:
         load, then the KV cache). --lora_push adapter: the adapters go to vLLM's own LoRA instead (saved,
         then loaded by path under a new id at the next request); the base weights only after a sleep that
         discarded them."""
-        was_asleep = self.asleep
+        was_asleep = self.slept
         self._wake(tags=["weights"])
         if self.adapters is None:
             self.load(named_weights(self.model, self.dtype))
@@ -374,7 +397,7 @@ class VLLMEngine:
                 self.load(named_weights(self.model, self.dtype, merge=False))
             self.lora = self.adapters.save(self.model)
         self._wake(tags=["kv_cache"])
-        self.asleep = False
+        self.asleep = self.slept = False
 
     def load(self, weights) -> None:
         """Load (HF name, tensor) pairs (any iterable) in place; fails if vLLM reports a layer it did not
@@ -446,6 +469,15 @@ class VLLMEngine:
             raise PushError(f"vLLM and trainer disagree after the weight push: mean |logprob diff| "
                             f"{diff:.4g} > tolerance {tol:.3g} on the probe; the push did not take effect")
         return diff
+
+
+def correction_for(args, dtype) -> str:
+    """--rollout_correction auto: token-tis (cap --is_cap) where vLLM samples in bf16/fp16, whose kernels draw
+    from another distribution than the trainer's (Yao et al. 2025); off where the engines agree to float
+    precision (fp32: ~1e-6)."""
+    if args.rollout_correction != "auto":
+        return args.rollout_correction
+    return "token-tis" if args.engine == "vllm" and dtype != torch.float32 else "off"
 
 
 def default_push_tol(dtype) -> float:

@@ -22,6 +22,12 @@ def arg(default, help: str, ge=None, gt=None, le=None, lt=None):
 def validate(args) -> None:
     """Choices and ranges of every option (from each field's arg(...)) and the options that must agree; raises
     ValueError naming the flag."""
+    if getattr(args, "temperature", 1) == 0:  # before the range check, whose message gives no reason
+        raise ValueError("--temperature 0: greedy decoding is no distribution to train on (a prompt's "
+                         "completions are one, every group advantage 0, and its log-probs are not those of "
+                         "what sampled them, so the ratio pi / pi_sampler is meaningless); train at a "
+                         "temperature > 0 and ask common.generate(run, examples, 1, temperature=0) for "
+                         "greedy completions")
     for f in dataclasses.fields(args):
         v, flag = getattr(args, f.name), f"--{f.name}"
         if v is None:  # an optional option left unset

@@ -220,7 +220,7 @@ def _line(mode: str, abi: int, why_not_namespaces) -> str:
                 "run folder")
     landlock = (f"Landlock ABI {abi} (read: system and Python folders; write: scratch"
                 + ("; TCP" if abi >= 4 else "") + ("; signals, abstract sockets" if abi >= 6 else "") + ")")
-    limits = f"seccomp (one process, one thread; no chmod/xattr/mount/ptrace), no capabilities, rlimits"
+    limits = "seccomp (one process, one thread; no chmod/xattr/mount/ptrace), no capabilities, rlimits"
     open_ = ["file metadata (stat) everywhere"]
     if abi < 6 and mode == "landlock":
         open_.append("signals to processes of the same user (Landlock ABI < 6)")

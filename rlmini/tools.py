@@ -20,7 +20,6 @@ import hashlib
 import json
 import math
 import operator
-import os
 import re
 import secrets
 import signal

@@ -2,18 +2,27 @@
 
     python scripts/options_table.py            # rewrite docs/options.md
     python scripts/options_table.py --check    # exit 1 if docs/options.md is not what the Args say
+
+Every train_*.py of the repository is found by itself: a new script's options appear once the page is
+rewritten, and until then --check fails, naming the script.
 """
 import dataclasses
+import glob
 import importlib
 import os
+import re
 import sys
 import typing
 from typing import Literal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-SCRIPTS = ["train_grpo", "train_rloo", "train_corpo", "train_gpg", "train_ppo"]
 PAGE = os.path.join(ROOT, "docs", "options.md")
+
+
+def scripts(root: str = ROOT) -> list:
+    """The train_*.py of the repository, by name (module names, sorted)."""
+    return sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(root, "train_*.py")))
 
 
 def values(f) -> str:
@@ -37,7 +46,8 @@ def table(fields) -> list:
     return rows
 
 
-def page() -> str:
+def page(names=None) -> str:
+    """docs/options.md for the scripts `names` (default: every train_*.py)."""
     import common
     shared = {f.name for f in dataclasses.fields(common.Args)}
     out = ["# Options", "",
@@ -47,18 +57,27 @@ def page() -> str:
            "YAML/JSON file;",
            "a flag given on the command line overrides the file.", "",
            "## Every script", "", *table(dataclasses.fields(common.Args))]
-    for name in SCRIPTS:
+    for name in scripts() if names is None else names:
         own = [f for f in dataclasses.fields(importlib.import_module(name).Args) if f.name not in shared]
         out += ["", f"## `{name}.py`", "", *table(own)]
     return "\n".join(out) + "\n"
 
 
+def check(current: str, expected: str) -> tuple[bool, str]:
+    """(is the page `current` what the Args say, the line --check prints), naming a script without a
+    section."""
+    if current == expected:
+        return True, "docs/options.md is current"
+    missing = [s for s in re.findall(r"^## `(train_\w+\.py)`$", expected, re.M) if f"## `{s}`" not in current]
+    why = f" (no section for {', '.join(missing)})" if missing else ""
+    return False, f"docs/options.md is stale{why}: python scripts/options_table.py"
+
+
 if __name__ == "__main__":
     text = page()
     if "--check" in sys.argv:
-        same = os.path.exists(PAGE) and open(PAGE).read() == text
-        print("docs/options.md is "
-              "current" if same else "docs/options.md is stale: python scripts/options_table.py")
+        same, line = check(open(PAGE).read() if os.path.exists(PAGE) else "", text)
+        print(line)
         sys.exit(0 if same else 1)
     with open(PAGE, "w") as f:
         f.write(text)

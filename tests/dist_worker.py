@@ -7,8 +7,11 @@ RUNS_JSON is a list of {"name", "script", "argv"}; each run is a train_*.py main
 process. Generation is replaced by a deterministic double (tests/rollout_double.py): the completions of a
 prompt depend on the prompt's text alone, so the global batch is the same whatever the number of ranks and
 whichever rank samples it. Every gradient clip call (the policy's, then PPO's critic's) records the flattened
-gradient it is given, before clipping, into OUT/<name>.rank<r>.pt. Then dist.top_share_threshold of fixed
-values split unevenly over the ranks (one rank may hold none) goes to OUT/thresholds.rank<r>.json.
+gradient it is given, before clipping, into OUT/<name>.rank<r>.pt. A run with "generate": after training, a
+script's own common.generate calls (greedy, 2 per prompt) on the first 4, 3 and 1 held-out prompts, shared
+out over the ranks (2 + 2, 2 + 1, 1 + none), gathered into OUT/<name>.generate.rank<r>.pt. Then
+dist.top_share_threshold of fixed values split unevenly over the ranks (one rank may hold none) goes to
+OUT/thresholds.rank<r>.json.
 """
 import importlib
 import json
@@ -18,6 +21,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common  # noqa: E402
 from rlmini import dist  # noqa: E402
 from rlmini.engine import HFEngine  # noqa: E402
 from rollout_double import generate_double  # noqa: E402
@@ -41,8 +45,18 @@ torch.nn.utils.clip_grad_norm_ = recording_clip
 for spec in runs:
     recorded.clear()
     argv = ["--out_dir", out_dir, "--run_name", spec["name"], "--wandb", "false", "--engine", "hf"]
-    importlib.import_module(spec["script"]).main(argv + spec["argv"])
+    run = importlib.import_module(spec["script"]).main(argv + spec["argv"])
     torch.save(list(recorded), os.path.join(out_dir, f"{spec['name']}.rank{dist.rank()}.pt"))
+    if spec.get("generate"):
+        out = {}
+        for k in (4, 3, 1):
+            s = common.generate(run, dist.shard(run.task.test[:k]), 2, temperature=0)
+            r = s.rollouts
+            out[k] = [dist.all_gather_objects(x) for x in (s.rewards.tolist(), s.correct.tolist(),
+                                                             r.completion_ids, r.policy_mask)]
+            if k == 4:  # the same count on every rank: the tensors gather as the batch's do
+                out["tensor"] = common.all_gather(s.rewards).tolist()
+        torch.save(out, os.path.join(out_dir, f"{spec['name']}.generate.rank{dist.rank()}.pt"))
 
 values = torch.rand(1000, generator=torch.Generator().manual_seed(0)).round(decimals=2)  # ties too
 cuts = {1: [(0, 1000)], 2: [(0, 300), (300, 1000)]}[dist.world_size()]

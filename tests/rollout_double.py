@@ -31,7 +31,8 @@ def generate_double(engine, prompt_ids, n, max_new_tokens, temperature, seed, st
             r.prompt_ids.append(list(ids))
             r.completion_ids.append(toks[:budget])
             r.finished.append(r.completion_ids[-1][-1:] == [tok.eos_token_id])
-    return with_trainer_logprobs(r, engine.model, temperature, engine.device, engine.dtype)
+    # greedy (temperature 0): the log-probs of the untempered logits, as both engines report them
+    return with_trainer_logprobs(r, engine.model, temperature or 1.0, engine.device, engine.dtype)
 
 
 def _modmul_turn(tok, text, kind, budget):

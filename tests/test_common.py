@@ -1,4 +1,6 @@
-"""Shared machinery: log-probs, batches, data order, arguments, atomic checkpoints, HF rollouts."""
+"""Shared machinery: log-probs, batches, data order, arguments, atomic checkpoints, HF rollouts, greedy
+decoding, common.generate."""
+import copy
 import json
 import os
 
@@ -76,6 +78,93 @@ def test_hf_rollouts_are_seeded_and_logprobs_match_trainer(tiny_addition):
     torch.testing.assert_close(sampler, trainer, atol=1e-4, rtol=0)
 
 
+def perturbed(model, scale: float = 0.3):
+    """A copy of the random-initialised tiny model whose greedy completions vary (the copy's logits are flat:
+    its argmax is one token over and over) and whose top logits stand apart (no near-ties for rounding)."""
+    model = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return model
+
+
+def test_hf_greedy_decoding_is_transformers_greedy_generate(tiny_addition):
+    """Temperature 0: the HF engine's completions are transformers' generate(do_sample=False) token for token
+    (left-padded prompts of several lengths, up to the first EOS), each token's log-prob is the log-softmax of
+    transformers' own untempered logits there (and the trainer's at temperature 1), and the n completions of
+    a prompt are one, repeated."""
+    _, tok, _ = tiny_addition
+    model = perturbed(tiny_addition[0])
+    sampler = engine.HFEngine(model, tok)
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ["3+4=", "12+9=", "0+0=", "45+67="]]
+    r = sampler.generate(prompts, 2, 12, 0.0, seed=1)
+    assert r.completion_ids[::2] == r.completion_ids[1::2]
+    assert r.sampler_logprobs[::2] == r.sampler_logprobs[1::2]
+    assert r.completion_ids == sampler.generate(prompts, 2, 12, 0.0, seed=2).completion_ids  # no draw
+    width = max(map(len, prompts))
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])
+    out = model.generate(input_ids=ids, attention_mask=(ids != tok.pad_token_id).long(), do_sample=False,
+                         max_new_tokens=12, eos_token_id=sorted(sampler.eos_ids),
+                         pad_token_id=tok.pad_token_id, output_logits=True, return_dict_in_generate=True)
+    logits = torch.stack(out.logits, 1).float().log_softmax(-1)
+    for i, seq in enumerate(out.sequences[:, width:].tolist()):
+        ends = [k for k, t in enumerate(seq) if t in sampler.eos_ids]
+        expected = seq[:ends[0] + 1] if ends else seq
+        assert r.completion_ids[2 * i] == expected and r.finished[2 * i] == bool(ends)
+        theirs = logits[i, torch.arange(len(expected)), expected]
+        torch.testing.assert_close(torch.tensor(r.sampler_logprobs[2 * i]), theirs, atol=1e-5, rtol=0)
+    assert len({tuple(c) for c in r.completion_ids}) == 4 and any(r.finished)  # not one token over and over
+    batch = packing.make_batch(r.prompt_ids, r.completion_ids, tok.pad_token_id, torch.device("cpu"))
+    with torch.no_grad():
+        lp, _ = logprobs.token_logprobs(model, batch, 1.0)
+    trainer = torch.cat([lp[i][batch["mask"][i] > 0] for i in range(len(r.completion_ids))])
+    torch.testing.assert_close(torch.tensor([x for s in r.sampler_logprobs for x in s]), trainer, atol=1e-4,
+                               rtol=0)
+
+
+def hf_run(tmp_path, *argv):
+    argv = ["--engine", "hf", "--out_dir", str(tmp_path), "--wandb", "false", "--prompts_per_step", "4",
+            "--group_size", "3", *argv]
+    return common.setup(common.parse_args(train_grpo.Args, argv), algo="grpo")
+
+
+def test_generate_is_the_rollouts_path_and_seeds_a_scripts_own_calls_apart(tmp_path):
+    """common.generate samples, scores and shapes as the rollout does (the rollout is built on it: with the
+    rollout's seed it returns the rollout's batch); the format bonus and the overlong penalty by hand; a
+    script's own calls draw from data.extra_seed, the k-th of a step its own, reproducibly; greedy gives one
+    completion per prompt, repeated; a bad n or temperature is named."""
+    run = hf_run(tmp_path, "--format_weight", "0.5", "--overlong_buffer", "2", "--max_new_tokens", "4")
+    G, pos = 3, run.data_pos
+    batch = common.rollout(run)
+    again = common.generate(run, batch.examples, G, seed=data.rollout_seed(0, 0, 0, 0))
+    assert again.rollouts.completion_ids == batch.rollouts.completion_ids and run.data_pos == pos + 4
+    assert torch.equal(again.rewards, batch.rewards) and torch.equal(again.correct, batch.correct)
+    lengths = []
+    for k, (c, f) in enumerate(zip(again.rollouts.completion_ids, again.rollouts.finished)):
+        s = run.task.score(run.tokenizer.decode(c, skip_special_tokens=True), again.examples[k // G], f)
+        penalty = min(0.0, max(-1.0, (4 - 2 - len(c)) / 2))  # DAPO eq. 13: -1 at the limit of 4 tokens
+        assert again.rewards[k].item() == pytest.approx(s.reward + 0.5 * s.format_ok + penalty)
+        lengths.append(len(c))
+    assert {3, 4} & set(lengths)  # the penalty bit
+    first, second = (common.generate(run, batch.examples, G) for _ in range(2))
+    assert run.extra_calls == (0, 2)
+    extra = [data.extra_seed(0, 0, 0, k) for k in (0, 1)]
+    for scored, seed in zip((first, second), extra):
+        assert scored.rollouts.completion_ids == common.generate(run, batch.examples, G,
+                                                                 seed=seed).rollouts.completion_ids
+    assert len({str(x.rollouts.completion_ids) for x in (batch, first, second)}) == 3
+    run.step = 1  # the count starts again at each step
+    assert common.generate(run, batch.examples, 1).rollouts.completion_ids == common.generate(
+        run, batch.examples, 1, seed=data.extra_seed(0, 1, 0, 0)).rollouts.completion_ids
+    greedy = common.generate(run, batch.examples, 2, temperature=0)
+    assert len(greedy) == 8 and greedy.rollouts.completion_ids[::2] == greedy.rollouts.completion_ids[1::2]
+    assert greedy.parts.shape == (8, 0) and len(greedy.scores) == 8
+    for n, t in ((0, 1.0), (1, -0.5)):
+        with pytest.raises(ValueError, match=f"n {n}, temperature {t}: n must be >= 1"):
+            common.generate(run, batch.examples, n, temperature=t)
+
+
 def test_args_from_config_file_with_command_line_override(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("lr: 0.01\ngroup_size: 4\nstd_norm: false\n")
@@ -96,6 +185,8 @@ def test_args_from_config_file_with_command_line_override(tmp_path):
     (["--hadw_eta", "1.5"], r"--hadw_eta 1.5: must be in \[0, 1\]"),
     (["--is_low", "3"], "--is_low 3.0 must not exceed --is_high 2.0"),
     (["--dtype", "float16"], "--dtype float16: training in fp16 needs gradient scaling"),
+    (["--temperature", "0"], r"--temperature 0: greedy decoding is no distribution to train on .* ask "
+                             r"common.generate\(run, examples, 1, temperature=0\) for greedy completions$"),
 ])
 def test_bad_arguments_name_the_flag(argv, message):
     with pytest.raises(SystemExit, match=message):
@@ -143,7 +234,9 @@ def test_group_scripts_refuse_groups_of_one_and_ppo_accepts_them(module):
 def test_rollout_seeds_differ_by_step_rank_and_round_and_fit_vllm():
     seeds = {data.rollout_seed(s, step, rank, rnd) for s in (0, 1) for step in (-1, 0, 1, 2)
              for rank in (0, 1, 7) for rnd in (0, 1, 2)}
-    assert len(seeds) == 2 * 4 * 3 * 3 and all(0 <= x < 2**31 for x in seeds)
+    seeds |= {data.extra_seed(s, step, rank, k) for s in (0, 1) for step in (0, 1, 2) for rank in (0, 1, 7)
+              for k in (0, 1, 2)}  # a script's own common.generate calls: never a training round's draws
+    assert len(seeds) == 2 * 4 * 3 * 3 + 2 * 3 * 3 * 3 and all(0 <= x < 2**31 for x in seeds)
     assert data.rollout_seed(3, 5, 1) == data.rollout_seed(3, 5, 1, 0)  # first sampling round = the default
 
 

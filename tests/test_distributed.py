@@ -53,9 +53,13 @@ RESUME = [  # on 2 ranks: 4 steps straight, and 2 steps + resume to 4 (HA-DW's a
 ] + [("rloo-dynamic", "train_rloo", BATCH + ["--dynamic_sampling", "true", "--log_completions", "16"])]
 
 
+GENERATE = {"grpo-tools"}  # after training: a script's own common.generate calls (tests/dist_worker.py)
+
+
 def launch(out, runs, ranks, timeout=600):
     path = os.path.join(out, "runs.json")
-    json.dump([{"name": n, "script": s, "argv": a} for n, s, a in runs], open(path, "w"))
+    json.dump([{"name": n, "script": s, "argv": a, "generate": n in GENERATE} for n, s, a in runs],
+              open(path, "w"))
     worker = os.path.join(ROOT, "tests", "dist_worker.py")
     cmd = [sys.executable, worker, out, path] if ranks == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
@@ -109,6 +113,17 @@ def test_two_ranks_log_the_one_rank_metrics(one_and_two_ranks, name):
         assert "eval/pass@1" in rows2[-1]
         e1, e2 = json.load(open(one / name / "eval.json")), json.load(open(two / name / "eval.json"))
         assert {k: v for k, v in e1.items()} == pytest.approx(e2)
+
+
+def test_a_scripts_own_generate_calls_under_torchrun_give_the_one_rank_completions(one_and_two_ranks):
+    """common.generate on 2 ranks (greedy, with tools): every rank's share, gathered, is the one-process
+    result, rewards shaped alike; a rank without prompts joins on a stand-in and returns none (no hang)."""
+    one, two = one_and_two_ranks
+    (name,) = GENERATE
+    a, b, c = (torch.load(d / f"{name}.generate.rank{r}.pt") for d, r in ((one, 0), (two, 0), (two, 1)))
+    assert a == b == c
+    assert [len(a[k][0]) for k in (4, 3, 1)] == [8, 6, 2] and a["tensor"] == a[4][0]
+    assert any(0 in m for m in a[4][3])  # tool output in the completions
 
 
 @pytest.mark.parametrize("name", ["grpo", "ppo"])

@@ -63,6 +63,29 @@ def test_the_options_page_is_generated_from_the_args():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_a_new_scripts_options_are_found_and_checked(tmp_path, monkeypatch):
+    """scripts/options_table.py finds every train_*.py by itself; a new script whose options the page lacks
+    fails --check, which names it."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("options_table", os.path.join(ROOT, "scripts",
+                                                                                "options_table.py"))
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    found = glob.glob(os.path.join(ROOT, "train_*.py"))
+    assert table.scripts() == sorted(os.path.basename(p)[:-3] for p in found) and len(found) >= 5
+    (tmp_path / "train_remax.py").write_text(
+        "from dataclasses import dataclass\n\nimport train_rloo\nfrom common import arg\n\n\n@dataclass\n"
+        "class Args(train_rloo.Args):\n    baseline_n: int = arg(1, 'greedy completions per prompt', ge=1)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert table.scripts(str(tmp_path)) == ["train_remax"]
+    text = table.page(table.scripts() + table.scripts(str(tmp_path)))
+    assert "## `train_remax.py`" in text and "| `--baseline_n` | `1` | int >= 1 | greedy completions" in text
+    current = open(table.PAGE).read()
+    assert table.check(current, table.page()) == (True, "docs/options.md is current")
+    assert table.check(current, text) == (False, "docs/options.md is stale (no section for train_remax.py): "
+                                                 "python scripts/options_table.py")
+
+
 def test_the_readme_file_map_counts_the_lines():
     def lines(path):
         whole = os.path.join(ROOT, path)

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+import common
 import train_gpg
 import train_grpo
 from conftest import ROOT, read_metrics
@@ -58,12 +59,36 @@ def test_stale_engine_weights_stop_the_run_at_the_next_step(tmp_path):
     assert counts["pushes"] == len(rows)
 
 
-def test_a_sleeping_engine_refuses_to_generate():
-    tokenizer = type("Tokenizer", (), {"eos_token_id": 1, "pad_token_id": 0})()
-    sampler = VLLMEngine(None, None, tokenizer, sleep_mode=True)
-    sampler.asleep = True
-    with pytest.raises(engine.EngineStateError, match="sleep level 2 discarded its weights"):
-        sampler.generate([[1, 2]], 2, 4, 1.0, 0)
+def test_a_sleeping_engine_refuses_to_generate_on_every_device(tiny_addition):
+    """From sleep() to push() both engines refuse to generate, also where sleeping frees nothing (CPU vLLM,
+    the HF engine): a script that generates in the wrong place of the step fails in CPU tests too, not only
+    on CUDA, where vLLM would sample from discarded weights. The message names the fix."""
+    model, tok, _ = tiny_addition
+    for sampler in (VLLMEngine(None, None, tok, sleep_mode=False), HFEngine(model, tok)):
+        sampler.sleep()
+        with pytest.raises(engine.EngineStateError, match=r"generate\(\) after run.engine.sleep\(\): .* call "
+                                                          r"common.generate before run.engine.sleep\(\)"):
+            sampler.generate([[4, 13, 5, 14]], 2, 4, 1.0, 0)
+    sampler.push()  # the HF engine: awake again
+    assert len(sampler.generate([[4, 13, 5, 14]], 2, 4, 1.0, 0).completion_ids) == 2
+
+
+def test_extra_generation_after_the_engine_sleeps_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    """A script that asks for extra completions after run.engine.sleep() (here: in place of pre_update) stops
+    at once, in one line naming the fix, exit status 2."""
+    pre_update = common.pre_update
+
+    def late(run, batch, *a, **k):
+        common.generate(run, batch.examples, 1, temperature=0)
+        return pre_update(run, batch, *a, **k)
+
+    monkeypatch.setattr(common, "pre_update", late)
+    with pytest.raises(SystemExit) as stop, common.user_errors():
+        train(tmp_path, "--steps", "1", "--run_name", "late")
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "error: EngineStateError: generate() after run.engine.sleep(): the engine sleeps from the end of the "
+        "rollout to run.engine.push()")
 
 
 def train(tmp_path, *argv, module=train_grpo):

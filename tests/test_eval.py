@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-import common
 import eval as ev
 import rewards
 from conftest import run_script
 from eval import expected_calibration_error, probability_predictions
+from rlmini import optim
 
 
 def test_ece_hand_computed():
@@ -55,25 +55,25 @@ def test_prediction_per_question_is_the_mean_of_valid_samples():
 
 
 def test_lr_warmup_is_linear_then_constant():
-    f = common.lr_lambda(4)
+    f = optim.lr_lambda(4)
     assert [f(k) for k in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
-    assert common.lr_lambda(0)(0) == 1.0
+    assert optim.lr_lambda(0)(0) == 1.0
 
 
 def test_lr_decay_reaches_zero_at_the_last_step():
-    lin, cos = common.lr_lambda(2, "linear", 6), common.lr_lambda(2, "cosine", 6)
+    lin, cos = optim.lr_lambda(2, "linear", 6), optim.lr_lambda(2, "cosine", 6)
     assert [lin(k) for k in range(7)] == pytest.approx([0.5, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0])
     # cosine: 1/2 (1 + cos(pi t)) at t = (k - 2) / 4
     assert [cos(k) for k in range(7)] == pytest.approx([0.5, 1.0, 1.0, 0.8535534, 0.5, 0.1464466, 0.0])
-    assert cos(50) == 0.0 and common.lr_lambda(0, "constant", 6)(5) == 1.0
+    assert cos(50) == 0.0 and optim.lr_lambda(0, "constant", 6)(5) == 1.0
 
 
 def test_lr_schedule_resumes_where_it_stopped():
-    """A resumed run restores the optimizer's and the scheduler's state_dicts (common.setup) and rebuilds the
-    same lambda from the same options: the lr goes on as in a straight run."""
+    """A resumed run restores the optimizer's and the scheduler's state_dicts (checkpoint.resume) and rebuilds
+    the same lambda from the same options: the lr goes on as in a straight run."""
     def make():
         opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
-        return opt, torch.optim.lr_scheduler.LambdaLR(opt, common.lr_lambda(2, "cosine", 8))
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, optim.lr_lambda(2, "cosine", 8))
     opt, sched = make()
     straight = []
     for _ in range(8):
@@ -249,6 +249,7 @@ def test_cli_bad_input_gives_a_clear_error(argv, message):
 def test_evaluation_samples_in_float16_which_training_refuses(tmp_path, monkeypatch):
     """--dtype float16: the options check refuses it for training (no gradient scaler) and its message
     points to eval.py, which samples in float16."""
+    import common
     import train_grpo
     with pytest.raises(SystemExit, match="--dtype float16: training in fp16 needs gradient scaling"):
         common.parse_args(train_grpo.Args, ["--dtype", "float16"])

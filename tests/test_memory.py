@@ -160,8 +160,9 @@ def test_no_persistent_allocation_after_the_engine_is_sized(tmp_path, monkeypatc
     # the plan's step counters are 512-byte CUDA blocks; on CPU each is 4 bytes
     blocks = len(run.optimizer.state) + len(run.critic_optimizer.state)
     assert p["weights"] + p["adam"] - 508 * blocks == policy_bytes + critic_bytes
+    batch = common.rollout(run)
     run.engine.sleep()
-    for mb in common.minibatches(run, common.rollout(run)):  # a step: no new AdamW state
+    for mb in common.minibatches(run, batch):  # a step: no new AdamW state
         for micro in mb:
             logp, _ = common.policy_logprobs(run, micro)
             (logp * micro.mask).sum().backward()

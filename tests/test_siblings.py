@@ -1,5 +1,9 @@
-"""RLOO, CoRPO, GPG and PPO: hand-computed advantages, their losses, and short learning runs."""
+"""RLOO, CoRPO, GPG and PPO: hand-computed advantages, their losses, and short learning runs; every train_*.py
+runs a step; a new algorithm (ReMax) built as docs/algorithms.md says."""
+import glob
+import importlib
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +15,7 @@ import train_gpg
 import train_grpo
 import train_ppo
 import train_rloo
-from conftest import mean_of, read_metrics, undocumented
+from conftest import ROOT, mean_of, read_metrics, undocumented
 from rlmini import data, packing
 from test_train_grpo import SHARED_METRICS, _rows_without_timing, _same
 
@@ -237,3 +241,60 @@ def test_corpo_and_grpo_learn_ordinal_and_only_grpo_rewards_failures(tmp_path):
     fpf = lambda rows: [r["adv/failed_pos_frac"] for r in rows if not math.isnan(r["adv/failed_pos_frac"])]
     assert max(fpf(corpo)) == 0.0  # by construction
     assert mean_of([{"x": v} for v in fpf(grpo)], "x", 0, 10) > 0.05  # seed 004 Fig. 1: 18% early in GRPO
+
+
+# ---------------------------------------------------------------------------------------------- every script
+
+
+SCRIPTS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "train_*.py")))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_runs_a_step(tmp_path, script):
+    """Every train_*.py found (a new one too): a step on the HF engine, every logged metric named in
+    docs/metrics.md or the script's own page."""
+    module = importlib.import_module(script)
+    own = {"train_corpo": ["--task", "ordinal"], "train_gpg": ["--beta_th", "0"]}.get(script, [])
+    run = train(module, tmp_path, "--steps", "1", "--prompts_per_step", "4", "--group_size", "2", *own)
+    rows = read_metrics(run.run_dir)
+    assert len(rows) == 1 and SHARED_METRICS <= set(rows[0]) and not undocumented(rows[0], run.algo)
+
+
+# (a line of train_rloo.py, what train_remax.py has instead): ReMax (Li et al. 2024), docs/algorithms.md
+REMAX = [
+    ("        batch = common.rollout(run, keep)\n",
+     "        batch = common.rollout(run, keep)\n"
+     "        greedy = common.generate(run, batch.examples, 1, temperature=0)"
+     "  # ALGORITHM: before the sleep\n"),
+    ("        advantages = compute_advantages(common.all_gather(rewards), args.group_size)\n",
+     "        baseline = common.all_gather(greedy.rewards).repeat_interleave(args.group_size)\n"
+     "        advantages = common.all_gather(rewards) - baseline\n"
+     '        extra = {"remax/baseline": baseline.mean().item()}  # logged beside the shared metrics\n'),
+    ("        metrics = common.step_metrics(run, batch, pre, stats, advantages)\n",
+     "        metrics = common.step_metrics(run, batch, pre, stats, advantages, extra)\n"),
+    ("    min_group_size: ClassVar[int] = 2  # the group baseline needs two completions of a prompt\n",
+     "    min_group_size: ClassVar[int] = 1\n"),
+    ('algo="rloo"', 'algo="remax"'),
+]
+
+
+def test_a_remax_script_written_as_the_docs_say_trains_on_its_greedy_baseline(tmp_path, monkeypatch):
+    """train_rloo.py copied, with the ReMax lines of docs/algorithms.md (the greedy completion's reward as
+    each prompt's baseline, from one common.generate call before the sleep): it trains with one sample per
+    prompt or several, and its advantages are the rewards less the baselines."""
+    docs = open(os.path.join(ROOT, "docs", "algorithms.md")).read()
+    text = open(os.path.join(ROOT, "train_rloo.py")).read()
+    for old, new in REMAX:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    for _, new in REMAX[:3]:  # the docs show these lines as they are here
+        assert all(line in docs for line in new.splitlines()), new
+    (tmp_path / "train_remax.py").write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    remax = importlib.import_module("train_remax")
+    for G in (1, 3):
+        run = train(remax, tmp_path, "--steps", "1", "--prompts_per_step", "8", "--group_size", str(G),
+                    "--format_weight", "0.5", "--run_name", f"g{G}")
+        (r,) = read_metrics(run.run_dir)
+        assert r["adv/mean"] == pytest.approx(r["reward/mean"] - r["remax/baseline"], abs=1e-6)
+        assert run.algo == "remax" and run.extra_calls == (0, 1)  # one call of its own in the step

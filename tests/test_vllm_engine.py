@@ -50,6 +50,32 @@ def test_vllm_and_trainer_logprobs_agree(vllm_setup, temperature):
         assert f == (len(c) > 0 and c[-1] == tok.eos_token_id)
 
 
+def test_greedy_decoding_agrees_with_the_hf_engine(vllm_setup):
+    """Temperature 0: vLLM's own greedy (SamplingParams(temperature=0), n = 1 repeated) gives the HF engine's
+    completions token for token (the HF engine equals transformers' generate: tests/test_common.py), with
+    the same log-probs, the log-softmax of the untempered logits (the trainer's at temperature 1), whatever
+    the seed. The weights are perturbed first: the tiny model's own greedy completion is one token repeated.
+    """
+    from test_common import perturbed
+    sampler, model, tok, prompts = vllm_setup
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(perturbed(model).state_dict())
+    try:
+        sampler.push()
+        theirs, again = sampler.generate(prompts, 2, 12, 0.0, 3), sampler.generate(prompts, 2, 12, 0.0, 4)
+        ours = engine.HFEngine(model, tok).generate(prompts, 2, 12, 0.0, 3)
+        trainer = _trainer_logprobs(model, theirs, 1.0)
+    finally:
+        model.load_state_dict(saved)
+        sampler.push()
+    assert theirs.completion_ids == ours.completion_ids == again.completion_ids
+    assert theirs.finished == ours.finished and len({tuple(c) for c in ours.completion_ids}) == 3
+    vllm_lp = torch.tensor([x for s in theirs.sampler_logprobs for x in s])
+    torch.testing.assert_close(vllm_lp, torch.tensor([x for s in ours.sampler_logprobs for x in s]),
+                               atol=LOGPROB_TOL, rtol=0)
+    torch.testing.assert_close(vllm_lp, trainer, atol=LOGPROB_TOL, rtol=0)
+
+
 def test_per_request_seeds_reproduce(vllm_setup, monkeypatch):
     """--vllm_seed request (the default): a request's samples are fixed by the seed, whatever ran before."""
     sampler, _, _, prompts = vllm_setup
@@ -304,9 +330,9 @@ def test_rollout_correction_auto_is_on_for_bf16_vllm_only():
     for engine_name, dtype, expected in (("vllm", torch.bfloat16, "token-tis"),
                                          ("vllm", torch.float16, "token-tis"),
                                          ("vllm", torch.float32, "off"), ("hf", torch.bfloat16, "off")):
-        assert common.correction_for(common.Args(engine=engine_name), dtype) == expected
+        assert engine.correction_for(common.Args(engine=engine_name), dtype) == expected
     chosen = common.Args(engine="vllm", rollout_correction="seq-mis")
-    assert common.correction_for(chosen, torch.bfloat16) == "seq-mis"
+    assert engine.correction_for(chosen, torch.bfloat16) == "seq-mis"
 
 
 def test_lora_adapters_pushed_to_vllms_own_lora(tiny_addition):

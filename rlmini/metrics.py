@@ -1,0 +1,118 @@
+"""Every logged metric of a step, named once for every script: the step's token-weighted sums over its
+micro-batches (StepStats; summed over ranks by common.check_sampler), and the metrics over the global batch
+(step_metrics), each equal to its 1-rank value on the same batch (docs/metrics.md)."""
+import math
+import time
+
+import torch
+
+from rlmini import faults, memplan, runlog, tools
+from rlmini.batches import Batch, Micro, PreUpdate
+from rlmini.dist import all_gather, all_sum, local_slice, world_size
+
+
+class StepStats:
+    """A step's diagnostics: token-weighted sums over its micro-batches (then over ranks, in check_sampler)
+    and its optimizer steps. The metrics they become are named here and in step_metrics, once for every
+    script. The sums stay on the device in float64 (each value adds as .item() would give it, so the totals
+    are the same to the bit) until check_sampler copies them to the host at once: on CUDA every .item() is a
+    host sync, and add() would cost about ten per micro-batch."""
+
+    def __init__(self):
+        names = ["loss/policy", "clip_frac", "kl", "kl/old", "entropy", "logprob/sampler_diff", "is/mean",
+                 "is/clip_frac", "is/kl", "perf/computed", "perf/padded"]
+        self.sums = dict.fromkeys(names, 0.0)
+        self.tokens, self.updates, self.skipped, self.grad_norm, self.has_kl = 0.0, 0, 0, 0.0, False
+        self.totals = {}
+
+    def _add(self, name: str, value) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + value.detach().double()
+
+    def add(self, micro: Micro, loss, old, entropy, info: dict, is_info: dict, value_loss=None,
+            value_clipped=None) -> None:
+        """One micro-batch: its loss (this rank's share), pi_old and the entropies of its tokens, the
+        surrogate's `info` (clipped, ratio, kl), the rollout correction's `is_info`; PPO's value loss and
+        clipped values."""
+        s, mask, add = self.sums, micro.mask, self._add
+        s["perf/computed"] += micro.computed
+        s["perf/padded"] += micro.padded
+        self.tokens = self.tokens + mask.sum().double()
+        add("loss/policy", loss.detach().double() / world_size())  # this rank's share (FSDP2 averages)
+        add("clip_frac", (info["clipped"] * mask).sum())
+        self.has_kl = self.has_kl or "kl" in info
+        if "kl" in info:
+            add("kl", (info["kl"] * mask).sum())
+        log_r = torch.log(info["ratio"].clamp(min=1e-30))
+        add("kl/old", ((torch.exp(-log_r) + log_r - 1) * mask).sum())
+        if micro.epoch == 0:  # once per rollout token: the sampler against pi_old
+            add("entropy", (entropy * mask).sum())
+            add("logprob/sampler_diff", ((micro.sampler_logp - old).abs() * mask).sum())
+            for key, name in (("w", "is/mean"), ("changed", "is/clip_frac"), ("kl", "is/kl")):
+                add(name, (is_info[key] * mask).sum())
+        if value_loss is not None:
+            add("value/loss", value_loss.detach().double() / world_size())
+            add("value/clip_frac", value_clipped.sum())
+
+
+def step_metrics(run, batch: Batch, pre: PreUpdate, stats: StepStats, advantages, extra=None) -> dict:
+    """The step's metrics over the global batch: per-completion values gathered from every rank, and token
+    sums over ranks, so each equals its 1-rank value on the same batch (docs/metrics.md). `advantages`: one
+    per completion of the global batch. Also writes --log_completions and warns about a collapsed policy."""
+    now, t, G, tot = time.perf_counter(), run.times, run.args.group_size, stats.totals
+    first = [all_gather(x) for x in batch.first]  # reward/* logs the first sampling round: the policy's rates
+    rewards, lengths = all_gather(batch.rewards), all_gather(batch.lengths)
+    trained = all_gather(getattr(batch, batch.spread_on)).view(-1, G)  # the groups trained on (Keep's filter)
+    finished = all_gather(torch.tensor(batch.rollouts.finished, dtype=torch.float32))
+    failed, first_groups = rewards < run.task.pass_threshold, first[0].view(-1, G)
+    updates, n = stats.updates + stats.skipped, tot["first_pass_tokens"]
+    metrics = {
+        "reward/mean": first[0].mean().item(),
+        "reward/std": first[0].std().item() if len(first[0]) > 1 else 0.0,
+        "reward/correct": first[1].mean().item(), "reward/format": first[2].mean().item(),
+        **{f"reward/{name}": first[3][:, j].mean().item() for j, name in enumerate(run.task.reward_names)},
+        "frac_reward_zero_std": (first_groups.amax(1) == first_groups.amin(1)).float().mean().item(),  # TRL's
+        "sampling/rounds": batch.rounds, "sampling/extra_rollouts": all_sum(batch.generated - len(batch)),
+        "sampling/kept_zero_std": (trained.amax(1) == trained.amin(1)).float().mean().item(),
+        "adv/mean": advantages.mean().item(), "adv/abs_mean": advantages.abs().mean().item(),
+        "adv/failed_pos_frac": (advantages[failed] > 0).float().mean().item() if failed.any() else math.nan,
+        "loss/policy": tot["loss/policy"] / updates, "nonfinite/skipped": stats.skipped,
+        "kl": tot["kl"] / tot["tokens"] if stats.has_kl else float("nan"),
+        "kl/old": tot["kl/old"] / tot["tokens"], "clip_frac": tot["clip_frac"] / tot["tokens"],
+        "entropy": tot["entropy"] / n, "logprob/sampler_diff": tot["logprob/sampler_diff"] / n,
+        "is/mean": tot["is/mean"] / n, "is/clip_frac": tot["is/clip_frac"] / n, "is/kl": tot["is/kl"] / n,
+        "grad_norm": stats.grad_norm / stats.updates if stats.updates else float("nan"),  # NaN: all skipped
+        "lr": run.scheduler.get_last_lr()[0], "entropy/threshold": pre.tau,
+        "len/mean": lengths.mean().item(), "len/truncated": 1.0 - finished.mean().item(),
+        "time/rollout": t["update"] - t["start"], "time/update": t["update_end"] - t["update"],
+        "time/push": now - t["push"],  # this rank's clock (rank 0 logs)
+        "perf/tokens_per_s": n / (now - t["start"]),  # every rank's tokens
+        "perf/pad_frac": tot["perf/padded"] / max(tot["perf/computed"], 1.0),  # the update's forwards
+    }
+    memplan.phase_end("push", run.times)  # CUDA: the push's (and check's) peak, vLLM waking
+    metrics.update(memplan.metrics(run.times, run.plan, run.engine))
+    if "value/loss" in tot:  # PPO's critic
+        metrics["value/loss"] = tot["value/loss"] / updates
+        metrics["value/clip_frac"] = tot["value/clip_frac"] / tot["tokens"]
+    if batch.rollouts.tool_stats is not None:  # --tools
+        metrics.update(tool_metrics(batch.rollouts))
+    metrics.update(extra or {})
+    faults.warn_on_collapse(run, metrics)  # no gradient or no entropy for several steps in a row
+    runlog.log_completions(run, batch.examples, batch.rollouts, batch.rewards, batch.correct, batch.fmt,
+                           advantages[local_slice(len(batch))], run.args.log_completions)
+    return metrics
+
+
+def tool_metrics(rollouts) -> dict:
+    """--tools: calls, turns, errors, time-outs, tool time and the tool's share of the tokens, over the global
+    batch (per trajectory; rates per call)."""
+    per = all_gather(torch.tensor([[st[k] for k in tools.STATS] for st in rollouts.tool_stats],
+                                  dtype=torch.float64))
+    st = dict(zip(tools.STATS, per.T))
+    calls, tokens = st["calls"].sum().item(), all_sum(float(sum(len(c) for c in rollouts.completion_ids)))
+    return {"tools/calls": st["calls"].mean().item(),
+            "tools/call_frac": (st["calls"] > 0).double().mean().item(),
+            "tools/turns": st["turns"].mean().item(),
+            "tools/success_rate": 1 - st["errors"].sum().item() / calls if calls else math.nan,
+            "tools/errors": st["errors"].sum().item(), "tools/timeouts": st["timeouts"].sum().item(),
+            "tools/seconds": st["seconds"].sum().item(), "tools/turn_limit": st["turn_limit"].mean().item(),
+            "tools/token_frac": st["tool_tokens"].sum().item() / max(tokens, 1.0)}
