@@ -15,6 +15,7 @@ the CUDA context and the allocator's fragmentation (the plan's CONTEXT and margi
 """
 import argparse
 import copy
+import json
 import os
 import sys
 import time
@@ -291,7 +292,13 @@ def main():
     p.add_argument("--max_num_seqs", type=int, default=64, help="a rank's rollout batch (prompts x G/ranks)")
     p.add_argument("--max_len", type=int, default=2048, help="vLLM's max_model_len (prompt + completion)")
     p.add_argument("--track", action="store_true", help="the plan against torch's memory trackers")
+    p.add_argument("--json", action="store_true", help="--track: one JSON line per case (for the tests)")
     args = p.parse_args()
+    if args.track and args.json:
+        for case, got, plan, secs in compare():
+            print(json.dumps({"case": list(case), "persistent": [got["persistent"], plan["persistent"]],
+                              "update": [got["update"], plan["update"]]}), flush=True)
+        return
     if args.track:
         print("| model | ranks | LoRA | reference | critic | checkpointing | tracker: persistent / update GiB"
               " | plan | plan / tracker (update) | s |")

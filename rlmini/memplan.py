@@ -262,10 +262,11 @@ def materialize_adamw(optimizer) -> None:
             state["step"].zero_()
 
 
-def write(p: dict, run_dir: str) -> None:
-    """memory_plan.json in the run folder (make gpu-check compares it with the measured peaks), in GB."""
+def write(p: dict, run_dir: str, device: str) -> None:
+    """memory_plan.json in the run folder (make gpu-check compares it with the measured peaks), in GB; on a
+    CPU (`device`) the trainer's part only, without a GPU to fit."""
     keys = ("update", "rollout", "push", "persistent", "activations", "vllm", "margin", "gpu")
-    data = {f"{k}_gb": p[k] / 1e9 for k in keys} | {"share": p["share"]}
+    data = {f"{k}_gb": p[k] / 1e9 for k in keys} | {"share": p["share"], "device": device}
     with open(os.path.join(run_dir, "memory_plan.json"), "w") as f:
         json.dump(data, f, indent=1)
 
@@ -294,7 +295,7 @@ def plan_run(args, algo: str, path: str, device, dtype, max_len: int, run_dir: s
     if dist.rank() == 0:
         print(describe(p, tokens, args.gradient_checkpointing, "" if cuda else "CPU, GiB; no GPU to fit"),
               flush=True)
-        write(p, run_dir)
+        write(p, run_dir, device.type)
     if cuda and p["why"] is not None:
         raise SystemExit(f"memory plan: {p['why']}")
     return p

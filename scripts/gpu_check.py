@@ -138,6 +138,7 @@ def summarise(run_dir: str, rows: list, alone: dict, world: int) -> dict:
     cfg = json.load(open(os.path.join(run_dir, "config.json")))
     plan_path = os.path.join(run_dir, "memory_plan.json")
     plan = json.load(open(plan_path)) if os.path.exists(plan_path) else {}
+    plan = plan if plan.get("device") == "cuda" else {}  # a CPU's plan has no GPU to compare with
     later = rows[1:]
     top = lambda key, rs: max((r[key] for r in rs if key in r), default=None)  # noqa: E731
     generated = [r["len/mean"] * cfg["prompts_per_step"] * cfg["group_size"] for r in later]  # all ranks

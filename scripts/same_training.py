@@ -117,18 +117,27 @@ def fingerprint(obj, prefix="") -> dict:
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
             out.update(fingerprint(v, f"{prefix}/{i}"))
-    elif isinstance(obj, np.ndarray):
-        out[prefix] = hashlib.sha256(obj.tobytes()).hexdigest()[:16]
+    elif isinstance(obj, np.ndarray):  # NumPy's RNG keys before checkpoints held them as an int64 tensor
+        out[prefix] = tensor_hash(torch.from_numpy(obj.astype(np.int64)))
     else:
         out[prefix] = repr(obj)
     return out
+
+
+def load(path: str):
+    """A checkpoint of this tool's own runs, of either format: weights only, with NumPy's arrays allowed for a
+    revision from before checkpoints held NumPy's RNG keys as a tensor."""
+    import numpy as np
+    import torch
+    allowed = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def weights_fingerprint(run_dir: str) -> dict:
     """The final checkpoint (one process: checkpoint.pt; torchrun: checkpoint/, read through a conversion to
     one file) and final/ (safetensors), as {path: hash}; the saved options are left out (new options may
     appear)."""
-    import torch
     from safetensors.torch import load_file
     out = {}
     path = os.path.join(run_dir, "checkpoint.pt")
@@ -136,11 +145,10 @@ def weights_fingerprint(run_dir: str) -> dict:
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
         path = os.path.join(tempfile.mkdtemp(), "converted.pt")
         dcp_to_torch_save(os.path.join(run_dir, "checkpoint"), path)
-        meta = torch.load(os.path.join(run_dir, "checkpoint", "meta.pt"), map_location="cpu",
-                          weights_only=True)
-        state = {**torch.load(path, map_location="cpu", weights_only=True), **meta}
+        meta = load(os.path.join(run_dir, "checkpoint", "meta.pt"))
+        state = {**load(path), **meta}
     else:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = load(path)
     state.pop("args", None)
     out.update(fingerprint(state, "checkpoint"))
     for folder, _, files in os.walk(os.path.join(run_dir, "final")):

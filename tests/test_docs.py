@@ -77,6 +77,7 @@ def test_a_new_scripts_options_are_found_and_checked(tmp_path, monkeypatch):
         "from dataclasses import dataclass\n\nimport train_rloo\nfrom common import arg\n\n\n@dataclass\n"
         "class Args(train_rloo.Args):\n    baseline_n: int = arg(1, 'greedy completions per prompt', ge=1)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "train_remax", raising=False)  # another test's module of that name
     assert table.scripts(str(tmp_path)) == ["train_remax"]
     text = table.page(table.scripts() + table.scripts(str(tmp_path)))
     assert "## `train_remax.py`" in text and "| `--baseline_n` | `1` | int >= 1 | greedy completions" in text

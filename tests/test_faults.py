@@ -206,7 +206,7 @@ def bad_config(tmp_path, name, text):
      r"--save_every: invalid int value: '1.7'"),
     (lambda t: ["--lr", "-1"], r"--lr -1.0: must be > 0"),
     (lambda t: ["--lr", "inf"], r"--lr inf: must be a finite number"),
-    (lambda t: ["--temperature", "0"], r"--temperature 0.0: must be > 0"),
+    (lambda t: ["--temperature", "0"], r"--temperature 0: greedy decoding is no distribution to train on"),
     (lambda t: ["--grad_clip", "-1"], r"--grad_clip -1.0: must be >= 0"),  # was: gradient ascent
     (lambda t: ["--max_new_tokens", "-1"], r"--max_new_tokens -1: must be >= 0"),
     # was: "bad hub id"

@@ -3,6 +3,7 @@ own memory trackers on real configurations at 8k tokens (1 and 8 simulated ranks
 AdamW's state made before vLLM sizes itself without changing training, and the one-line refusals."""
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -80,26 +81,30 @@ def test_plan_by_hand():
     assert awake["update"] - one["update"] == pytest.approx(want)  # without sleep it stays whole
 
 
-CASES = [  # model, ranks, LoRA rank, reference, critic, checkpointing: 1 and 8 ranks; full, LoRA, ref, PPO
-    ("qwen2.5-1.5b-instruct", 1, 0, False, False, True),
-    ("qwen2.5-7b-instruct", 1, 16, True, False, True),
-    ("llama-3.1-8b-instruct", 8, 0, True, False, True),
-    ("qwen2.5-1.5b-instruct", 8, 0, False, True, True),
-    ("gemma-2-2b-it", 1, 0, False, False, False),
-]
+CASES = memory.CASES  # 1 and 8 ranks; full, LoRA, a reference, PPO's critic; with and without checkpointing
+
+
+@pytest.fixture(scope="module")
+def tracked():
+    """Every case of benchmarks/memory.py::CASES tracked in one process of its own: a fake process group of 8
+    ranks, FakeTensorMode and FlexAttention's patched checks stay out of the test process."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "memory.py"), "--track", "--json"],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return {tuple(r["case"]): r for r in map(json.loads, out.stdout.splitlines())}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}r{'-lora' * bool(c[2])}{'-ref' * c[3]}"
                                              f"{'-ppo' * c[4]}{'-nockpt' * (not c[5])}" for c in CASES])
-def test_the_plan_holds_against_torchs_memory_trackers(case):
+def test_the_plan_holds_against_torchs_memory_trackers(case, tracked):
     """Built as the trainer builds it under FakeTensorMode (benchmarks/memory.py::track), one packed
     micro-batch of 8192 tokens with gradients accumulating, then AdamW's step: the plan's persistent state
     equals what MemTracker / FSDPMemTracker count to 0.1%, and its update peak lies within -3% / +10% of
     theirs (the plan's margin, 5% of the GPU and at least 2 GiB, covers the rest)."""
-    kw = dict(zip(("ranks", "lora_rank", "reference", "critic", "checkpointing"), case[1:]))
-    got, plan = memory.track(case[0], **kw), memory.planned(case[0], **kw)
-    assert plan["persistent"] == pytest.approx(got["persistent"], rel=1e-3)
-    assert 0.97 <= plan["update"] / got["update"] <= 1.10, (plan["update"] / GiB, got["update"] / GiB)
+    r = tracked[tuple(case)]
+    (got, plan), update = r["persistent"], r["update"]
+    assert plan == pytest.approx(got, rel=1e-3)
+    assert 0.97 <= update[1] / update[0] <= 1.10, [u / GiB for u in update]
 
 
 def test_materialized_adamw_trains_bit_for_bit_the_same():

@@ -454,10 +454,11 @@ def test_flex_compiles_few_known_variants_and_stops_past_the_limit(monkeypatch):
             step(batch)
         assert counter.frame_count == 4
         torch._dynamo.reset()
-        monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 3)
         monkeypatch.setitem(packing._FLEX, "backend", CompileCounter())
-        with pytest.raises(RuntimeError, match=r"recompile_limit = 3 compiled variants \(this call: grad, "
-                                               r"q/k/v bfloat16/bfloat16/bfloat16, 251 tokens\).*rows"):
+        # config.patch restores the field itself (a monkeypatched config module hides it from later readers)
+        with torch._dynamo.config.patch(recompile_limit=3), pytest.raises(
+                RuntimeError, match=r"recompile_limit = 3 compiled variants \(this call: grad, "
+                                    r"q/k/v bfloat16/bfloat16/bfloat16, 251 tokens\).*rows"):
             for batch in batches:
                 step(batch)
         torch._dynamo.reset()

@@ -2,6 +2,7 @@
 runs a step; a new algorithm (ReMax) built as docs/algorithms.md says."""
 import glob
 import importlib
+import sys
 import math
 import os
 from types import SimpleNamespace
@@ -291,6 +292,7 @@ def test_a_remax_script_written_as_the_docs_say_trains_on_its_greedy_baseline(tm
         assert all(line in docs for line in new.splitlines()), new
     (tmp_path / "train_remax.py").write_text(text)
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "train_remax", raising=False)  # another test's module of that name
     remax = importlib.import_module("train_remax")
     for G in (1, 3):
         run = train(remax, tmp_path, "--steps", "1", "--prompts_per_step", "8", "--group_size", str(G),

@@ -487,7 +487,7 @@ def test_every_trainer_runs_with_tools(tmp_path, script, extra):
     assert all(r["turns"] and {t["role"] for t in r["turns"]} <= {"policy", "tool"} for r in logged)
     assert any(t["role"] == "tool" for r in logged for t in r["turns"])
     assert sorted(os.listdir(run.run_dir)) == [".lock", "checkpoint.pt", "config.json", "final",
-                                               "metrics.jsonl", "rollouts.jsonl"]
+                                               "memory_plan.json", "metrics.jsonl", "rollouts.jsonl"]
 
 
 def test_eval_runs_the_same_tool_loop(tmp_path):
