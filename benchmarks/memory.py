@@ -264,6 +264,7 @@ CASES = [  # (model, ranks, LoRA rank, reference, critic, checkpointing)
     ("qwen2.5-7b-instruct", 1, 16, True, False, True),
     ("llama-3.1-8b-instruct", 8, 0, True, False, True),
     ("gemma-2-2b-it", 1, 0, False, False, False),
+    ("gemma-2-2b-it", 1, 0, False, False, True),
     ("qwen2.5-1.5b-instruct", 8, 0, False, True, True),
 ]
 

@@ -82,7 +82,8 @@ def count(config, lora_rank: int = 0, lora_targets: str = "all-linear") -> dict:
             "kv_per_token_layer": 2 * kv_heads * head_dim,
             "vocab": head.weight.shape[0], "norms": max(norms, 2),
             "tied": head.weight is model.get_input_embeddings().weight,
-            "softcap": getattr(text, "final_logit_softcapping", None) is not None}
+            "softcap": getattr(text, "final_logit_softcapping", None) is not None,
+            "attn_softcap": getattr(text, "attn_logit_softcapping", None) is not None}
 
 
 @functools.lru_cache(maxsize=8)
@@ -133,7 +134,11 @@ def plan(c: dict, *, ranks: int = 1, compute_bytes: int = 2, tokens: int = 8192,
     head = cb * c["vocab"] * h * (not lora_rank)
     logits = (18 if c["softcap"] else 12) * logit_rows * c["vocab"] * 4 + head
     outside = 17 * h * tokens  # embeddings, final norm and the picked hidden states, fp32, and their gradient
-    saved = tokens * c["layers"] * (4 * h if checkpointing else per_layer) + outside
+    # Gemma 2's soft-capped attention: a FlexAttention score_mod keeps the layer's tensors outside its MLP
+    # through non-reentrant checkpointing (the tracker, eager on fake tensors; the compiled CUDA kernel not
+    # seen): counted, to be safe
+    escaped = (15 + 8 * c["norms"]) * h * cb / 2 if c.get("attn_softcap") else 0.0
+    saved = tokens * c["layers"] * (4 * h + escaped if checkpointing else per_layer) + outside
     recompute = tokens * per_layer if checkpointing else 0.0  # in backward, one layer at a time
     layer = c["layer"] * (c["lora"] / max(P, 1) if lora_rank else 1)  # a layer's trained parameters
     if n > 1:  # FSDP2: the root stays gathered from forward to backward; a layer's backward holds it and the
