@@ -23,6 +23,8 @@ import os
 
 import torch
 
+from rlmini.logprobs import chunk_for
+
 GiB = 2**30
 CONTEXT = 1.0 * GiB  # CUDA context and the NCCL/cuBLAS workspaces outside torch's allocator, per process
 VLLM_OVERHEAD = 1.5 * GiB  # vLLM's non-torch memory and the sampler's buffers beyond its profiled peak
@@ -98,11 +100,6 @@ def layer_activation_bytes(c: dict, compute_bytes: int) -> float:
     Llama-3.1 and Gemma-2 within 1% (tests/test_memory.py)."""
     h, i = c["hidden"], c["intermediate"]
     return (8 * i + 15 * h + 8 * h * c["norms"]) * compute_bytes / 2
-
-
-def chunk_for(vocab: int) -> int:
-    from rlmini.logprobs import chunk_for as chunk
-    return chunk(vocab)
 
 
 def plan(c: dict, *, ranks: int = 1, compute_bytes: int = 2, tokens: int = 8192, checkpointing: bool = False,
@@ -186,8 +183,8 @@ def plan(c: dict, *, ranks: int = 1, compute_bytes: int = 2, tokens: int = 8192,
            "rollout": rollout, "push": push, "peak": max(update, rollout, push), "vllm": v_bytes,
            "share": share, "given": given, "gpu": gpu_bytes, "margin": margin(gpu_bytes), "why": None}
     if vllm:
-        out.update(vllm_min=v_min, vllm_want=v_want, kv=max(0.0, v_bytes - (v_min - kv_min)),
-                   kv_token=kv_token, seqs=int(max(0.0, v_bytes - (v_min - kv_min)) // max(kv_min, 1)),
+        seqs = int(max(0.0, v_bytes - (v_min - kv_min)) // max(kv_min, 1))  # full-length sequences at once
+        out.update(vllm_min=v_min, vllm_want=v_want, kv_token=kv_token, seqs=seqs,
                    max_num_seqs=vllm["max_num_seqs"])
     out["why"] = _why_not(out, tokens=tokens, checkpointing=checkpointing, lora_rank=lora_rank, ranks=n)
     return out
