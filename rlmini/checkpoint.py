@@ -270,6 +270,9 @@ def restore(run, key: str, module, optimizer) -> None:
     if not dist.distributed():  # taken out of run.resumed: the run keeps no second copy of the weights
         state = run.resumed if key == "policy" else run.resumed["algo_state"].pop(key)
         load_model_state(module, state.pop("model"))
+        # load_state_dict builds the whole new state before dropping the old: drop the materialised zeros
+        # first (memplan.materialize_adamw), so a resume with vLLM awake holds AdamW's state once, not twice
+        optimizer.state.clear()
         optimizer.load_state_dict(state.pop("optimizer"))
         return
     import torch.distributed.checkpoint as dcp
