@@ -55,7 +55,8 @@ class Args:
     max_new_tokens: int = arg(0, "generation budget; 0 = the task's default", ge=0)
     temperature: float = arg(1.0, "sampling temperature (log-probs are taken at the same temperature)", gt=0)
     seed: int = arg(0, "seed for data order, sampling and initialisation")
-    engine: Literal["vllm", "hf"] = arg("vllm", "rollout engine: vLLM in-process, or a sampling loop (hf)")
+    engine: Literal["vllm", "hf", "server"] = arg(
+        "vllm", "rollout engine: vLLM in-process, a sampling loop (hf), or a running `vllm serve` (server)")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = arg("auto", "compute dtype (auto: CUDA bf16; "
                                                                   "float16: eval.py only)")
     micro_batch_size: int = arg(64, "sequences per forward/backward (gradient accumulation)", ge=1)
@@ -128,6 +129,15 @@ class Args:
                    "vLLM's V1 runner samples them one by one) or one engine stream (the process's RNG: "
                    "torch's, NumPy's under vLLM's V2 runner; one process only)")
     vllm_sleep: bool = arg(True, "CUDA only: free vLLM's memory (sleep level 2) while the trainer updates")
+    server_url: str = arg("", "--engine server: the vLLM server's address, http://HOST:PORT (docs/scale.md)")
+    server_push: Literal["disk", "nccl"] = arg(
+        "disk", "--engine server: weights as safetensors in a folder the server reads, or vLLM's NCCL "
+                "transfer")
+    server_push_dir: str = arg("", "--server_push disk: that folder, on a filesystem both see (run_dir/push)")
+    server_timeout: float = arg(600.0, "--engine server: seconds a request or a rollout may take", gt=0)
+    server_concurrency: int = arg(64, "--engine server: requests in flight per rank (one per prompt)", ge=1)
+    async_steps: int = arg(0, "--engine server: rollouts sampled up to K pushes ahead of the update (0 = "
+                              "lock-step, 1 = one-step-off; AReaL's decoupled loss)", ge=0)
     push_check_every: int = arg(10, "check vLLM against the trainer on a probe every N steps (0 = off)", ge=0)
     push_check_tol: float = arg(0.0, "mean |logprob diff| allowed on the probe; 0 = by dtype", ge=0)
     config: str = arg("", "YAML or JSON file of options; command-line flags override it")
@@ -177,6 +187,7 @@ class Run:
     extra_calls: tuple = (-1, 0)  # (step, common.generate calls of the script's own in it): their seeds
     times: dict = field(default_factory=dict)  # this step's clock readings (the time/* metrics)
     plan: dict = field(default_factory=dict)  # the memory plan (memplan.plan_run); CUDA: measured per phase
+    ahead: list = field(default_factory=list)  # --async_steps: (data_pos, examples, future) requested
 
 
 def setup(args, algo: str) -> Run:
@@ -189,6 +200,7 @@ def setup(args, algo: str) -> Run:
     args.micro_batch_tokens = args.micro_batch_tokens or (0 if style == "tiny" else 16384)
     task = data.load_task(args, style)
     run_dir = ckpt.prepare_run_dir(args)  # after the data loaded: a bad --task leaves no folder behind
+    args.server_push_dir = args.server_push_dir or os.path.join(run_dir, "push")
     path = models.model_path(args.model, task)  # builds the tiny model on first use, before torch.distributed
     device, dtype = dist.setup_device(args)
     tokenizer = models.load_tokenizer(path)
@@ -246,6 +258,7 @@ def finish(run) -> None:
     ckpt.save(run)
     ckpt.save_final(run.model, run.tokenizer, os.path.join(run.run_dir, "final"), run.style)
     run.log.close()
+    getattr(run.engine, "close", lambda: None)()  # --engine server: its request threads
     dist.barrier()
 
 
@@ -282,6 +295,12 @@ def generate(run, examples: list, n: int, temperature: float | None = None,
     if seed is None:  # a script's own call: the k-th of this step
         k = run.extra_calls[1] if run.extra_calls[0] == run.step else 0
         run.extra_calls, seed = (run.step, k + 1), data.extra_seed(args.seed, run.step, rank(), k)
+    return score(run, examples, n, sample(run, examples, n, temperature, seed))
+
+
+def sample(run, examples: list, n: int, temperature: float, seed: int) -> data.Rollouts:
+    """generate's sampling: the engine's (with --tools, multi-turn) completions, not yet scored; what
+    --async_steps runs in the background (the server engine makes no collective)."""
     mine = examples or run.task.train[:1]  # FSDP2: a rank with nothing still joins every forward
     prompt_ids = data.encode_prompts(run.tokenizer, [e["prompt"] for e in mine], run.style == "chat",
                                      run.toolbox)
@@ -289,6 +308,12 @@ def generate(run, examples: list, n: int, temperature: float | None = None,
                               temperature, seed)
     for f in rollouts.lists() if not examples else ():  # the stand-in's completions are dropped
         setattr(rollouts, f, [])
+    return rollouts
+
+
+def score(run, examples: list, n: int, rollouts: data.Rollouts) -> Scored:
+    """generate's scoring: the task's reward, shaped (the format bonus, the overlong penalty), checked."""
+    args = run.args
     rewards, correct, fmt, scores = data.score_rollouts(run.task, run.tokenizer, examples, rollouts, n)
     rewards = rewards + args.format_weight * fmt  # the format bonus, in the reward only
     rewards = rewards + overlong_penalty(rollouts, run.max_new_tokens, args.overlong_buffer,
@@ -307,10 +332,13 @@ def rollout(run, keep: Keep | None = None) -> Batch:
     on = keep.on if keep else "correct"
     kept, rounds, generated, first = [], 0, 0, None
     while True:
-        examples, run.data_pos = data.prompt_batch(run.task.train, run.data_pos, args.prompts_per_step,
-                                                   args.seed)
-        seed = data.rollout_seed(args.seed, run.step, rank(), rounds)
-        scored = generate(run, dist.shard(examples), G, seed=seed)  # --temperature
+        if rounds == 0 and args.async_steps:  # sampled while earlier steps updated; the next ones requested
+            scored = score(run, *ahead(run))
+        else:
+            examples, run.data_pos = data.prompt_batch(run.task.train, run.data_pos, args.prompts_per_step,
+                                                       args.seed)
+            seed = data.rollout_seed(args.seed, run.step, rank(), rounds)
+            scored = generate(run, dist.shard(examples), G, seed=seed)  # --temperature
         first = first or (scored.rewards, scored.correct, scored.fmt, scored.parts)
         groups = data.split_groups(scored.examples, scored.rollouts, scored.rewards, scored.correct,
                                    scored.fmt, G)
@@ -330,7 +358,30 @@ def rollout(run, keep: Keep | None = None) -> Batch:
     # DAPO's overlong filtering (Yu et al. 2025, sec. 3.4): completions cut by the length limit leave the loss
     in_loss = torch.tensor(rollouts.finished, dtype=torch.float32)
     in_loss = in_loss if args.mask_truncated else torch.ones(len(rewards))
-    return Batch(examples, rollouts, rewards, correct, fmt, first, rounds, generated, on, in_loss)
+    return Batch(examples, rollouts, rewards, correct, fmt, first, rounds, generated, on, in_loss,
+                 getattr(run.engine, "pushes", None))
+
+
+def ahead(run) -> tuple:
+    """--async_steps K: (examples, n, rollouts) of this step's first round, requested up to K steps ago (now,
+    at the first step and after --resume: the batch in flight at a checkpoint is regenerated), after which
+    the rounds of the next steps, up to K ahead, are requested before this step's update starts."""
+    args, G = run.args, run.args.group_size
+
+    def request(step):
+        pos = run.data_pos  # a checkpoint saves the position of the first batch not yet trained on
+        examples, run.data_pos = data.prompt_batch(run.task.train, run.data_pos, args.prompts_per_step,
+                                                   args.seed)
+        mine, seed = dist.shard(examples), data.rollout_seed(args.seed, step, rank(), 0)
+        run.ahead.append((pos, mine, run.engine.submit(sample, run, mine, G, args.temperature, seed)))
+
+    if not run.ahead:
+        request(run.step)
+    pos, examples, future = run.ahead.pop(0)
+    rollouts = run.engine.wait(future)
+    for step in range(run.step + 1 + len(run.ahead), min(run.step + args.async_steps + 1, args.steps)):
+        request(step)
+    return examples, G, rollouts
 
 
 @torch.no_grad()
@@ -498,6 +549,7 @@ def check_sampler(run, batch: Batch, stats: StepStats) -> None:
     tokens = {"tokens": stats.tokens, "first_pass_tokens": float(batch.lengths.sum())}
     stats.totals = all_sum({**stats.sums, **tokens})
     diff = stats.totals["logprob/sampler_diff"] / stats.totals["first_pass_tokens"]
-    faults.check_sampler_diff(diff, run.step + 1, run.args.sampler_diff_tol)
+    if not all_sum(float(batch.staleness.sum())):  # stale samples differ by design: each push was checked
+        faults.check_sampler_diff(diff, run.step + 1, run.args.sampler_diff_tol)
     faults.nonfinite(stats.totals["loss/policy"], "loss", run.step + 1, run.args.on_nonfinite)
     run.times["push"] = time.perf_counter()

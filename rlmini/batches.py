@@ -50,6 +50,7 @@ class Batch:
     generated: int          # completions sampled over every round
     spread_on: str          # the values whose spread decides a group ("correct" or "rewards")
     in_loss: torch.Tensor   # 1 for a completion in the loss, 0 for one cut by the limit (--mask_truncated)
+    pushes: int | None = None  # --engine server: the weight pushes made when the batch is trained on
 
     def __post_init__(self):
         """lengths and sampler_logp count the policy's tokens only (with tools, their output is context)."""
@@ -57,6 +58,10 @@ class Batch:
         masks = r.policy_mask or [None] * len(r.completion_ids)
         self.lengths = torch.tensor([len(c) if m is None else sum(m)
                                      for c, m in zip(r.completion_ids, masks)], dtype=torch.float32)
+        # pushes since each completion was sampled (--async_steps; 0 for an in-process engine)
+        versions = r.versions if r.versions is not None and self.pushes is not None else []
+        self.staleness = torch.tensor([self.pushes - v for v in versions] or [0] * len(r.completion_ids),
+                                      dtype=torch.float32)
         self.sampler_logp = [torch.tensor(lp if m is None else [x for x, keep in zip(lp, m) if keep],
                                           dtype=torch.float32) for lp, m in zip(r.sampler_logprobs, masks)]
 

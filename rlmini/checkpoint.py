@@ -27,7 +27,7 @@ RESUMABLE_CHANGES = {
     "log_completions", "push_check_every", "push_check_tol", "sampler_diff_tol", "dist_timeout",
     "on_nonfinite", "micro_batch_size", "gradient_checkpointing", "engine", "vllm_gpu_memory_utilization",
     "vllm_sleep", "print_every", "verbose", "packing", "packed_attention", "micro_batch_tokens", "lora_push",
-    "vllm_seed"}
+    "vllm_seed", "server_url", "server_push", "server_push_dir", "server_timeout", "server_concurrency"}
 
 
 def prepare_run_dir(args) -> str:
@@ -215,7 +215,9 @@ def save(run) -> None:
     torchrun: checkpoint/, each rank writing its shards (torch.distributed.checkpoint)."""
     pairs = {"critic": (run.critic, run.critic_optimizer)} if run.critic is not None else {}
     meta = {"scheduler": run.scheduler.state_dict(), "rng": rng_state(), "step": run.step,
-            "data_pos": run.data_pos, "algo_state": {"hadw": run.hadw} if run.hadw else {},
+            # --async_steps: the prompts of the batches in flight are drawn again (regenerated) on --resume
+            "data_pos": run.ahead[0][0] if run.ahead else run.data_pos,
+            "algo_state": {"hadw": run.hadw} if run.hadw else {},
             "args": dataclasses.asdict(run.args), "algo": run.algo}
     shards = [p.to_local() if hasattr(p, "to_local") else p for p in run.model.parameters()]  # FSDP2: mine
     bad = dist.all_sum(sum(int((~torch.isfinite(p.detach())).sum()) for p in shards))  # every rank's shards

@@ -146,6 +146,7 @@ class Rollouts:
     pad_id: int = 0         # padding id for the trainer's batches
     policy_mask: list | None = None  # with tools: per token 1 sampled by the policy, 0 written by a tool
     tool_stats: list | None = None   # with tools: per completion {turns, calls, errors, ...} (tools.STATS)
+    versions: list | None = None     # --engine server: per completion the weight push it was sampled from
 
     def lists(self) -> tuple:
         """The per-completion fields present (what groups are cut from and joined into)."""
@@ -153,7 +154,7 @@ class Rollouts:
 
 
 _PER_COMPLETION = ("prompt_ids", "completion_ids", "sampler_logprobs", "finished", "policy_mask",
-                   "tool_stats")
+                   "tool_stats", "versions")
 
 
 class Group(typing.NamedTuple):

@@ -43,6 +43,9 @@ def make_engine(args, path: str, model, tokenizer, device, dtype, max_len: int, 
     or the HF sampling loop on `model`."""
     if args.engine == "hf":
         return HFEngine(model, tokenizer, device, dtype)
+    if args.engine == "server":  # a running `vllm serve` (rlmini/server.py)
+        from rlmini.server import ServerEngine
+        return ServerEngine(args, model, tokenizer, device, dtype, max_len)
     return VLLMEngine(_start_vllm(args, path, device, dtype, max_len, share), model, tokenizer, device, dtype,
                       sleep_mode=device.type == "cuda" and args.vllm_sleep,
                       seed_per_request=args.vllm_seed == "request", adapters=_vllm_lora(args))
@@ -183,7 +186,8 @@ def _start_vllm(args, path: str, device, dtype, max_len: int, share: float = 0.0
         # vLLM's Transformers backend decorates transformers' own class in this process, which breaks the
         # trainer's copy of the model ("'...Model' object has no attribute 'do_not_compile'")
         raise SystemExit(f"--engine vllm: vLLM {vllm.__version__} has no implementation of its own for "
-                         f"{arch} ({path}); use --engine hf")
+                         f"{arch} ({path}); use --engine hf, or --engine server (a `vllm serve` process runs "
+                         f"its Transformers backend; docs/scale.md)")
     cuda = device.type == "cuda"
     saved = rng_state()  # the in-process worker reseeds Python/NumPy/torch RNGs when it starts
     names = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -473,11 +477,13 @@ class VLLMEngine:
 
 def correction_for(args, dtype) -> str:
     """--rollout_correction auto: token-tis (cap --is_cap) where vLLM samples in bf16/fp16, whose kernels draw
-    from another distribution than the trainer's (Yao et al. 2025); off where the engines agree to float
-    precision (fp32: ~1e-6)."""
+    from another distribution than the trainer's (Yao et al. 2025), and with --async_steps, whose samples come
+    from older weights; off where the engines agree to float precision (fp32: ~1e-6)."""
     if args.rollout_correction != "auto":
         return args.rollout_correction
-    return "token-tis" if args.engine == "vllm" and dtype != torch.float32 else "off"
+    if getattr(args, "async_steps", 0):  # decoupled PPO (Fu et al. 2025, AReaL): clip on pi_old, IS weight
+        return "token-tis"
+    return "token-tis" if args.engine != "hf" and dtype != torch.float32 else "off"
 
 
 def default_push_tol(dtype) -> float:

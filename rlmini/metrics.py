@@ -64,6 +64,7 @@ def step_metrics(run, batch: Batch, pre: PreUpdate, stats: StepStats, advantages
     trained = all_gather(getattr(batch, batch.spread_on)).view(-1, G)  # the groups trained on (Keep's filter)
     finished = all_gather(torch.tensor(batch.rollouts.finished, dtype=torch.float32))
     failed, first_groups = rewards < run.task.pass_threshold, first[0].view(-1, G)
+    stale = all_gather(batch.staleness)  # --async_steps: pushes between sampling and this update
     updates, n = stats.updates + stats.skipped, tot["first_pass_tokens"]
     metrics = {
         "reward/mean": first[0].mean().item(),
@@ -83,6 +84,7 @@ def step_metrics(run, batch: Batch, pre: PreUpdate, stats: StepStats, advantages
         "grad_norm": stats.grad_norm / stats.updates if stats.updates else float("nan"),  # NaN: all skipped
         "lr": run.scheduler.get_last_lr()[0], "entropy/threshold": pre.tau,
         "len/mean": lengths.mean().item(), "len/truncated": 1.0 - finished.mean().item(),
+        "rollout/staleness": stale.mean().item(), "rollout/staleness_max": stale.max().item(),  # pushes
         "time/rollout": t["update"] - t["start"], "time/update": t["update_end"] - t["update"],
         "time/push": now - t["push"],  # this rank's clock (rank 0 logs)
         "perf/tokens_per_s": n / (now - t["start"]),  # every rank's tokens

@@ -52,6 +52,19 @@ def validate(args) -> None:
         # the stream is the process's RNG (torch's or NumPy's), the same on every rank; checkpoints: rank 0's
         raise ValueError("--vllm_seed engine: one process only (under torchrun every rank would draw the "
                          "same stream); use --vllm_seed request")
+    engine = getattr(args, "engine", "vllm")
+    if engine == "server" and not getattr(args, "server_url", ""):
+        raise ValueError("--engine server needs --server_url http://HOST:PORT of a running vLLM server "
+                         "(docs/scale.md)")
+    if engine == "server" and getattr(args, "vllm_seed", "request") == "engine":
+        raise ValueError("--vllm_seed engine: the server's RNG is not the trainer's to save; use --vllm_seed "
+                         "request with --engine server")
+    if engine == "server" and getattr(args, "lora_push", "merge") == "adapter":
+        raise ValueError("--lora_push adapter: with --engine server the adapters are merged into the pushed "
+                         "weights; use --lora_push merge")
+    if getattr(args, "async_steps", 0) and engine != "server":
+        raise ValueError(f"--async_steps {args.async_steps}: rollouts overlap the update only with --engine "
+                         f"server (an in-process engine shares the trainer's GPU, asleep while it updates)")
     if args.dtype == "float16" and args.trains:  # fp16's 5-bit exponent flushes small gradients to 0 unscaled
         raise ValueError("--dtype float16: training in fp16 needs gradient scaling, which this trainer does "
                          "not do; use bfloat16 (eval.py samples in float16 if asked)")

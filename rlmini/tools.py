@@ -385,9 +385,13 @@ def generate(engine, box, tokenizer, prompt_ids: list, n: int, max_new_tokens: i
             s["tool_tokens"] += len(response)
             if len(ids[i]) < max_new_tokens:
                 live.append(i)
-        if (dist.all_sum(float(len(live))) if dist.many_ranks() else len(live)) == 0:
-            break  # no rank has a trajectory left to continue
-    return Rollouts(prompts, ids, logps, finished, engine.pad_id, masks, stats)
+        # the HF engine's forwards are collectives: every rank steps until none has a trajectory left; a
+        # server's requests are not (and run in a background thread with --async_steps)
+        lockstep = dist.many_ranks() and getattr(engine, "collective", True)
+        if (dist.all_sum(float(len(live))) if lockstep else len(live)) == 0:
+            break
+    versions = [engine.pushes] * B if hasattr(engine, "pushes") else None  # one version: a push waits
+    return Rollouts(prompts, ids, logps, finished, engine.pad_id, masks, stats, versions)
 
 
 def _calls(box, tokenizer, prompt: list, ids: list, mask: list, turn: list, ended: bool) -> list:

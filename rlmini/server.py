@@ -1,0 +1,295 @@
+"""--engine server: rollouts from vLLM's own OpenAI-compatible server (`vllm serve`), started by the user on
+other GPUs or nodes with its own tensor and data parallelism, and the same methods as the in-process engines
+(generate, sleep, push, check_push, calibrate) plus submit(): a rollout running in the background while the
+trainer updates (--async_steps, common.rollout).
+
+Prompts go as token ids to /v1/completions and completions come back as token ids with the sampler's log-probs
+(the server runs with --logprobs-mode processed_logprobs, checked at start). Weights reach the server through
+vLLM's own mechanisms with generation paused around them: --server_push disk writes safetensors to a folder
+the server reads and has it reload them (gpu_model_runner.py::reload_weights(weights_path=...), through the
+dev-mode /collective_rpc route); --server_push nccl is vLLM's native weight transfer (rlmini/transfer.py).
+Every push sets the server's weight version, read back before each rollout is used: a restarted server, or
+one that kept old weights, stops the run on the step it happens. The server's RL routes need
+VLLM_SERVER_DEV_MODE=1 (vllm/entrypoints/launchers/api_server/routers.py::register_api_routers);
+docs/scale.md.
+"""
+import concurrent.futures
+import json
+import os
+import shutil
+import threading
+import urllib.error
+import urllib.request
+
+import torch
+
+from rlmini import dist
+from rlmini.data import Rollouts
+from rlmini.engine import PushError, _check_awake, named_weights, stop_ids
+from rlmini.logprobs import token_logprobs
+from rlmini.models import autocast
+from rlmini.packing import make_batch
+
+SHARD_BYTES = 2 * 2**30  # a push's safetensors files: the host holds one shard at a time, not the model
+
+
+class ServerError(RuntimeError):
+    """The server is unreachable, answered an error, or is not the one the trainer needs."""
+
+
+class ServerEngine:
+    """A running vLLM server: generate() sends one request per prompt (n completions each, the server
+    batches them); push() loads the trainer's weights into it; sleep() only marks the step's order (the
+    server has GPUs of its own, nothing to free)."""
+
+    def __init__(self, args, model, tokenizer, device, dtype, max_len: int):
+        self.url, self.timeout = args.server_url.rstrip("/"), float(args.server_timeout)
+        self.model, self.tokenizer, self.device, self.dtype = model, tokenizer, device, dtype
+        self.eos_ids, self.pad_id = stop_ids(tokenizer, model), tokenizer.pad_token_id
+        self.args, self.asleep, self.last_check, self.checked, self.probe = args, False, None, -1, None
+        # the server's weight version is nonce-pushes; the nonce is rank 0's (os.urandom: no RNG drawn)
+        mine = float(int.from_bytes(os.urandom(5), "little")) if dist.rank() == 0 else 0.0
+        self.pushes, self.nonce = 0, f"{int(dist.all_sum(mine)):010x}"
+        self.folder = args.server_push_dir  # common.setup: run_dir/push unless given
+        self.requests = concurrent.futures.ThreadPoolExecutor(args.server_concurrency, "rlmini-request")
+        self.background = concurrent.futures.ThreadPoolExecutor(1, "rlmini-rollout")  # --async_steps
+        self.inflight = []  # submitted rollouts not yet waited for: a push waits for them first
+        self.local = threading.local()
+        self.collective = False  # its requests are no collective (rlmini/tools.py::generate)
+        self.served, device_type = check_server(self.url, args, tokenizer, dtype, max_len, self.timeout)
+        tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+        self.repack = device_type == "cpu" and tied  # rlmini/server_worker.py
+        self.transfer = None
+        if args.server_push == "nccl":
+            from rlmini.transfer import NCCLTransfer
+            self.transfer = NCCLTransfer(self.url, model, dtype, self.timeout, device)
+            self.transfer.start()
+        self.push()  # the trainer's weights, whatever a server reused from an earlier run holds
+
+    # ---------------------------------------------------------------------------------------------- HTTP
+
+    def _call(self, path: str, body=None, method: str = "POST", timeout: float | None = None):
+        return request(self.url, path, body, method, self.timeout if timeout is None else timeout)
+
+    def version(self) -> str:
+        return f"{self.nonce}-{self.pushes}"
+
+    # ---------------------------------------------------------------------------------------------- sampling
+
+    def generate(self, prompt_ids: list, n: int, max_new_tokens, temperature: float, seed: int, stop=None):
+        """n completions per prompt, each prompt one request with its own seed, as the in-process engine seeds
+        them (rlmini/engine.py::VLLMEngine.generate: the same samples in fp32). T = 0: greedy, n = 1
+        repeated. Each completion records the weight version it was sampled from (Rollouts.versions)."""
+        if not getattr(self.local, "background", False):  # submit()'s rollouts sample while it updates
+            _check_awake(self)
+        greedy = temperature == 0
+        budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompt_ids)
+        bodies = [dict(model=self.served, prompt=list(ids), n=1 if greedy else n, max_tokens=budgets[i],
+                       temperature=temperature, top_p=1.0, top_k=0, logprobs=0, return_token_ids=True,
+                       seed=(seed * 1_000_003 + i * n) % 2**31, stop=stop or None,
+                       include_stop_str_in_output=bool(stop), skip_special_tokens=False)
+                  for i, ids in enumerate(prompt_ids)]
+        version = self.pushes
+        outs = list(self.requests.map(lambda b: self._call("/v1/completions", b), bodies))
+        self.check_version()  # a server restarted under the requests sampled from its own checkpoint
+        r = Rollouts([], [], [], [], self.pad_id, versions=[])
+        for ids, out in zip(prompt_ids, outs):
+            for c in sorted(out["choices"], key=lambda c: c["index"]) * (n if greedy else 1):
+                toks = list(c["token_ids"])
+                r.prompt_ids.append(list(ids))
+                r.completion_ids.append(toks)
+                r.sampler_logprobs.append([float(x) for x in c["logprobs"]["token_logprobs"]])
+                r.finished.append(c["finish_reason"] == "stop" and len(toks) > 0 and toks[-1] in self.eos_ids)
+                r.versions.append(version)
+        return r
+
+    def submit(self, fn, *args):
+        """Run fn(*args) (a rollout: common.sample) in the background while the trainer updates; the next
+        push waits for it, so each of its samples comes from one weight version."""
+        def job():
+            self.local.background = True
+            return fn(*args)
+
+        future = self.background.submit(job)
+        self.inflight.append(future)
+        return future
+
+    def wait(self, future):
+        """A submitted rollout's result, within --server_timeout; it raises what the rollout raised."""
+        try:
+            return future.result(timeout=self.timeout)
+        except concurrent.futures.TimeoutError:
+            raise ServerError(f"a rollout submitted to {self.url} did not finish within --server_timeout "
+                              f"{self.timeout:g} s (the server hung or is overloaded)") from None
+        finally:
+            self.inflight = [f for f in self.inflight if f is not future]
+
+    def check_version(self) -> None:
+        """The server holds the trainer's last push: a restarted server answers its own version (vLLM's
+        "default"), and its samples come from the checkpoint it loaded, not the policy."""
+        now = self._call("/weight_info", method="GET").get("weight_version")
+        if now != self.version():
+            raise PushError(f"the server at {self.url} holds weight version {now!r}, not the trainer's "
+                            f"{self.version()!r}: it restarted or dropped a push since; the samples did not "
+                            f"come from the policy (--resume pushes the weights again)")
+
+    # ---------------------------------------------------------------------------------------------- the step
+
+    def sleep(self) -> None:
+        self.asleep = True
+
+    def push(self) -> None:
+        """The trainer's weights into the server, generation paused around the load (every rank calls it:
+        FSDP2 gathers each parameter on every rank; rank 0 sends). Then the version, and the probe."""
+        for future in list(self.inflight):  # a rollout in flight finishes on the weights it started with
+            self.wait(future)
+        weights = named_weights(self.model, self.dtype)
+        if self.transfer is not None:
+            self.transfer.push(self.pushes + 1)
+        elif dist.rank() == 0:
+            folder = write_safetensors(weights, self.folder, self.pushes + 1)
+            self._call("/pause?mode=wait", {})  # what the server still runs finishes on the old weights
+            try:
+                self._call("/collective_rpc", {"method": "reload_weights",
+                                               "kwargs": {"weights_path": folder}})
+                if self.repack:
+                    self._repack()
+            finally:
+                self._call("/resume", {})
+        else:
+            for _ in weights:  # the other ranks' share of each FSDP2 gather
+                pass
+        self.pushes += 1
+        if dist.rank() == 0:
+            self._call("/reset_prefix_cache", {})  # cached KV blocks were computed with the old weights
+            self._call("/update_weight_version", {"new_version": self.version()})
+        dist.barrier()  # no rank samples before the server holds the new weights
+        self.asleep = False
+        if self.probe is not None:  # a server that kept its old weights is caught at this push
+            self.check_push(self.probe, self.args.push_check_tol or float("inf"))
+
+    def _repack(self) -> None:
+        try:
+            self._call("/collective_rpc", {"method": "rlmini_repack_tied"})
+        except ServerError as e:
+            if "rlmini_repack_tied" not in str(e):
+                raise
+            raise ServerError(f"the server at {self.url} runs on CPU and the model ties its embeddings: "
+                              f"start it with --worker-extension-cls rlmini.server_worker.WorkerExtension "
+                              f"(this repository on its PYTHONPATH): a push must repack the LM head") from None
+
+    def check_push(self, probe: tuple, tol: float) -> float:
+        """Fail if the server does not reproduce the trainer's log-probs on the probe (prompt, completion),
+        or does not report the version just pushed. Returns the mean |log-prob difference|."""
+        if self.checked == self.pushes and self.last_check is not None:  # push() checked it already
+            return self.last_check
+        self.check_version()
+        prompt, completion = probe
+        body = dict(model=self.served, prompt=list(prompt) + list(completion), max_tokens=1, temperature=1.0,
+                    prompt_logprobs=0, return_token_ids=True)
+        at = self._call("/v1/completions", body)["choices"][0]["prompt_logprobs"][len(prompt):]
+        theirs = torch.tensor([lp[str(t)]["logprob"] for lp, t in zip(at, completion)])
+        batch = make_batch([prompt], [completion], self.pad_id, self.device)
+        with torch.no_grad(), autocast(self.device, self.dtype):
+            ours = token_logprobs(self.model, batch, 1.0)[0][0][batch["mask"][0] > 0].cpu()
+        diff = (theirs - ours).abs().mean().item()
+        self.last_check, self.checked = diff, self.pushes  # logged as push/check_diff (memplan.metrics)
+        if not diff <= tol:
+            raise PushError(f"the server at {self.url} and the trainer disagree after weight push "
+                            f"{self.pushes}: mean |logprob diff| {diff:.4g} > tolerance {tol:.3g} on the "
+                            f"probe; the push did not take effect")
+        return diff
+
+    def calibrate(self, prompt: list, max_new_tokens: int, seed: int, temperature: float = 1.0) -> tuple:
+        """As the in-process engine's (rlmini/engine.py::VLLMEngine.calibrate): the probe and both guards'
+        baselines, measured just after the first push."""
+        from rlmini.engine import VLLMEngine
+        out = VLLMEngine.calibrate(self, prompt, max_new_tokens, seed, temperature)
+        self.probe = out[0]
+        return out
+
+    def close(self) -> None:
+        for future in list(self.inflight):
+            future.cancel()
+        self.background.shutdown(wait=False, cancel_futures=True)
+        self.requests.shutdown(wait=False, cancel_futures=True)
+
+
+def request(url: str, path: str, body=None, method: str = "POST", timeout: float = 60.0):
+    """One HTTP call to the server, its JSON answer (None when empty); a refused connection, a time-out or an
+    error status raises ServerError in one line naming the route."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json"} if data else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as answer:
+            text = answer.read()
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace").strip().replace("\n", " ")[:300]
+        raise ServerError(f"{method} {url}{path}: HTTP {e.code}: {detail}") from None
+    except (urllib.error.URLError, OSError) as e:
+        why = getattr(e, "reason", e)
+        raise ServerError(f"{method} {url}{path}: no answer ({type(why).__name__}: {why}) within "
+                          f"{timeout:g} s; is the vLLM server running (docs/scale.md)?") from None
+    return json.loads(text) if text.strip() else None
+
+
+def check_server(url: str, args, tokenizer, dtype, max_len: int, timeout: float) -> str:
+    """The server answers, with its RL routes, and serves what the trainer trains: the same tokenizer, dtype,
+    sampler log-probs (after temperature) and a context holding the run's longest sequence. Returns the
+    served model's name and the server's device type; a mismatch stops the run in one line."""
+    try:
+        request(url, "/health", method="GET", timeout=min(timeout, 30.0))
+    except ServerError as e:
+        raise ServerError(f"--server_url {url}: no vLLM server answers ({str(e).split('(', 1)[-1]}") from None
+    try:
+        config = request(url, "/server_info?config_format=json", method="GET", timeout=timeout)["vllm_config"]
+    except ServerError as e:
+        if "HTTP 404" not in str(e):
+            raise
+        raise ServerError(f"--server_url {url}: the server has no RL routes; start it with "
+                          f"VLLM_SERVER_DEV_MODE=1 (docs/scale.md)") from None
+    m = config["model_config"]
+    name = m.get("served_model_name") or m["model"]
+    name = name[0] if isinstance(name, list) else name
+    ours = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    problems = []
+    if str(m.get("dtype", "")).replace("torch.", "") != ours:
+        problems.append(f"dtype {m.get('dtype')} (trainer {ours}: --dtype {ours})")
+    if m.get("logprobs_mode") != "processed_logprobs":
+        problems.append(f"logprobs mode {m.get('logprobs_mode')} (--logprobs-mode processed_logprobs: "
+                        f"log-probs after temperature, as the trainer computes them)")
+    if int(m.get("max_model_len") or 0) < max_len:
+        problems.append(f"max model length {m.get('max_model_len')} < {max_len} (--max-model-len {max_len})")
+    text = "Question: 12 + 34 = ? Answer: <|im_end|> \u00e9\u4e2d"  # digits, words, a special token, unicode
+    served = request(url, "/tokenize", dict(model=name, prompt=text, add_special_tokens=False),
+                     timeout=timeout)["tokens"]
+    if served != tokenizer(text, add_special_tokens=False)["input_ids"]:
+        problems.append(f"its tokenizer ({m.get('tokenizer')}) splits text otherwise than the trainer's")
+    if problems:
+        raise ServerError(f"--server_url {url} serves {m['model']}, which does not match the trainer "
+                          f"(--model {args.model}): " + "; ".join(problems))
+    return name, config.get("device_config", {}).get("device", "cuda")
+
+
+def write_safetensors(weights, root: str, version: int) -> str:
+    """(name, tensor) pairs into root/v<version>/ as safetensors files of at most SHARD_BYTES each, the
+    folder complete before it is named (the server never reads half a push); the previous push's removed.
+    """
+    from safetensors.torch import save_file
+    folder, tmp = os.path.join(root, f"v{version}"), os.path.join(root, f".v{version}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    shard, size, k = {}, 0, 0
+    for name, tensor in weights:
+        shard[name], size = tensor.detach().cpu().contiguous(), size + tensor.numel() * tensor.element_size()
+        if size >= SHARD_BYTES:
+            k += 1
+            save_file(shard, os.path.join(tmp, f"model-{k:05d}.safetensors"))
+            shard, size = {}, 0
+    if shard:
+        save_file(shard, os.path.join(tmp, f"model-{k + 1:05d}.safetensors"))
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+    shutil.rmtree(os.path.join(root, f"v{version - 1}"), ignore_errors=True)
+    return os.path.abspath(folder)
