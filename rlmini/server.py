@@ -174,9 +174,10 @@ class ServerEngine:
         except ServerError as e:
             if "rlmini_repack_tied" not in str(e):
                 raise
-            raise ServerError(f"the server at {self.url} runs on CPU and the model ties its embeddings: "
-                              f"start it with --worker-extension-cls rlmini.server_worker.WorkerExtension "
-                              f"(this repository on its PYTHONPATH): a push must repack the LM head") from None
+            why = (f"the server at {self.url} runs on CPU and the model ties its embeddings: start it with "
+                   f"--worker-extension-cls rlmini.server_worker.WorkerExtension (this repository on its "
+                   f"PYTHONPATH): a push must repack the LM head")
+            raise ServerError(why) from None
 
     def check_push(self, probe: tuple, tol: float) -> float:
         """Fail if the server does not reproduce the trainer's log-probs on the probe (prompt, completion),
