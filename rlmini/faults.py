@@ -91,11 +91,12 @@ def user_errors():
     a weight push that did not take effect) end in one line naming the problem and exit status 2, not a
     traceback (a traceback is for our bugs)."""
     from rlmini.engine import EngineStateError, PushError
+    from rlmini.server import ServerError
     try:
         yield
     except (rewards.DataError, NonFiniteError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    except (RolloutMismatchError, PushError, EngineStateError) as e:
+    except (RolloutMismatchError, PushError, EngineStateError, ServerError) as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         raise SystemExit(2) from None
