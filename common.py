@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from rlmini import checkpoint as ckpt
-from rlmini import data, dist, engine, faults, logprobs, memplan, models, optim, runlog, tools
+from rlmini import data, dist, engine, faults, logprobs, memplan, models, optim, runlog, server, tools
 from rlmini.batches import (Batch, Keep, Micro, Minibatch, PreUpdate, Scored, group_permutation,
                              micro_batch, micro_rows)
 
@@ -209,6 +209,8 @@ def setup(args, algo: str) -> Run:
     context = getattr(memplan.load_config(path), "max_position_embeddings", 4096)
     max_prompt = data.fit_prompts(task, tokenizer, style == "chat", max_new, context, args.task)
     max_len = min(context, max_prompt * 2 + max_new + 8)
+    if args.engine == "server":  # a server down, or serving another model: one line before anything loads
+        server.check_server(args.server_url, args, tokenizer, dtype, max_len, args.server_timeout)
     # what each rank will hold, before anything large is loaded: one line; a plan that cannot fit stops here
     plan = memplan.plan_run(args, algo, path, device, dtype, max_len, run_dir)
     model, tokenizer, path = models.load_model(args, task, device, dtype, tokenizer)

@@ -14,6 +14,7 @@ VLLM_SERVER_DEV_MODE=1 (vllm/entrypoints/launchers/api_server/routers.py::regist
 docs/scale.md.
 """
 import concurrent.futures
+import http.client
 import json
 import os
 import shutil
@@ -228,7 +229,7 @@ def request(url: str, path: str, body=None, method: str = "POST", timeout: float
     except urllib.error.HTTPError as e:
         detail = e.read().decode(errors="replace").strip().replace("\n", " ")[:300]
         raise ServerError(f"{method} {url}{path}: HTTP {e.code}: {detail}") from None
-    except (urllib.error.URLError, OSError) as e:
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
         why = getattr(e, "reason", e)
         raise ServerError(f"{method} {url}{path}: no answer ({type(why).__name__}: {why}) within "
                           f"{timeout:g} s; is the vLLM server running (docs/scale.md)?") from None

