@@ -145,8 +145,8 @@ class ServerEngine:
         for future in list(self.inflight):  # a rollout in flight finishes on the weights it started with
             self.wait(future)
         weights = named_weights(self.model, self.dtype)
-        if self.transfer is not None:
-            self.transfer.push(self.pushes + 1)
+        if self.transfer is not None:  # pauses, loads, finishes with the version, resumes (rlmini/transfer.py)
+            self.transfer.push(f"{self.nonce}-{self.pushes + 1}")
         elif dist.rank() == 0:
             folder = write_safetensors(weights, self.folder, self.pushes + 1)
             self._call("/pause?mode=wait", {})  # what the server still runs finishes on the old weights
@@ -211,6 +211,8 @@ class ServerEngine:
         return out
 
     def close(self) -> None:
+        if self.transfer is not None:
+            self.transfer.close()
         for future in list(self.inflight):
             future.cancel()
         self.background.shutdown(wait=False, cancel_futures=True)

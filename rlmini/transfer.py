@@ -38,11 +38,12 @@ from vllm.distributed.weight_transfer.packed_tensor import DEFAULT_PACKED_BUFFER
 
 from rlmini import dist
 from rlmini.engine import named_weights
+from rlmini.server import ServerError
 
 SERVER_FLAG = """--weight-transfer-config '{"backend": "nccl"}'"""
 
 
-class TransferError(RuntimeError):
+class TransferError(ServerError):
     """A weight push to the server failed; the message is one line naming the problem."""
 
 
@@ -156,7 +157,7 @@ class NCCLTransfer:
         return NCCLTrainerInitInfo(master_address=address, master_port=port, world_size=world_size, rank=rank,
                                    packed=True, packed_buffer_size_bytes=self.buffer_bytes)
 
-    def push(self, version: int) -> None:
+    def push(self, version: str) -> None:
         if self.engine is None:
             raise TransferError("NCCLTransfer.push before start: call start() once after the model is loaded")
         if not self.engine.is_sender:
