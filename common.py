@@ -551,7 +551,8 @@ def check_sampler(run, batch: Batch, stats: StepStats) -> None:
     tokens = {"tokens": stats.tokens, "first_pass_tokens": float(batch.lengths.sum())}
     stats.totals = all_sum({**stats.sums, **tokens})
     diff = stats.totals["logprob/sampler_diff"] / stats.totals["first_pass_tokens"]
-    if not all_sum(float(batch.staleness.sum())):  # stale samples differ by design: each push was checked
+    # --async_steps: stale samples differ from the trainer by design; each push was probed instead
+    if batch.pushes is None or not all_sum(float(batch.staleness.sum())):
         faults.check_sampler_diff(diff, run.step + 1, run.args.sampler_diff_tol)
     faults.nonfinite(stats.totals["loss/policy"], "loss", run.step + 1, run.args.on_nonfinite)
     run.times["push"] = time.perf_counter()

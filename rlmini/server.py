@@ -88,7 +88,7 @@ class ServerEngine:
         bodies = [dict(model=self.served, prompt=list(ids), n=1 if greedy else n, max_tokens=budgets[i],
                        temperature=temperature, top_p=1.0, top_k=0, logprobs=0, return_token_ids=True,
                        seed=(seed * 1_000_003 + i * n) % 2**31, stop=stop or None,
-                       include_stop_str_in_output=bool(stop), skip_special_tokens=False)
+                       include_stop_str_in_output=bool(stop))
                   for i, ids in enumerate(prompt_ids)]
         version = self.pushes
         outs = list(self.requests.map(lambda b: self._call("/v1/completions", b), bodies))
@@ -145,7 +145,7 @@ class ServerEngine:
         for future in list(self.inflight):  # a rollout in flight finishes on the weights it started with
             self.wait(future)
         weights = named_weights(self.model, self.dtype)
-        if self.transfer is not None:  # pauses, loads, finishes with the version, resumes (rlmini/transfer.py)
+        if self.transfer is not None:  # pause, load, finish with the version, resume (rlmini/transfer.py)
             self.transfer.push(f"{self.nonce}-{self.pushes + 1}")
         elif dist.rank() == 0:
             folder = write_safetensors(weights, self.folder, self.pushes + 1)
