@@ -128,6 +128,8 @@ class Args:
                    "vLLM's V1 runner samples them one by one) or one engine stream (the process's RNG: "
                    "torch's, NumPy's under vLLM's V2 runner; one process only)")
     vllm_sleep: bool = arg(True, "CUDA only: free vLLM's memory (sleep level 2) while the trainer updates")
+    vllm_tp: int = arg(1, "torchrun: N consecutive ranks share one vLLM engine, tensor parallel over them",
+                       ge=1)
     push_check_every: int = arg(10, "check vLLM against the trainer on a probe every N steps (0 = off)", ge=0)
     push_check_tol: float = arg(0.0, "mean |logprob diff| allowed on the probe; 0 = by dtype", ge=0)
     config: str = arg("", "YAML or JSON file of options; command-line flags override it")

@@ -52,6 +52,12 @@ def validate(args) -> None:
         # the stream is the process's RNG (torch's or NumPy's), the same on every rank; checkpoints: rank 0's
         raise ValueError("--vllm_seed engine: one process only (under torchrun every rank would draw the "
                          "same stream); use --vllm_seed request")
+    tp, ranks = getattr(args, "vllm_tp", 1), int(os.environ.get("WORLD_SIZE", 1))
+    if tp > 1 and args.engine != "vllm":
+        raise ValueError(f"--vllm_tp {tp}: vLLM's tensor parallelism needs --engine vllm (not {args.engine})")
+    if ranks % tp:
+        raise ValueError(f"--vllm_tp {tp} must divide the number of ranks ({ranks}): each group of {tp} "
+                         f"consecutive ranks shares one engine")
     if args.dtype == "float16" and args.trains:  # fp16's 5-bit exponent flushes small gradients to 0 unscaled
         raise ValueError("--dtype float16: training in fp16 needs gradient scaling, which this trainer does "
                          "not do; use bfloat16 (eval.py samples in float16 if asked)")
