@@ -129,6 +129,8 @@ class Args:
                    "vLLM's V1 runner samples them one by one) or one engine stream (the process's RNG: "
                    "torch's, NumPy's under vLLM's V2 runner; one process only)")
     vllm_sleep: bool = arg(True, "CUDA only: free vLLM's memory (sleep level 2) while the trainer updates")
+    vllm_tp: int = arg(1, "torchrun: N consecutive ranks share one vLLM engine, tensor parallel over them",
+                       ge=1)
     server_url: str = arg("", "--engine server: the vLLM server's address, http://HOST:PORT (docs/scale.md)")
     server_push: Literal["disk", "nccl"] = arg(
         "disk", "--engine server: weights as safetensors in a folder the server reads, or vLLM's NCCL "

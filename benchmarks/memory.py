@@ -3,6 +3,7 @@ the plan checked against torch's memory trackers on real configurations built fr
 
     python benchmarks/memory.py                          # docs/multi-gpu.md: Qwen2.5 0.5B-32B, Llama 8B/70B
     python benchmarks/memory.py --models llama-3.1-8b-instruct --gpus 8 --beta 0.04 --critic
+    python benchmarks/memory.py --models qwen2.5-32b-instruct --gpus 8,16 --vllm_tp 4,8   # vLLM TP
     python benchmarks/memory.py --track                  # the plan against MemTracker / FSDPMemTracker
 
 --track builds each model the way the trainer does (models.prepare_for_training, packed FlexAttention,
@@ -37,18 +38,21 @@ def config(name: str):
 
 
 def table(args) -> str:
-    """One row per model and GPU count: the plan's parts and phases on an `args.gpu_gb` GPU."""
-    rows = ["| model | params | GPUs | weights+grads+AdamW | working | activations | reference "
-            "| vLLM (share) | update | rollout | push | fits |", "|---" * 12 + "|"]
+    """One row per model, GPU count and --vllm_tp (one that divides the GPUs): the plan's parts and phases on
+    an `args.gpu_gb` GPU."""
+    rows = ["| model | params | GPUs | vLLM TP | weights+grads+AdamW | working | activations | reference "
+            "| vLLM (share) | update | rollout | push | fits |", "|---" * 13 + "|"]
     for name in args.models.split(","):
         c = memplan.count(config(name), args.lora_rank)
-        for g in [int(x) for x in args.gpus.split(",")]:
-            vllm = dict(max_num_seqs=args.max_num_seqs, max_len=args.max_len, dtype_bytes=2)
+        for g, tp in [(int(g), int(tp)) for g in args.gpus.split(",") for tp in args.vllm_tp.split(",")
+                      if int(g) % int(tp) == 0]:
+            # the engine of tp ranks decodes their rollout batches together (memplan.engine_batch)
+            vllm = dict(max_num_seqs=args.max_num_seqs * tp, max_len=args.max_len, dtype_bytes=2, tp=tp)
             p = memplan.plan(c, ranks=g, tokens=args.tokens, checkpointing=args.checkpointing,
                              reference=args.beta > 0, critic=args.critic, lora_rank=args.lora_rank, vllm=vllm,
                              gpu_bytes=args.gpu_gb * GiB, share=args.vllm_share)
             f = lambda x: f"{x / GiB:.1f}"  # noqa: E731
-            rows.append(f"| {name} | {c['total'] / 1e9:.2f}B | {g} | "
+            rows.append(f"| {name} | {c['total'] / 1e9:.2f}B | {g} | {tp} | "
                         f"{f(p['weights'] + p['grads'] + p['adam'])} "
                         f"| {f(p['working'])} | {f(p['activations'])} | {f(p['reference'])} | "
                         f"{f(p['vllm'])} ({p['share']:.2f}) | {f(p['update'])} | {f(p['rollout'])} | "
@@ -291,6 +295,7 @@ def main():
     p.add_argument("--lora_rank", type=int, default=0)
     p.add_argument("--vllm_share", type=float, default=0.0, help="--vllm_gpu_memory_utilization (0: plan's)")
     p.add_argument("--max_num_seqs", type=int, default=64, help="a rank's rollout batch (prompts x G/ranks)")
+    p.add_argument("--vllm_tp", default="1", help="comma-separated --vllm_tp values (ranks per engine)")
     p.add_argument("--max_len", type=int, default=2048, help="vLLM's max_model_len (prompt + completion)")
     p.add_argument("--track", action="store_true", help="the plan against torch's memory trackers")
     p.add_argument("--json", action="store_true", help="--track: one JSON line per case (for the tests)")

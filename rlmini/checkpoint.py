@@ -27,7 +27,8 @@ RESUMABLE_CHANGES = {
     "log_completions", "push_check_every", "push_check_tol", "sampler_diff_tol", "dist_timeout",
     "on_nonfinite", "micro_batch_size", "gradient_checkpointing", "engine", "vllm_gpu_memory_utilization",
     "vllm_sleep", "print_every", "verbose", "packing", "packed_attention", "micro_batch_tokens", "lora_push",
-    "vllm_seed", "server_url", "server_push", "server_push_dir", "server_timeout", "server_concurrency"}
+    "vllm_seed", "vllm_tp", "server_url", "server_push", "server_push_dir", "server_timeout",
+    "server_concurrency"}
 
 
 def prepare_run_dir(args) -> str:

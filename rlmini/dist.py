@@ -128,6 +128,24 @@ def all_gather_objects(items: list) -> list:
     return [x for part in parts for x in part]
 
 
+def group_gather_objects(item, size: int) -> list:
+    """Every rank's picklable `item` in this rank's group of `size` consecutive ranks (rank // size), in rank
+    order; size 1: [item], no collective. Every rank of the world calls it the first time (the groups are
+    made then, each by all ranks: torch.distributed.new_group is collective over the world)."""
+    if size == 1:
+        return [item]
+    if size not in _groups:  # gloo: the objects are pickled on the host, whatever the default backend
+        made = [torch.distributed.new_group(list(range(first, first + size)), backend="gloo")
+                for first in range(0, world_size(), size)]
+        _groups[size] = made[rank() // size]
+    parts = [None] * size
+    torch.distributed.all_gather_object(parts, item, group=_groups[size])
+    return parts
+
+
+_groups = {}  # group_gather_objects': this rank's group, by size
+
+
 def all_mean_var(x: torch.Tensor) -> tuple[float, float]:
     """Mean and unbiased variance of the values of x on every rank together, in float64 and in two passes (the
     mean first), so that a constant batch has exactly its value as mean and 0 variance."""

@@ -9,6 +9,7 @@ the step fails on CPU too, not only on CUDA where the weights are gone.
 Temperature 0 is greedy decoding in both (argmax; the sampler's log-prob of a token is then the log-softmax
 of the untempered logits, what vLLM reports): the n completions of a prompt are one, repeated.
 """
+import atexit
 import itertools
 import json
 import logging
@@ -16,7 +17,7 @@ import os
 
 import torch
 
-from rlmini import dist
+from rlmini import dist, memplan
 from rlmini.data import Rollouts, rng_state, set_rng_state
 from rlmini.logprobs import token_logprobs
 from rlmini.models import autocast, is_lora
@@ -48,7 +49,8 @@ def make_engine(args, path: str, model, tokenizer, device, dtype, max_len: int, 
         return ServerEngine(args, model, tokenizer, device, dtype, max_len)
     return VLLMEngine(_start_vllm(args, path, device, dtype, max_len, share), model, tokenizer, device, dtype,
                       sleep_mode=device.type == "cuda" and args.vllm_sleep,
-                      seed_per_request=args.vllm_seed == "request", adapters=_vllm_lora(args))
+                      seed_per_request=args.vllm_seed == "request", adapters=_vllm_lora(args),
+                      tp=args.vllm_tp)
 
 
 def stop_ids(tokenizer, model=None) -> frozenset:
@@ -196,9 +198,7 @@ def _start_vllm(args, path: str, device, dtype, max_len: int, share: float = 0.0
                   # log-probs after temperature, as the trainer computes them
                   logprobs_mode="processed_logprobs",
                   enable_prefix_caching=True)
-    # a rank's whole rollout batch decodes together; prefill in large chunks
-    per_rank = args.prompts_per_step // dist.world_size() * args.group_size
-    kwargs.update(max_num_seqs=max(1, min(1024, per_rank)))
+    kwargs.update(max_num_seqs=memplan.engine_batch(args, dist.world_size()))  # prefill in large chunks
     if cuda:
         # asleep, the CUDA graphs go to host memory too (resident by default), at level 2 as well
         # (vllm/device_allocator/sleep_mode_backend.py::CuMemBackend.suspend), back in place at the first
@@ -216,6 +216,13 @@ def _start_vllm(args, path: str, device, dtype, max_len: int, share: float = 0.0
         kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=rank)
     if dist.world_size() > 1:  # torchrun: one engine per rank, on this rank's device (LOCAL_RANK)
         kwargs.update(distributed_executor_backend="external_launcher")  # the default lands all on cuda:0
+        # at exit vLLM's groups end first (atexit: last in, first out), before dist's end of the process group
+        # they live in: vLLM's own late shutdown otherwise fails on them ("Invalid process group specified")
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+        atexit.register(cleanup_dist_env_and_memory)
+    if args.vllm_tp > 1:  # TP groups of consecutive ranks, the rest of the world an external DP (dp size 1):
+        # vllm/distributed/parallel_state.py::initialize_model_parallel, arange(world).reshape(-1, dp, .., tp)
+        kwargs.update(tensor_parallel_size=args.vllm_tp)
     try:
         llm = vllm.LLM(**kwargs)
     except Exception as e:  # too little memory for vLLM's share, or an architecture this build cannot run
@@ -331,9 +338,9 @@ class VLLMEngine:
     its weights discarded; elsewhere a state only) it refuses to generate until the next push wakes it."""
 
     def __init__(self, llm, model, tokenizer, device=torch.device("cpu"), dtype=torch.float32,
-                 sleep_mode=False, seed_per_request=True, adapters=False):
+                 sleep_mode=False, seed_per_request=True, adapters=False, tp=1):
         self.llm, self.model, self.tokenizer, self.device, self.dtype = llm, model, tokenizer, device, dtype
-        self.seed_per_request = seed_per_request
+        self.seed_per_request, self.tp = seed_per_request, tp  # tp: ranks sharing this engine (--vllm_tp)
         self.adapters, self.lora = (Adapters() if adapters else None), None  # --lora_push adapter
         self.eos_ids, self.pad_id = stop_ids(tokenizer, model), tokenizer.pad_token_id
         self.sleep_mode, self.asleep, self.slept = sleep_mode, False, False  # slept: sleep mode's, on CUDA
@@ -348,7 +355,9 @@ class VLLMEngine:
         vLLM 0.32), which gives each request a seed from it; so they depend on everything sampled before in
         the run (evaluation included) and on how requests batch. `max_new_tokens`: one budget or one per
         prompt; `stop`: stop strings, kept in the output. T = 0: vLLM's greedy (n = 1, repeated n times;
-        log-probs of the untempered logits)."""
+        log-probs of the untempered logits). --vllm_tp N: a group's N ranks generate their prompts together,
+        each request with the seed its own rank gives it (the samples of N engines, at fp32), and each rank
+        keeps its own rows."""
         from vllm import SamplingParams
         _check_awake(self)
         greedy = temperature == 0
@@ -356,13 +365,19 @@ class VLLMEngine:
         # draws one from NumPy (vllm/v1/worker/gpu/sample/states.py::SamplingStates.add_request), the V1
         # runner samples with torch's RNG (vllm/v1/sample/ops/topk_topp_sampler.py::random_sample)
         budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompt_ids)
+        seeds = [(seed * 1_000_003 + i * n) % 2**31 if self.seed_per_request else None
+                 for i in range(len(prompt_ids))]
+        # vLLM's external launcher is SPMD: every rank of a TP group makes the same call, in the same order
+        # (vllm/v1/executor/uniproc_executor.py::ExecutorWithExternalLauncher: one scheduler per rank)
+        group = dist.group_gather_objects((prompt_ids, budgets, seeds), self.tp)
+        first = sum(len(part[0]) for part in group[:dist.rank() % self.tp])  # this rank's rows begin here
+        requests = [x for part in group for x in zip(*part)]
         params = [SamplingParams(n=1 if greedy else n, temperature=temperature, top_p=1.0, top_k=0,
-                                 max_tokens=budgets[i], logprobs=0, stop=stop,
-                                 include_stop_str_in_output=bool(stop),
-                                 seed=(seed * 1_000_003 + i * n) % 2**31 if self.seed_per_request else None)
-                  for i in range(len(prompt_ids))]
-        outs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False,
-                                 lora_request=self.lora)
+                                 max_tokens=budget, logprobs=0, stop=stop,
+                                 include_stop_str_in_output=bool(stop), seed=request_seed)
+                  for _, budget, request_seed in requests]
+        outs = self.llm.generate([{"prompt_token_ids": ids} for ids, _, _ in requests], params,
+                                 use_tqdm=False, lora_request=self.lora)[first:first + len(prompt_ids)]
         r = Rollouts([], [], [], [], self.pad_id)
         for ids, out in zip(prompt_ids, outs):
             for c in out.outputs * (n if greedy else 1):
@@ -526,8 +541,15 @@ def named_weights(model, dtype, merge: bool = True):
 
 
 def _weighted_layers(model) -> set:
-    """Class names of vLLM's layers that hold parameters of their own (what a push must fill)."""
-    return {type(m).__name__ for m in model.modules() if next(m.parameters(recurse=False), None) is not None}
+    """Class names of vLLM's layers that hold parameters of their own (what a push must fill), but for a
+    --vllm_tp rank's vocabulary shard of padding only (vLLM pads the vocabulary to a multiple of 64, then
+    splits it: a small one leaves the last ranks none of its rows, and vLLM reports the load there as failed,
+    vllm/model_executor/model_loader/reload/layerwise.py::finalize_layerwise_processing)."""
+    def fills(m) -> bool:
+        shard = getattr(m, "shard_indices", None)  # VocabParallelEmbedding's rows on this TP rank
+        return shard is None or shard.num_org_elements + shard.num_added_elements > 0
+    return {type(m).__name__ for m in model.modules()
+            if next(m.parameters(recurse=False), None) is not None and fills(m)}
 
 
 def _tied_groups(model) -> list:

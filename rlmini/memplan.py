@@ -81,7 +81,7 @@ def count(config, lora_rank: int = 0, lora_targets: str = "all-linear") -> dict:
             "root": total - sum(per_layer), "largest": max(p.numel() for p in model.parameters()),
             "tensors": len(list(model.parameters())), "lora": lora, "lora_tensors": 2 * adapted,
             "hidden": hidden, "intermediate": getattr(text, "intermediate_size", 4 * hidden),
-            "kv_per_token_layer": 2 * kv_heads * head_dim,
+            "kv_per_token_layer": 2 * kv_heads * head_dim, "kv_heads": kv_heads,
             "vocab": head.weight.shape[0], "norms": max(norms, 2),
             "tied": head.weight is model.get_input_embeddings().weight,
             "softcap": getattr(text, "final_logit_softcapping", None) is not None,
@@ -108,7 +108,8 @@ def plan(c: dict, *, ranks: int = 1, compute_bytes: int = 2, tokens: int = 8192,
     """Bytes per rank of each part and each phase for counts `c` (count()). `ranks`: FSDP2 shards over them
     (1: a plain module under autocast). `tokens`: one micro-batch's tokens (--micro_batch_tokens), all of them
     scored. `vllm`: None (the HF engine), else dict(max_num_seqs, max_len, dtype_bytes, sleep, tp,
-    cudagraph): the engine each rank (or each group of tp ranks) holds. `share`: --vllm_gpu_memory_utilization
+    cudagraph): the engine each rank (or each group of tp ranks, max_num_seqs the group's) holds, a tp
+    rank its 1/tp of the weights, the KV cache and the activations. `share`: --vllm_gpu_memory_utilization
     (0: the plan's own, what the trainer leaves free). `context`: the CUDA context (0 on CPU). Returns the
     parts, the phases, vLLM's share and, when
     something does not fit `gpu_bytes`, `why` (one line with the flags that would make it fit)."""
@@ -155,7 +156,9 @@ def plan(c: dict, *, ranks: int = 1, compute_bytes: int = 2, tokens: int = 8192,
         tp = vllm.get("tp", 1)
         vb = vllm.get("dtype_bytes", cb)
         v_weights = vb * P / tp
-        kv_token = c["layers"] * c["kv_per_token_layer"] * vb / tp
+        # past the KV heads a rank holds one, replicated (vllm/model_executor/layers/linear.py::
+        # QKVParallelLinear.__init__, num_kv_head_replicas)
+        kv_token = c["layers"] * c["kv_per_token_layer"] * vb / min(tp, c.get("kv_heads", tp))
         kv_need = vllm["max_num_seqs"] * vllm["max_len"] * kv_token
         kv_min = vllm["max_len"] * kv_token
         # its profiled peak: one prefill chunk's MLP and residual, and the sampler's fp32 logits
@@ -273,6 +276,12 @@ def write(p: dict, run_dir: str, device: str) -> None:
         json.dump(data, f, indent=1)
 
 
+def engine_batch(args, ranks: int) -> int:
+    """vLLM's max_num_seqs: an engine's whole rollout batch (a rank's, or its --vllm_tp group's) decodes
+    together."""
+    return max(1, min(1024, args.prompts_per_step // max(ranks, 1) * args.group_size * args.vllm_tp))
+
+
 def plan_run(args, algo: str, path: str, device, dtype, max_len: int, run_dir: str) -> dict:
     """The trainer's plan (common.setup, before the model loads): this run's options on this rank's device.
     Prints it as one line (rank 0) and writes memory_plan.json; on CUDA a plan that does not fit stops the run
@@ -284,9 +293,8 @@ def plan_run(args, algo: str, path: str, device, dtype, max_len: int, run_dir: s
     tokens = args.micro_batch_tokens or args.micro_batch_size * max_len
     vllm = None
     if args.engine == "vllm":
-        per_rank = args.prompts_per_step // max(ranks, 1) * args.group_size
-        vllm = dict(max_num_seqs=max(1, min(1024, per_rank)), max_len=max_len, dtype_bytes=dtype.itemsize,
-                    sleep=args.vllm_sleep, batched_tokens=max(max_len, 16384),
+        vllm = dict(max_num_seqs=engine_batch(args, ranks), max_len=max_len, tp=args.vllm_tp,
+                    dtype_bytes=dtype.itemsize, sleep=args.vllm_sleep, batched_tokens=max(max_len, 16384),
                     cudagraph=CUDAGRAPH if cuda else 0.0)
     gpu = torch.cuda.mem_get_info(device)[1] if cuda else 80 * GiB
     p = plan(c, ranks=ranks, compute_bytes=dtype.itemsize, tokens=tokens,

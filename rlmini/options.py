@@ -65,6 +65,12 @@ def validate(args) -> None:
     if getattr(args, "async_steps", 0) and engine != "server":
         raise ValueError(f"--async_steps {args.async_steps}: rollouts overlap the update only with --engine "
                          f"server (an in-process engine shares the trainer's GPU, asleep while it updates)")
+    tp, ranks = getattr(args, "vllm_tp", 1), int(os.environ.get("WORLD_SIZE", 1))
+    if tp > 1 and args.engine != "vllm":
+        raise ValueError(f"--vllm_tp {tp}: vLLM's tensor parallelism needs --engine vllm (not {args.engine})")
+    if ranks % tp:
+        raise ValueError(f"--vllm_tp {tp} must divide the number of ranks ({ranks}): each group of {tp} "
+                         f"consecutive ranks shares one engine")
     if args.dtype == "float16" and args.trains:  # fp16's 5-bit exponent flushes small gradients to 0 unscaled
         raise ValueError("--dtype float16: training in fp16 needs gradient scaling, which this trainer does "
                          "not do; use bfloat16 (eval.py samples in float16 if asked)")

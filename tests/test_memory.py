@@ -81,6 +81,40 @@ def test_plan_by_hand():
     assert awake["update"] - one["update"] == pytest.approx(want)  # without sleep it stays whole
 
 
+def test_the_plan_divides_the_engines_weights_and_kv_cache_by_tp(tmp_path, monkeypatch, capsys):
+    """--vllm_tp: a rank holds 1/tp of vLLM's weights, of a token's KV cache (up to the KV heads: past them
+    each rank holds one, replicated) and of a prefill chunk's activations, for the group's batch (tp ranks'
+    sequences); the push adds its 1/tp of the weights. plan_run passes the group's batch and tp."""
+    c = dict(total=1000, layers=2, layer=300, root=400, largest=200, tensors=10, lora=40, lora_tensors=4,
+             hidden=8, intermediate=16, kv_per_token_layer=4, kv_heads=2, vocab=50, norms=2, tied=False,
+             softcap=False)
+    base = dict(max_num_seqs=4, max_len=100, dtype_bytes=2, batched_tokens=64, cudagraph=GiB)
+    for tp, kv_token in ((1, 16), (2, 8), (4, 8)):  # 2 * 4 * 2 bytes over min(tp, 2 KV heads)
+        p = memplan.plan(c, tokens=10, vllm={**base, "max_num_seqs": 4 * tp, "tp": tp}, gpu_bytes=100 * GiB)
+        assert p["kv_token"] == kv_token
+        want = (2 * 1000 / tp + 4 * tp * 100 * kv_token + 64 * (2 * 16 + 4 * 8) * 2 / tp + 2 * 4 * tp * 50 * 4
+                + GiB + memplan.VLLM_OVERHEAD)
+        assert p["vllm_want"] == pytest.approx(want)
+        assert p["push"] == pytest.approx(memplan.CONTEXT + p["persistent"] + 2 * 1000 / tp + (4 + 2) * 200)
+    from rlmini import dist
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (79.2 * GiB, 79.2 * GiB))
+    monkeypatch.setattr(dist, "distributed", lambda: True)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    path = os.path.join(memory.CONFIGS, "qwen2.5-32b-instruct.json")  # LoRA, 8 ranks: docs/multi-gpu.md
+
+    def run(tp):
+        args = _cuda_run_args(gradient_checkpointing=True, lora_rank=16, vllm_tp=tp)
+        return memplan.plan_run(args, "grpo", path, torch.device("cuda", 0), torch.bfloat16, 2048,
+                                str(tmp_path))
+    with pytest.raises(SystemExit, match="vLLM needs at least 66.4 GiB"):  # a whole bf16 engine per rank
+        run(1)
+    push_one = json.load(open(tmp_path / "memory_plan.json"))["push_gb"] * 1e9
+    four = run(4)
+    weights = 2 * memplan.count_cached(path, 16, "all-linear")["total"]  # bf16
+    assert four["why"] is None and four["max_num_seqs"] == 4 * 64  # 64 prompts x 8 / 8 ranks, 4 ranks' worth
+    assert push_one - four["push"] == pytest.approx(weights * 3 / 4)
+
+
 CASES = memory.CASES  # 1 and 8 ranks; full, LoRA, a reference, PPO's critic; with and without checkpointing
 
 
