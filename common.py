@@ -190,6 +190,7 @@ class Run:
     times: dict = field(default_factory=dict)  # this step's clock readings (the time/* metrics)
     plan: dict = field(default_factory=dict)  # the memory plan (memplan.plan_run); CUDA: measured per phase
     ahead: list = field(default_factory=list)  # --async_steps: (data_pos, examples, future) requested
+    redraw: list = field(default_factory=list)  # after --resume: data positions of the batches then in flight
 
 
 def setup(args, algo: str) -> Run:
@@ -373,9 +374,10 @@ def ahead(run) -> tuple:
     args, G = run.args, run.args.group_size
 
     def request(step):
-        pos = run.data_pos  # a checkpoint saves the position of the first batch not yet trained on
-        examples, run.data_pos = data.prompt_batch(run.task.train, run.data_pos, args.prompts_per_step,
-                                                   args.seed)
+        redrawn = bool(run.redraw)  # after --resume, the batches in flight at the checkpoint come first
+        pos = run.redraw.pop(0) if redrawn else run.data_pos  # a checkpoint saves each one's position
+        examples, end = data.prompt_batch(run.task.train, pos, args.prompts_per_step, args.seed)
+        run.data_pos = run.data_pos if redrawn else end
         mine, seed = dist.shard(examples), data.rollout_seed(args.seed, step, rank(), 0)
         run.ahead.append((pos, mine, run.engine.submit(sample, run, mine, G, args.temperature, seed)))
 

@@ -216,8 +216,8 @@ def save(run) -> None:
     torchrun: checkpoint/, each rank writing its shards (torch.distributed.checkpoint)."""
     pairs = {"critic": (run.critic, run.critic_optimizer)} if run.critic is not None else {}
     meta = {"scheduler": run.scheduler.state_dict(), "rng": rng_state(), "step": run.step,
-            # --async_steps: the prompts of the batches in flight are drawn again (regenerated) on --resume
-            "data_pos": run.ahead[0][0] if run.ahead else run.data_pos,
+            # --async_steps: the batches in flight are not saved; --resume draws their prompts again
+            "data_pos": run.data_pos, "redraw": [pos for pos, _, _ in run.ahead],
             "algo_state": {"hadw": run.hadw} if run.hadw else {},
             "args": dataclasses.asdict(run.args), "algo": run.algo}
     shards = [p.to_local() if hasattr(p, "to_local") else p for p in run.model.parameters()]  # FSDP2: mine
@@ -296,6 +296,9 @@ def resume(run) -> None:
     restore(run, "policy", run.model, run.optimizer)
     run.scheduler.load_state_dict(run.resumed["scheduler"])
     run.step, run.data_pos = run.resumed["step"], run.resumed["data_pos"]
+    run.redraw = list(run.resumed.get("redraw", []))  # common.ahead requests them first
+    if run.redraw and not run.args.async_steps:  # resumed lock-step: the stream continues from the first
+        run.data_pos, run.redraw = run.redraw[0], []
     run.hadw = run.resumed["algo_state"].get("hadw", {})
     set_rng_state(run.resumed["rng"])
     run.engine.push()

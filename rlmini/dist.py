@@ -34,7 +34,7 @@ def setup_device(args) -> tuple[torch.device, torch.dtype]:
     else:
         device = torch.device("cpu")
     if (world_size() > 1 or "TORCHELASTIC_RUN_ID" in os.environ) and not torch.distributed.is_initialized():
-        timeout = datetime.timedelta(seconds=getattr(args, "dist_timeout", 1800))
+        timeout = _TIMEOUT[0] = datetime.timedelta(seconds=getattr(args, "dist_timeout", 1800))
         torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
         atexit.register(_end_process_group)
     name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
@@ -135,8 +135,8 @@ def group_gather_objects(item, size: int) -> list:
     if size == 1:
         return [item]
     if size not in _groups:  # gloo: the objects are pickled on the host, whatever the default backend
-        made = [torch.distributed.new_group(list(range(first, first + size)), backend="gloo")
-                for first in range(0, world_size(), size)]
+        made = [torch.distributed.new_group(list(range(first, first + size)), backend="gloo",
+                                            timeout=_TIMEOUT[0]) for first in range(0, world_size(), size)]
         _groups[size] = made[rank() // size]
     parts = [None] * size
     torch.distributed.all_gather_object(parts, item, group=_groups[size])
@@ -144,6 +144,7 @@ def group_gather_objects(item, size: int) -> list:
 
 
 _groups = {}  # group_gather_objects': this rank's group, by size
+_TIMEOUT = [None]  # --dist_timeout, for groups made later (None: torch's default)
 
 
 def all_mean_var(x: torch.Tensor) -> tuple[float, float]:

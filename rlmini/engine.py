@@ -479,15 +479,20 @@ class VLLMEngine:
                                 lora_request=self.lora)[0]
         at = out.prompt_logprobs[len(prompt):]
         vllm_lp = torch.tensor([lp[t].logprob for lp, t in zip(at, completion)])
-        batch = make_batch([prompt], [completion], self.pad_id, self.device)
-        with torch.no_grad(), autocast(self.device, self.dtype):
-            ours = token_logprobs(self.model, batch, 1.0)[0][0][batch["mask"][0] > 0].cpu()
-        diff = (vllm_lp - ours).abs().mean().item()
+        diff = (vllm_lp - trainer_logprobs(self, prompt, completion, 1.0)).abs().mean().item()
         self.last_check = diff  # logged as push/check_diff (common.memory_metrics)
         if not diff <= tol:
             raise PushError(f"vLLM and trainer disagree after the weight push: mean |logprob diff| "
                             f"{diff:.4g} > tolerance {tol:.3g} on the probe; the push did not take effect")
         return diff
+
+
+def trainer_logprobs(engine, prompt: list, completion: list, temperature: float) -> torch.Tensor:
+    """The trainer's log-probs of `completion` after `prompt` at `temperature` (what the push checks compare
+    with the engine's)."""
+    batch = make_batch([prompt], [completion], engine.pad_id, engine.device)
+    with torch.no_grad(), autocast(engine.device, engine.dtype):
+        return token_logprobs(engine.model, batch, temperature)[0][0][batch["mask"][0] > 0].cpu()
 
 
 def correction_for(args, dtype) -> str:

@@ -26,10 +26,7 @@ import torch
 
 from rlmini import dist
 from rlmini.data import Rollouts
-from rlmini.engine import PushError, _check_awake, named_weights, stop_ids
-from rlmini.logprobs import token_logprobs
-from rlmini.models import autocast
-from rlmini.packing import make_batch
+from rlmini.engine import PushError, _check_awake, named_weights, stop_ids, trainer_logprobs
 
 SHARD_BYTES = 2 * 2**30  # a push's safetensors files: the host holds one shard at a time, not the model
 
@@ -52,9 +49,7 @@ class ServerEngine:
         mine = float(int.from_bytes(os.urandom(5), "little")) if dist.rank() == 0 else 0.0
         self.pushes, self.nonce = 0, f"{int(dist.all_sum(mine)):010x}"
         self.folder = args.server_push_dir  # common.setup: run_dir/push unless given
-        self.requests = concurrent.futures.ThreadPoolExecutor(args.server_concurrency, "rlmini-request")
-        self.background = concurrent.futures.ThreadPoolExecutor(1, "rlmini-rollout")  # --async_steps
-        self.inflight = []  # submitted rollouts not yet waited for: a push waits for them first
+        self.inflight = []  # submitted rollouts (--async_steps) not yet waited for: a push waits for them
         self.local = threading.local()
         self.collective = False  # its requests are no collective (rlmini/tools.py::generate)
         self.served, device_type = check_server(self.url, args, tokenizer, dtype, max_len, self.timeout)
@@ -86,42 +81,52 @@ class ServerEngine:
         greedy = temperature == 0
         budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompt_ids)
         bodies = [dict(model=self.served, prompt=list(ids), n=1 if greedy else n, max_tokens=budgets[i],
-                       temperature=temperature, top_p=1.0, top_k=0, logprobs=0, return_token_ids=True,
+                       temperature=temperature, logprobs=0, return_token_ids=True, **PLAIN,
                        seed=(seed * 1_000_003 + i * n) % 2**31, stop=stop or None,
                        include_stop_str_in_output=bool(stop))
                   for i, ids in enumerate(prompt_ids)]
         version = self.pushes
-        outs = list(self.requests.map(lambda b: self._call("/v1/completions", b), bodies))
+        outs = threaded_map(lambda b: self._call("/v1/completions", b), bodies, self.args.server_concurrency)
         self.check_version()  # a server restarted under the requests sampled from its own checkpoint
         r = Rollouts([], [], [], [], self.pad_id, versions=[])
         for ids, out in zip(prompt_ids, outs):
             for c in sorted(out["choices"], key=lambda c: c["index"]) * (n if greedy else 1):
-                toks = list(c["token_ids"])
+                toks, logps = c.get("token_ids"), (c.get("logprobs") or {}).get("token_logprobs")
+                if toks is None or logps is None or len(logps) != len(toks):
+                    raise ServerError(f"{self.url}/v1/completions answered without token ids or their "
+                                      f"log-probs (finish reason {c.get('finish_reason')!r})")
+                if c["finish_reason"] not in ("stop", "length"):  # "abort": another client paused it
+                    raise ServerError(f"{self.url}/v1/completions: a completion ended with "
+                                      f"{c['finish_reason']!r}, not stop or length")
                 r.prompt_ids.append(list(ids))
-                r.completion_ids.append(toks)
-                r.sampler_logprobs.append([float(x) for x in c["logprobs"]["token_logprobs"]])
+                r.completion_ids.append(list(toks))
+                r.sampler_logprobs.append([float(x) for x in logps])
                 r.finished.append(c["finish_reason"] == "stop" and len(toks) > 0 and toks[-1] in self.eos_ids)
                 r.versions.append(version)
         return r
 
     def submit(self, fn, *args):
-        """Run fn(*args) (a rollout: common.sample) in the background while the trainer updates; the next
-        push waits for it, so each of its samples comes from one weight version."""
+        """Run fn(*args) (a rollout: common.sample) in a background thread while the trainer updates; the
+        next push waits for it, so each of its samples comes from one weight version. A daemon thread: a run
+        that stops meanwhile exits at once."""
+        future = concurrent.futures.Future()
+
         def job():
             self.local.background = True
-            return fn(*args)
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # raised where the rollout is waited for
+                future.set_exception(e)
 
-        future = self.background.submit(job)
+        threading.Thread(target=job, name="rlmini-rollout", daemon=True).start()
         self.inflight.append(future)
         return future
 
     def wait(self, future):
-        """A submitted rollout's result, within --server_timeout; it raises what the rollout raised."""
+        """A submitted rollout's result, or what it raised. Bounded: each of its requests waits at most
+        --server_timeout, each tool call --tool_timeout, and a rollout makes finitely many."""
         try:
-            return future.result(timeout=self.timeout)
-        except concurrent.futures.TimeoutError:
-            raise ServerError(f"a rollout submitted to {self.url} did not finish within --server_timeout "
-                              f"{self.timeout:g} s (the server hung or is overloaded)") from None
+            return future.result()
         finally:
             self.inflight = [f for f in self.inflight if f is not future]
 
@@ -144,6 +149,7 @@ class ServerEngine:
         FSDP2 gathers each parameter on every rank; rank 0 sends). Then the version, and the probe."""
         for future in list(self.inflight):  # a rollout in flight finishes on the weights it started with
             self.wait(future)
+        dist.barrier()  # every rank's rollouts are done before rank 0 pauses the server (which queues them)
         weights = named_weights(self.model, self.dtype)
         if self.transfer is not None:  # pause, load, finish with the version, resume (rlmini/transfer.py)
             self.transfer.push(f"{self.nonce}-{self.pushes + 1}")
@@ -151,8 +157,12 @@ class ServerEngine:
             folder = write_safetensors(weights, self.folder, self.pushes + 1)
             self._call("/pause?mode=wait", {})  # what the server still runs finishes on the old weights
             try:
-                self._call("/collective_rpc", {"method": "reload_weights",
-                                               "kwargs": {"weights_path": folder}})
+                try:
+                    self._call("/collective_rpc", {"method": "reload_weights",
+                                                   "kwargs": {"weights_path": folder}})
+                except ServerError as e:
+                    raise ServerError(f"the server could not load the pushed weights from {folder} (is it a "
+                                      f"folder the server sees? --server_push_dir): {e}") from None
                 if self.repack:
                     self._repack()
             finally:
@@ -182,24 +192,34 @@ class ServerEngine:
 
     def check_push(self, probe: tuple, tol: float) -> float:
         """Fail if the server does not reproduce the trainer's log-probs on the probe (prompt, completion),
-        or does not report the version just pushed. Returns the mean |log-prob difference|."""
+        or does not report the version just pushed; then the sampler's own log-probs of a short completion
+        it samples at --temperature (what prompt log-probs skip: the temperature, any penalty) must be the
+        trainer's within --sampler_diff_tol, the guard that stale batches (--async_steps) cannot run.
+        Returns the probe's mean |log-prob difference|."""
         if self.checked == self.pushes and self.last_check is not None:  # push() checked it already
             return self.last_check
         self.check_version()
         prompt, completion = probe
         body = dict(model=self.served, prompt=list(prompt) + list(completion), max_tokens=1, temperature=1.0,
-                    prompt_logprobs=0, return_token_ids=True)
+                    prompt_logprobs=0, return_token_ids=True, **PLAIN)
         at = self._call("/v1/completions", body)["choices"][0]["prompt_logprobs"][len(prompt):]
         theirs = torch.tensor([lp[str(t)]["logprob"] for lp, t in zip(at, completion)])
-        batch = make_batch([prompt], [completion], self.pad_id, self.device)
-        with torch.no_grad(), autocast(self.device, self.dtype):
-            ours = token_logprobs(self.model, batch, 1.0)[0][0][batch["mask"][0] > 0].cpu()
-        diff = (theirs - ours).abs().mean().item()
+        diff = (theirs - trainer_logprobs(self, prompt, completion, 1.0)).abs().mean().item()
         self.last_check, self.checked = diff, self.pushes  # logged as push/check_diff (memplan.metrics)
         if not diff <= tol:
             raise PushError(f"the server at {self.url} and the trainer disagree after weight push "
                             f"{self.pushes}: mean |logprob diff| {diff:.4g} > tolerance {tol:.3g} on the "
                             f"probe; the push did not take effect")
+        T, guard_tol = self.args.temperature, self.args.sampler_diff_tol
+        if guard_tol:  # 0 until common.setup has calibrated it
+            r = self.generate([prompt], 1, len(completion) or 1, T, self.pushes)
+            ours = trainer_logprobs(self, prompt, r.completion_ids[0], T)
+            sampled = torch.tensor(r.sampler_logprobs[0]) - ours
+            if len(sampled) and not sampled.abs().mean().item() <= guard_tol:
+                raise PushError(f"the server at {self.url} samples from another distribution than the "
+                                f"trainer's after weight push {self.pushes}: mean |sampler - trainer| "
+                                f"log-prob {sampled.abs().mean().item():.4g} > --sampler_diff_tol "
+                                f"{guard_tol:.3g} at temperature {T:g}")
         return diff
 
     def calibrate(self, prompt: list, max_new_tokens: int, seed: int, temperature: float = 1.0) -> tuple:
@@ -211,12 +231,45 @@ class ServerEngine:
         return out
 
     def close(self) -> None:
+        """The end of a run: the NCCL group closed, the last push's folder (a copy of the model) removed."""
         if self.transfer is not None:
             self.transfer.close()
-        for future in list(self.inflight):
-            future.cancel()
-        self.background.shutdown(wait=False, cancel_futures=True)
-        self.requests.shutdown(wait=False, cancel_futures=True)
+        if dist.rank() == 0 and self.transfer is None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+# the request's own sampling: vLLM fills a field left out from the model's generation_config.json (a
+# repetition penalty, min_p), which the trainer's log-probs do not apply
+# (vllm/entrypoints/openai/completion/protocol.py::CompletionRequest.to_sampling_params)
+PLAIN = dict(top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
+             frequency_penalty=0.0)
+
+
+def threaded_map(fn, items: list, workers: int) -> list:
+    """[fn(x) for x in items] on up to `workers` daemon threads (requests wait on the network, not the GIL);
+    the first exception is raised once all threads stopped taking items. Daemon threads: a run stopped by an
+    error exits without waiting for requests still in flight."""
+    results, errors, lock, todo = [None] * len(items), [], threading.Lock(), iter(range(len(items)))
+
+    def work():
+        while not errors:
+            with lock:
+                k = next(todo, None)
+            if k is None:
+                return
+            try:
+                results[k] = fn(items[k])
+            except BaseException as e:
+                errors.append(e)
+
+    threads = [threading.Thread(target=work, daemon=True) for _ in range(min(workers, len(items)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
 
 
 def request(url: str, path: str, body=None, method: str = "POST", timeout: float = 60.0):
@@ -225,6 +278,8 @@ def request(url: str, path: str, body=None, method: str = "POST", timeout: float
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url + path, data=data, method=method,
                                  headers={"Content-Type": "application/json"} if data else {})
+    if not url.startswith(("http://", "https://")):
+        raise ServerError(f"--server_url {url!r}: give http://HOST:PORT")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as answer:
             text = answer.read()
@@ -235,10 +290,13 @@ def request(url: str, path: str, body=None, method: str = "POST", timeout: float
         why = getattr(e, "reason", e)
         raise ServerError(f"{method} {url}{path}: no answer ({type(why).__name__}: {why}) within "
                           f"{timeout:g} s; is the vLLM server running (docs/scale.md)?") from None
-    return json.loads(text) if text.strip() else None
+    try:
+        return json.loads(text) if text.strip() else None
+    except ValueError:
+        raise ServerError(f"{method} {url}{path}: the answer is not JSON: {text[:200]!r}") from None
 
 
-def check_server(url: str, args, tokenizer, dtype, max_len: int, timeout: float) -> str:
+def check_server(url: str, args, tokenizer, dtype, max_len: int, timeout: float) -> tuple:
     """The server answers, with its RL routes, and serves what the trainer trains: the same tokenizer, dtype,
     sampler log-probs (after temperature) and a context holding the run's longest sequence. Returns the
     served model's name and the server's device type; a mismatch stops the run in one line."""
@@ -278,11 +336,12 @@ def check_server(url: str, args, tokenizer, dtype, max_len: int, timeout: float)
 
 def write_safetensors(weights, root: str, version: int) -> str:
     """(name, tensor) pairs into root/v<version>/ as safetensors files of at most SHARD_BYTES each, the
-    folder complete before it is named (the server never reads half a push); the previous push's removed.
-    """
+    folder complete before it is named (the server never reads half a push); earlier pushes removed first
+    (the server holds their weights in memory), so the folder holds one copy of the model at most."""
     from safetensors.torch import save_file
     folder, tmp = os.path.join(root, f"v{version}"), os.path.join(root, f".v{version}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    for old in os.listdir(root) if os.path.isdir(root) else []:  # earlier pushes, a crashed run's parts
+        shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     os.makedirs(tmp)
     shard, size, k = {}, 0, 0
     for name, tensor in weights:
@@ -293,7 +352,5 @@ def write_safetensors(weights, root: str, version: int) -> str:
             shard, size = {}, 0
     if shard:
         save_file(shard, os.path.join(tmp, f"model-{k + 1:05d}.safetensors"))
-    shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)
-    shutil.rmtree(os.path.join(root, f"v{version - 1}"), ignore_errors=True)
     return os.path.abspath(folder)

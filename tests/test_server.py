@@ -131,7 +131,8 @@ def test_one_step_off_rollouts_with_tools_through_the_server(served, tmp_path):
     assert all(r["push/check_diff"] < 1e-4 for r in rows)
     assert sum(r["tools/calls"] for r in rows) > 0
     ckpt = torch.load(os.path.join(run.run_dir, "checkpoint.pt"), weights_only=True)
-    assert ckpt["data_pos"] == 8 * ckpt["step"]  # the in-flight batch's prompts are drawn again on resume
+    # the in-flight batch is not saved: its position is, and its prompts are drawn again on resume
+    assert ckpt["data_pos"] == 8 * (ckpt["step"] + 1) and ckpt["redraw"] == [8 * ckpt["step"]]
     resumed = train_grpo.main(_args(tmp_path, url, "--steps", "6", *k1, "--resume", "true"))
     assert [r["rollout/staleness"] for r in read_metrics(resumed.run_dir)][4:] == [0, 1]
 
@@ -243,7 +244,7 @@ def test_server_killed_mid_run_stops_in_one_line_then_resume_continues(served, t
     last = err.strip().splitlines()[-1]
     assert last.startswith("error: ServerError:") and url in last, err[-2000:]
     ckpt = torch.load(tmp_path / "killed" / "checkpoint.pt", weights_only=True)
-    assert ckpt["step"] >= 2 and ckpt["step"] % 2 == 0 and ckpt["data_pos"] == 8 * ckpt["step"]
+    assert ckpt["step"] >= 2 and ckpt["step"] % 2 == 0 and ckpt["redraw"] == [8 * ckpt["step"]]
     held["proc"] = start_server(path, int(url.rsplit(":", 1)[1]), held["log"])
     run = train_grpo.main(_args(tmp_path, url, "--steps", str(ckpt["step"] + 2), "--async_steps", "1",
                                 "--run_name", "killed", "--resume", "true"))
@@ -276,3 +277,67 @@ def test_a_push_folder_is_complete_before_it_is_named(tmp_path, monkeypatch):
     back = {k: v for f in files for k, v in load_file(os.path.join(second, f)).items()}
     assert all(torch.equal(back[k], v) for k, v in weights)
     assert json.dumps(sorted(back)) == json.dumps([k for k, _ in weights])
+
+
+class _OneStepOffDouble:
+    """The HF engine with a server's scheduling surface (submit, wait, pushes): --async_steps without a server,
+    for the data positions of dynamic sampling across --resume."""
+
+    def __init__(self, inner):
+        self.inner, self.pushes, self.inflight = inner, 0, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def generate(self, *args, **kwargs):
+        r = self.inner.generate(*args, **kwargs)
+        r.versions = [self.pushes] * len(r.completion_ids)
+        return r
+
+    def submit(self, fn, *args):
+        import concurrent.futures
+        future = concurrent.futures.Future()
+        future.set_result(fn(*args))  # sampled now: before the step's sleep, from the weights pushed last
+        return future
+
+    def wait(self, future):
+        return future.result()
+
+    def push(self):
+        self.pushes += 1
+        self.inner.push()
+
+
+def test_one_step_off_with_dynamic_sampling_resumes_without_drawing_a_prompt_twice(tmp_path, monkeypatch):
+    """--dynamic_sampling's extra rounds draw prompts past the batch requested ahead; a checkpoint saves both
+    positions, so after a crash --resume draws the in-flight batch's prompts again, then continues where the
+    stream was, never re-drawing a prompt an extra round used."""
+    from rlmini import data, engine
+    make, drawn, batch, save = engine.make_engine, [], data.prompt_batch, common.checkpoint
+
+    def recording(examples, pos, n, seed):
+        drawn.append(pos)
+        return batch(examples, pos, n, seed)
+
+    def crash_after_step_2(run):
+        save(run)
+        if run.step == 2 and not run.args.resume:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(server, "check_server", lambda *a, **k: ("tiny", "cpu"))
+    monkeypatch.setattr(engine, "make_engine", lambda args, *a, **k: _OneStepOffDouble(
+        make(common.Args(engine="hf"), *a, **k)))
+    monkeypatch.setattr(data, "prompt_batch", recording)
+    monkeypatch.setattr(common, "checkpoint", crash_after_step_2)
+    argv = ["--engine", "server", "--server_url", "http://127.0.0.1:9", "--async_steps", "1", "--out_dir",
+            str(tmp_path), "--wandb", "false", "--prompts_per_step", "4", "--group_size", "2", "--steps", "4",
+            "--dynamic_sampling", "true", "--max_sampling_rounds", "3", "--save_every", "2", "--run_name", "d"]
+    with pytest.raises(KeyboardInterrupt):
+        train_grpo.main(argv)
+    first, ckpt = list(drawn), torch.load(tmp_path / "d" / "checkpoint.pt", weights_only=True)
+    assert ckpt["step"] == 2 and len(first) > 3  # extra rounds ran
+    assert len(ckpt["redraw"]) == 1 and ckpt["redraw"][0] in first and ckpt["data_pos"] == max(first) + 4
+    drawn.clear()
+    run = train_grpo.main([*argv, "--resume", "true"])
+    assert [r["step"] for r in read_metrics(run.run_dir)] == [1, 2, 3, 4]
+    assert drawn[0] == ckpt["redraw"][0] and drawn[1] == ckpt["data_pos"] and not set(drawn[1:]) & set(first)
