@@ -28,6 +28,7 @@ from rlmini.logprobs import chunk_for
 GiB = 2**30
 CONTEXT = 1.0 * GiB  # CUDA context and the NCCL/cuBLAS workspaces outside torch's allocator, per process
 VLLM_OVERHEAD = 1.5 * GiB  # vLLM's non-torch memory and the sampler's buffers beyond its profiled peak
+NCCL_BUFFERS = 2 * GiB  # --server_push nccl: rlmini/transfer.py's packed buffers
 CUDAGRAPH = 1.0 * GiB  # vLLM's captured CUDA graphs, inside its share while awake (eager on CPU: none)
 MIN_MARGIN = 2 * GiB  # the allocator's fragmentation and what no term above counts
 
@@ -104,13 +105,15 @@ def layer_activation_bytes(c: dict, compute_bytes: int) -> float:
 
 def plan(c: dict, *, ranks: int = 1, compute_bytes: int = 2, tokens: int = 8192, checkpointing: bool = False,
          reference: bool = False, critic: bool = False, lora_rank: int = 0, vllm: dict | None = None,
-         gpu_bytes: float = 80 * GiB, share: float = 0.0, context: float = CONTEXT) -> dict:
+         gpu_bytes: float = 80 * GiB, share: float = 0.0, context: float = CONTEXT,
+         push_buffers: float = 0.0) -> dict:
     """Bytes per rank of each part and each phase for counts `c` (count()). `ranks`: FSDP2 shards over them
     (1: a plain module under autocast). `tokens`: one micro-batch's tokens (--micro_batch_tokens), all of them
     scored. `vllm`: None (the HF engine), else dict(max_num_seqs, max_len, dtype_bytes, sleep, tp,
     cudagraph): the engine each rank (or each group of tp ranks, max_num_seqs the group's) holds, a tp
     rank its 1/tp of the weights, the KV cache and the activations. `share`: --vllm_gpu_memory_utilization
-    (0: the plan's own, what the trainer leaves free). `context`: the CUDA context (0 on CPU). Returns the
+    (0: the plan's own, what the trainer leaves free). `context`: the CUDA context (0 on CPU).
+    `push_buffers`: --server_push nccl's packed buffers during the push (rank 0's, counted on each). Returns the
     parts, the phases, vLLM's share and, when
     something does not fit `gpu_bytes`, `why` (one line with the flags that would make it fit)."""
     n, cb, h = ranks, compute_bytes, c["hidden"]
@@ -180,7 +183,7 @@ def plan(c: dict, *, ranks: int = 1, compute_bytes: int = 2, tokens: int = 8192,
         asleep = v_bytes
     update = context + persistent + grads + working + activations + asleep
     rollout = context + persistent + v_bytes
-    push = context + persistent + (v_weights if vllm else 0) + push_extra
+    push = context + persistent + (v_weights if vllm else 0) + push_extra + push_buffers
     out = {"weights": weights, "grads": grads, "adam": adam, "reference": ref, "working": working,
            "activations": activations, "logits": logits, "persistent": persistent, "update": update,
            "rollout": rollout, "push": push, "peak": max(update, rollout, push), "vllm": v_bytes,
@@ -296,12 +299,14 @@ def plan_run(args, algo: str, path: str, device, dtype, max_len: int, run_dir: s
         vllm = dict(max_num_seqs=engine_batch(args, ranks), max_len=max_len, tp=args.vllm_tp,
                     dtype_bytes=dtype.itemsize, sleep=args.vllm_sleep, batched_tokens=max(max_len, 16384),
                     cudagraph=CUDAGRAPH if cuda else 0.0)
+    # vLLM's packed NCCL broadcast: two 1 GiB buffers (weight_transfer/packed_tensor.py, its defaults)
+    nccl = args.engine == "server" and getattr(args, "server_push", "disk") == "nccl"
     gpu = torch.cuda.mem_get_info(device)[1] if cuda else 80 * GiB
     p = plan(c, ranks=ranks, compute_bytes=dtype.itemsize, tokens=tokens,
              checkpointing=args.gradient_checkpointing,
              reference=getattr(args, "beta", 0.0) > 0, critic=algo == "ppo", lora_rank=args.lora_rank,
              vllm=vllm if cuda else None, gpu_bytes=gpu, share=args.vllm_gpu_memory_utilization,
-             context=CONTEXT if cuda else 0.0)
+             context=CONTEXT if cuda else 0.0, push_buffers=NCCL_BUFFERS if nccl and cuda else 0.0)
     if dist.rank() == 0:
         print(describe(p, tokens, args.gradient_checkpointing, "" if cuda else "CPU, GiB; no GPU to fit"),
               flush=True)

@@ -341,3 +341,14 @@ def test_one_step_off_with_dynamic_sampling_resumes_without_drawing_a_prompt_twi
     run = train_grpo.main([*argv, "--resume", "true"])
     assert [r["step"] for r in read_metrics(run.run_dir)] == [1, 2, 3, 4]
     assert drawn[0] == ckpt["redraw"][0] and drawn[1] == ckpt["data_pos"] and not set(drawn[1:]) & set(first)
+
+
+def test_the_plan_counts_the_nccl_push_buffers_in_the_push_only():
+    """--server_push nccl: vLLM's two 1 GiB packed buffers sit on the trainer's GPU during the push."""
+    from benchmarks import memory
+    from rlmini import memplan
+    c = memplan.count(memory.config("qwen2.5-7b-instruct"))
+    disk = memplan.plan(c, ranks=8, checkpointing=True)
+    nccl = memplan.plan(c, ranks=8, checkpointing=True, push_buffers=memplan.NCCL_BUFFERS)
+    assert nccl["push"] - disk["push"] == 2 * 2**30
+    assert (nccl["update"], nccl["rollout"]) == (disk["update"], disk["rollout"])
