@@ -222,7 +222,8 @@ def setup(args, algo: str) -> Run:
     memplan.materialize_adamw(optimizer)  # its state exists before vLLM sizes itself (bit-identical training)
     scheduler = optim.schedule(optimizer, args)
     probe_prompt = data.encode_prompts(tokenizer, [task.train[0]["prompt"]], style == "chat")[0]
-    sampler = engine.make_engine(args, path, model, tokenizer, device, dtype, max_len, plan["share"])
+    sampler = (server.ServerEngine(args, model, tokenizer, device, dtype, max_len) if args.engine == "server"
+               else engine.make_engine(args, path, model, tokenizer, device, dtype, max_len, plan["share"]))
     # both guards' tolerances: the dtype's floor, or more where the engines already differ at start
     probe, push_base, guard_base = sampler.calibrate(probe_prompt, min(16, max_new), args.seed,
                                                      args.temperature)

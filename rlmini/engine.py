@@ -44,9 +44,6 @@ def make_engine(args, path: str, model, tokenizer, device, dtype, max_len: int, 
     or the HF sampling loop on `model`."""
     if args.engine == "hf":
         return HFEngine(model, tokenizer, device, dtype)
-    if args.engine == "server":  # a running `vllm serve` (rlmini/server.py)
-        from rlmini.server import ServerEngine
-        return ServerEngine(args, model, tokenizer, device, dtype, max_len)
     return VLLMEngine(_start_vllm(args, path, device, dtype, max_len, share), model, tokenizer, device, dtype,
                       sleep_mode=device.type == "cuda" and args.vllm_sleep,
                       seed_per_request=args.vllm_seed == "request", adapters=_vllm_lora(args),

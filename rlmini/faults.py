@@ -19,6 +19,10 @@ class RolloutMismatchError(RuntimeError):
     """The trainer does not reproduce the sampler's log-probs: the rollouts came from another policy."""
 
 
+class ServerError(RuntimeError):
+    """--engine server: the server is unreachable, answered an error, or is not the one the trainer needs."""
+
+
 def check_rewards(rewards, examples: list, group_size: int, step: int, on_nonfinite: str) -> None:
     """Every reward finite, or the run stops naming the first bad one (its prompt and value); with
     --on_nonfinite skip a warning names it, and the step's update is skipped by the gradient guard (a NaN
@@ -91,7 +95,6 @@ def user_errors():
     a weight push that did not take effect) end in one line naming the problem and exit status 2, not a
     traceback (a traceback is for our bugs)."""
     from rlmini.engine import EngineStateError, PushError
-    from rlmini.server import ServerError
     try:
         yield
     except (rewards.DataError, NonFiniteError) as e:

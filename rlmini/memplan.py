@@ -113,7 +113,7 @@ def plan(c: dict, *, ranks: int = 1, compute_bytes: int = 2, tokens: int = 8192,
     cudagraph): the engine each rank (or each group of tp ranks, max_num_seqs the group's) holds, a tp
     rank its 1/tp of the weights, the KV cache and the activations. `share`: --vllm_gpu_memory_utilization
     (0: the plan's own, what the trainer leaves free). `context`: the CUDA context (0 on CPU).
-    `push_buffers`: --server_push nccl's packed buffers during the push (rank 0's, counted on each). Returns the
+    `push_buffers`: --server_push nccl's packed buffers in the push (rank 0's, counted on each). Returns the
     parts, the phases, vLLM's share and, when
     something does not fit `gpu_bytes`, `why` (one line with the flags that would make it fit)."""
     n, cb, h = ranks, compute_bytes, c["hidden"]

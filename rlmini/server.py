@@ -27,12 +27,9 @@ import torch
 from rlmini import dist
 from rlmini.data import Rollouts
 from rlmini.engine import PushError, _check_awake, named_weights, stop_ids, trainer_logprobs
+from rlmini.faults import ServerError
 
 SHARD_BYTES = 2 * 2**30  # a push's safetensors files: the host holds one shard at a time, not the model
-
-
-class ServerError(RuntimeError):
-    """The server is unreachable, answered an error, or is not the one the trainer needs."""
 
 
 class ServerEngine:

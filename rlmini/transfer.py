@@ -38,7 +38,7 @@ from vllm.distributed.weight_transfer.packed_tensor import DEFAULT_PACKED_BUFFER
 
 from rlmini import dist
 from rlmini.engine import named_weights
-from rlmini.server import ServerError
+from rlmini.faults import ServerError
 
 SERVER_FLAG = """--weight-transfer-config '{"backend": "nccl"}'"""
 

@@ -225,7 +225,8 @@ def test_finish_saves_then_waits_for_every_rank(monkeypatch):
     monkeypatch.setattr(checkpoint, "save_final", lambda *a: events.append("final"))
     monkeypatch.setattr(dist, "barrier", lambda: events.append("barrier"))
     log = types.SimpleNamespace(close=lambda: events.append("log"))
-    common.finish(types.SimpleNamespace(model=None, tokenizer=None, run_dir="x", style="tiny", log=log))
+    common.finish(types.SimpleNamespace(model=None, tokenizer=None, run_dir="x", style="tiny", log=log,
+                                        engine=None))
     assert events == ["checkpoint", "final", "log", "barrier"]
 
 

@@ -280,8 +280,8 @@ def test_a_push_folder_is_complete_before_it_is_named(tmp_path, monkeypatch):
 
 
 class _OneStepOffDouble:
-    """The HF engine with a server's scheduling surface (submit, wait, pushes): --async_steps without a server,
-    for the data positions of dynamic sampling across --resume."""
+    """The HF engine with a server's scheduling surface (submit, wait, pushes): --async_steps without a
+    server, for the data positions of dynamic sampling across --resume."""
 
     def __init__(self, inner):
         self.inner, self.pushes, self.inflight = inner, 0, []
@@ -331,7 +331,8 @@ def test_one_step_off_with_dynamic_sampling_resumes_without_drawing_a_prompt_twi
     monkeypatch.setattr(common, "checkpoint", crash_after_step_2)
     argv = ["--engine", "server", "--server_url", "http://127.0.0.1:9", "--async_steps", "1", "--out_dir",
             str(tmp_path), "--wandb", "false", "--prompts_per_step", "4", "--group_size", "2", "--steps", "4",
-            "--dynamic_sampling", "true", "--max_sampling_rounds", "3", "--save_every", "2", "--run_name", "d"]
+            "--dynamic_sampling", "true", "--max_sampling_rounds", "3", "--save_every", "2",
+            "--run_name", "d"]
     with pytest.raises(KeyboardInterrupt):
         train_grpo.main(argv)
     first, ckpt = list(drawn), torch.load(tmp_path / "d" / "checkpoint.pt", weights_only=True)
