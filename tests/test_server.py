@@ -131,8 +131,8 @@ def test_one_step_off_rollouts_with_tools_through_the_server(served, tmp_path):
     assert all(r["push/check_diff"] < 1e-4 for r in rows)
     assert sum(r["tools/calls"] for r in rows) > 0
     ckpt = torch.load(os.path.join(run.run_dir, "checkpoint.pt"), weights_only=True)
-    # the in-flight batch is not saved: its position is, and its prompts are drawn again on resume
-    assert ckpt["data_pos"] == 8 * (ckpt["step"] + 1) and ckpt["redraw"] == [8 * ckpt["step"]]
+    # the last step requests nothing ahead (the kill test below resumes a batch in flight)
+    assert ckpt["step"] == 4 and ckpt["data_pos"] == 32 and ckpt["redraw"] == []
     resumed = train_grpo.main(_args(tmp_path, url, "--steps", "6", *k1, "--resume", "true"))
     assert [r["rollout/staleness"] for r in read_metrics(resumed.run_dir)][4:] == [0, 1]
 
@@ -313,7 +313,7 @@ def test_one_step_off_with_dynamic_sampling_resumes_without_drawing_a_prompt_twi
     positions, so after a crash --resume draws the in-flight batch's prompts again, then continues where the
     stream was, never re-drawing a prompt an extra round used."""
     from rlmini import data, engine
-    make, drawn, batch, save = engine.make_engine, [], data.prompt_batch, common.checkpoint
+    drawn, batch, save = [], data.prompt_batch, common.checkpoint
 
     def recording(examples, pos, n, seed):
         drawn.append(pos)
@@ -325,8 +325,8 @@ def test_one_step_off_with_dynamic_sampling_resumes_without_drawing_a_prompt_twi
             raise KeyboardInterrupt
 
     monkeypatch.setattr(server, "check_server", lambda *a, **k: ("tiny", "cpu"))
-    monkeypatch.setattr(engine, "make_engine", lambda args, *a, **k: _OneStepOffDouble(
-        make(common.Args(engine="hf"), *a, **k)))
+    monkeypatch.setattr(server, "ServerEngine", lambda args, model, tok, device, dtype, max_len:
+                        _OneStepOffDouble(engine.HFEngine(model, tok, device, dtype)))
     monkeypatch.setattr(data, "prompt_batch", recording)
     monkeypatch.setattr(common, "checkpoint", crash_after_step_2)
     argv = ["--engine", "server", "--server_url", "http://127.0.0.1:9", "--async_steps", "1", "--out_dir",
