@@ -213,7 +213,7 @@ def setup(args, algo: str) -> Run:
     max_prompt = data.fit_prompts(task, tokenizer, style == "chat", max_new, context, args.task)
     max_len = min(context, max_prompt * 2 + max_new + 8)
     if args.engine == "server":  # a server down, or serving another model: one line before anything loads
-        server.check_server(args.server_url, args, tokenizer, dtype, max_len, args.server_timeout)
+        served = server.check_server(args.server_url, args, tokenizer, dtype, max_len, args.server_timeout)
     # what each rank will hold, before anything large is loaded: one line; a plan that cannot fit stops here
     plan = memplan.plan_run(args, algo, path, device, dtype, max_len, run_dir)
     model, tokenizer, path = models.load_model(args, task, device, dtype, tokenizer)
@@ -222,7 +222,7 @@ def setup(args, algo: str) -> Run:
     memplan.materialize_adamw(optimizer)  # its state exists before vLLM sizes itself (bit-identical training)
     scheduler = optim.schedule(optimizer, args)
     probe_prompt = data.encode_prompts(tokenizer, [task.train[0]["prompt"]], style == "chat")[0]
-    sampler = (server.ServerEngine(args, model, tokenizer, device, dtype, max_len) if args.engine == "server"
+    sampler = (server.ServerEngine(args, model, tokenizer, device, dtype, served) if args.engine == "server"
                else engine.make_engine(args, path, model, tokenizer, device, dtype, max_len, plan["share"]))
     # both guards' tolerances: the dtype's floor, or more where the engines already differ at start
     probe, push_base, guard_base = sampler.calibrate(probe_prompt, min(16, max_new), args.seed,

