@@ -16,7 +16,7 @@ import train_grpo
 import train_ppo
 import train_rloo
 from conftest import ROOT, read_metrics
-from rlmini import faults, runlog
+from rlmini import faults, rollouts, runlog
 
 BASE = ["--wandb", "false", "--engine", "hf", "--prompts_per_step", "4", "--group_size", "4"]
 
@@ -43,7 +43,7 @@ def nan_at_step(monkeypatch, step):
         if len(calls) == step:
             out[0] = float("nan")
         return out
-    monkeypatch.setattr(common, "overlong_penalty", nan_penalty)
+    monkeypatch.setattr(rollouts, "overlong_penalty", nan_penalty)
 
 
 def test_a_nan_reward_stops_the_run_naming_it(tmp_path, monkeypatch):
