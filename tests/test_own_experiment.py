@@ -442,15 +442,21 @@ def test_lora_gradients_are_the_chain_rule_through_w_plus_sba(tiny_addition):
 
 
 @pytest.mark.parametrize("targets, message", [
-    ("q_proj,lm_head", "not on embeddings or the output layer (base_model.model.lm_head)"),
-    ("embed_tokens", "not on embeddings or the output layer"),
-    ("nope_proj", "--lora_targets nope_proj: Target modules {'nope_proj'} not found"),
+    ("q_proj,lm_head", "--lora_targets q_proj,lm_head: lm_head (lm_head) is the output layer, not a linear"),
+    ("embed_tokens", "embed_tokens (model.embed_tokens) is the embedding, not a linear layer"),
+    ("q_proj,input_layernorm", "input_layernorm (model.layers.0.input_layernorm) is a Qwen3RMSNorm, not a"),
+    ("self_attn", "self_attn (model.layers.0.self_attn) is a Qwen3Attention, not a linear layer of the "
+                  "attention or MLP (down_proj,gate_proj,k_proj,o_proj,q_proj,up_proj,v_proj)"),
+    ("nope_proj", "--lora_targets nope_proj: no module named nope_proj in the model (its linear layers: "
+                  "down_proj,gate_proj,"),
 ])
 def test_bad_lora_targets_are_named(targets, message):
+    """A target that is not a linear layer of the attention or MLP, or names nothing, is refused by name in
+    one line (rlmini/models.py::add_lora), before peft wraps anything."""
     args = common.parse_args(train_grpo.Args, ["--lora_rank", "4", "--lora_targets", targets])
     with pytest.raises(SystemExit) as e:
         models.load_model(args, rewards.load_task("addition"), torch.device("cpu"), torch.float32)
-    assert message in str(e.value)
+    assert message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_lora_dropout_acts_in_the_gradient_passes_only(tmp_path):
