@@ -162,7 +162,7 @@ def add_lora(model, args, extra_trainable=(), exclude=()):
     from transformers.pytorch_utils import Conv1D
     targets, outer = args.lora_targets, {model.get_input_embeddings(), model.get_output_embeddings()}
     if targets != "all-linear":  # peft's own choice excludes the output layer
-        targets = [t.strip() for t in targets.split(",")]
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
         linear = sorted({n.rpartition(".")[2] for n, m in model.named_modules()
                          if isinstance(m, (torch.nn.Linear, Conv1D)) and m not in outer})
         for t in targets:  # peft's match, peft/tuners/tuners_utils.py::check_target_module_exists
@@ -181,7 +181,10 @@ def add_lora(model, args, extra_trainable=(), exclude=()):
     config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank,
                         target_modules=targets, lora_dropout=args.lora_dropout, bias="none",
                         exclude_modules=list(exclude) or None)
-    model = get_peft_model(model, config)  # adapters in fp32 when the base is bf16 (autocast_adapter_dtype)
+    try:  # adapters in fp32 when the base is bf16 (autocast_adapter_dtype)
+        model = get_peft_model(model, config)
+    except ValueError as e:  # anything else peft refuses, in one line
+        raise SystemExit(f"--lora_targets {args.lora_targets}: {str(e).splitlines()[0]}") from None
     for m in extra_trainable:
         m.requires_grad_(True)
     return model.train()
