@@ -13,7 +13,7 @@ import torch
 
 from rlmini import dist
 from rlmini.data import rng_state, set_rng_state
-from rlmini.engine import named_weights
+from rlmini.engine import adapter_state, named_weights, save_adapter
 from rlmini.faults import NonFiniteError
 from rlmini.models import is_lora
 
@@ -315,8 +315,7 @@ def save_final(model, tokenizer, path: str, style: str = "chat") -> None:
         # a collective per tensor under FSDP2: every rank iterates, rank 0 keeps (host memory: one copy)
         merged = named_weights(model, base_dtype)
         state = {n: w.cpu() for n, w in merged if dist.rank() == 0}
-        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        adapters = {n: dist.full_tensor(p.detach()).cpu() for n, p in trainable}
+        adapters = adapter_state(model)
     elif dist.distributed():
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -326,7 +325,7 @@ def save_final(model, tokenizer, path: str, style: str = "chat") -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     (model.get_base_model() if adapters is not None else model).save_pretrained(tmp, state_dict=state)
     if adapters is not None:
-        model.save_pretrained(os.path.join(tmp, "adapter"), state_dict=adapters)
+        save_adapter(model, adapters, os.path.join(tmp, "adapter"))
     tokenizer.save_pretrained(tmp)
     with open(os.path.join(tmp, "rlmini.json"), "w") as f:
         json.dump({"prompt_style": style}, f)

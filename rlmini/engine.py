@@ -295,15 +295,11 @@ class Adapters:
     def save(self, model):
         import shutil
 
-        from peft import get_peft_model_state_dict
-        from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
-        state = {k: dist.full_tensor(v.detach()).float().contiguous().cpu()
-                 for k, v in get_peft_model_state_dict(model).items()}  # FSDP2: a collective, every rank
+        state = adapter_state(model)  # FSDP2: a collective, every rank
         self.count += 1
         folder = os.path.join(self.root, str(self.count))
-        model.peft_config["default"].save_pretrained(folder)
-        save_file(state, os.path.join(folder, "adapter_model.safetensors"))
+        save_adapter(model, state, folder)
         shutil.rmtree(os.path.join(self.root, str(self.count - 2)), ignore_errors=True)
         return LoRARequest(f"policy-{self.count}", self.count, folder)
 
@@ -521,7 +517,8 @@ def named_weights(model, dtype, merge: bool = True):
     q/k/v, gate/up itself), tied embeddings once, as named_parameters yields them. A sharded (FSDP2) parameter
     is gathered when its turn comes, so the extra memory is one parameter, not a model. LoRA: the base model's
     names, each adapted weight merged on the fly as W + (alpha / r) B A in fp32 (the base is never modified,
-    so no merge/unmerge rounding accumulates over pushes); merge=False: the base weights alone."""
+    so no merge/unmerge rounding accumulates over pushes), biases as they are (bias="none": the adapters
+    have none); merge=False: the base weights alone."""
     if not is_lora(model):
         for name, p in model.named_parameters():
             yield name, dist.full_tensor(p.detach()).to(dtype)
@@ -532,14 +529,48 @@ def named_weights(model, dtype, merge: bool = True):
             continue
         module_name, _, attr = name.rpartition(".")
         w = dist.full_tensor(p.detach())
-        if module_name.endswith(".base_layer"):  # a peft LoRA layer: add its adapters' update
-            layer = base.get_submodule(module_name[:-len(".base_layer")])
-            for adapter in layer.active_adapters if merge else []:
-                a = dist.full_tensor(layer.lora_A[adapter].weight.detach()).float()
-                b = dist.full_tensor(layer.lora_B[adapter].weight.detach()).float()
-                w = w.float() + (b @ a) * layer.scaling[adapter]
-            name = f"{module_name[:-len('.base_layer')]}.{attr}"
+        if module_name.endswith(".base_layer"):  # a peft LoRA layer: its weight gets the adapters' update
+            module_name = module_name[:-len(".base_layer")]
+            layer = base.get_submodule(module_name)
+            for adapter in layer.active_adapters if merge and attr == "weight" else []:
+                w = w.float() + lora_delta(layer, adapter)
+            name = f"{module_name}.{attr}"
         yield name, w.to(dtype)
+
+
+def lora_delta(layer, adapter: str) -> torch.Tensor:
+    """(alpha / r) B A of one peft LoRA layer in fp32, whole, in its base weight's layout: transposed where
+    the base stores W as (in, out) (GPT-2's Conv1D: fan_in_fan_out), as
+    peft/tuners/lora/layer.py::Linear.get_delta_weight does."""
+    a = dist.full_tensor(layer.lora_A[adapter].weight.detach()).float()
+    b = dist.full_tensor(layer.lora_B[adapter].weight.detach()).float()
+    delta = (b @ a) * layer.scaling[adapter]
+    return delta.T if layer.fan_in_fan_out else delta
+
+
+def adapter_state(model) -> dict:
+    """The adapters under peft's file names (adapter name dropped: get_peft_model_state_dict), whole and on
+    the CPU; under FSDP2 a collective per tensor (every rank calls this). Embeddings are never adapted
+    (add_lora), so peft need not read the base's config, perhaps from the hub, to decide whether to save
+    them."""
+    from peft import get_peft_model_state_dict
+    state = get_peft_model_state_dict(model, save_embedding_layers=False)
+    return {k: dist.full_tensor(v.detach()).contiguous().cpu() for k, v in state.items()}
+
+
+def save_adapter(model, state: dict, folder: str) -> None:
+    """A peft adapter folder: the two files PeftModel.save_pretrained writes, that PeftModel.from_pretrained
+    and vLLM's LoRA read, adapter_config.json and adapter_model.safetensors
+    (peft/peft_model.py::PeftModel.save_pretrained)."""
+    from safetensors.torch import save_file
+    config, base = model.peft_config[model.active_adapter], type(model.get_base_model())
+    inference_mode, config.inference_mode = config.inference_mode, True  # as peft saves it
+    try:
+        config.save_pretrained(folder, auto_mapping_dict={"base_model_class": base.__name__,
+                                                          "parent_library": base.__module__})
+    finally:
+        config.inference_mode = inference_mode
+    save_file(state, os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
 def _weighted_layers(model) -> set:

@@ -156,27 +156,35 @@ def prepare_for_training(model, gradient_checkpointing: bool, packing: bool = Tr
 def add_lora(model, args, extra_trainable=(), exclude=()):
     """peft LoRA adapters (Hu et al. 2021) on --lora_targets: W x + (alpha / r) B A x with A random, B = 0
     (the policy starts as the base); every base weight frozen; `extra_trainable` modules (PPO's value head)
-    train."""
+    train. A named target must be a linear layer of the attention or MLP (torch Linear, GPT-2's Conv1D):
+    the push merges those only, and vLLM's LoRA has no adapters on embeddings."""
     from peft import LoraConfig, get_peft_model
-    targets = args.lora_targets
-    if targets != "all-linear":
-        targets = [t.strip() for t in targets.split(",")]
+    from transformers.pytorch_utils import Conv1D
+    targets, outer = args.lora_targets, {model.get_input_embeddings(), model.get_output_embeddings()}
+    if targets != "all-linear":  # peft's own choice excludes the output layer
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+        linear = sorted({n.rpartition(".")[2] for n, m in model.named_modules()
+                         if isinstance(m, (torch.nn.Linear, Conv1D)) and m not in outer})
+        for t in targets:  # peft's match, peft/tuners/tuners_utils.py::check_target_module_exists
+            found = [(n, m) for n, m in model.named_modules() if (n == t or n.endswith(f".{t}"))
+                     and not any(n == e or n.endswith(f".{e}") for e in exclude)]
+            if not found:
+                raise SystemExit(f"--lora_targets {args.lora_targets}: no module named {t} in the model "
+                                 f"(its linear layers: {','.join(linear)})")
+            name, bad = next(((n, m) for n, m in found if not isinstance(m, (torch.nn.Linear, Conv1D))
+                              or m in outer), (None, None))
+            if bad is not None:
+                what = ("the output layer" if bad is model.get_output_embeddings() else "the embedding"
+                        if bad in outer else f"a {type(bad).__name__}")
+                raise SystemExit(f"--lora_targets {args.lora_targets}: {t} ({name}) is {what}, not a linear "
+                                 f"layer of the attention or MLP ({','.join(linear)})")
     config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha or 2 * args.lora_rank,
                         target_modules=targets, lora_dropout=args.lora_dropout, bias="none",
                         exclude_modules=list(exclude) or None)
-    embeddings = {id(model.get_input_embeddings()), id(model.get_output_embeddings())}
-    try:
-        # adapters in fp32 when the base is bf16 (autocast_adapter_dtype)
+    try:  # adapters in fp32 when the base is bf16 (autocast_adapter_dtype)
         model = get_peft_model(model, config)
-    except ValueError as e:  # a target that names no module
-        raise SystemExit(f"--lora_targets {args.lora_targets}: {e}") from None
-    from peft.tuners.lora import Linear, LoraLayer
-    odd = [n for n, m in model.named_modules() if isinstance(m, LoraLayer)
-           and (not isinstance(m, Linear) or id(m.get_base_layer()) in embeddings)]
-    # the push merges linear layers only (and vLLM's LoRA has no adapters on embeddings)
-    if odd:
-        raise SystemExit(f"--lora_targets {args.lora_targets}: adapters go on the linear layers of the "
-                         f"attention and MLP, not on embeddings or the output layer ({', '.join(odd[:3])})")
+    except ValueError as e:  # anything else peft refuses, in one line
+        raise SystemExit(f"--lora_targets {args.lora_targets}: {str(e).splitlines()[0]}") from None
     for m in extra_trainable:
         m.requires_grad_(True)
     return model.train()
