@@ -22,7 +22,7 @@ from typing import ClassVar, Literal
 import numpy as np
 import torch
 
-from rlmini import checkpoint as ckpt
+from rlmini import checkpoint as ckpt, memstats
 from rlmini import data, dist, engine, faults, logprobs, memplan, models, optim, runlog, server, tools
 from rlmini.batches import (Batch, Keep, Micro, Minibatch, PreUpdate, Scored, group_permutation,
                              micro_batch, micro_rows)
@@ -309,7 +309,7 @@ def pre_update(run, batch: Batch, ref_model=None, values=None, need_old: bool = 
     --top_entropy_quantile, and `values(layout)` (PPO's critic)."""
     args, B, T = run.args, len(batch), run.args.temperature
     run.times["update"] = time.perf_counter()
-    memplan.phase_end("rollout", run.times)  # CUDA: the rollout's peak memory, vLLM awake (memory/* metrics)
+    memstats.phase_end("rollout", run.times)  # CUDA: the rollout's peak memory, vLLM awake (memory/* metrics)
     # on-policy, pi_old is the update's own first forward; with --lora_dropout it comes from a pass without it
     on_policy = (args.updates_per_rollout == 1 and args.minibatches == 1 and not args.lora_dropout
                  and not need_old)
@@ -463,7 +463,7 @@ def check_sampler(run, batch: Batch, stats: StepStats) -> None:
     """The guard: the trainer's log-probs of the sampled tokens equal the sampler's (else the rollouts came
     from stale or discarded weights), and the loss is finite. Sums the step's diagnostics over ranks."""
     run.times["update_end"] = time.perf_counter()
-    memplan.phase_end("update", run.times)  # CUDA: the update's peak memory, vLLM asleep
+    memstats.phase_end("update", run.times)  # CUDA: the update's peak memory, vLLM asleep
     tokens = {"tokens": stats.tokens, "first_pass_tokens": float(batch.lengths.sum())}
     stats.totals = all_sum({**stats.sums, **tokens})
     diff = stats.totals["logprob/sampler_diff"] / stats.totals["first_pass_tokens"]
