@@ -198,6 +198,7 @@ def setup(args, algo: str) -> Run:
     """Seeds, task, run folder, device, model, engine, optimizer and log; on --resume, the checkpoint."""
     check_ranks(args)
     data.seed_everything(args.seed)
+    runlog.startup()  # rank 0 prints each start-up phase: model, engine, first step, with their seconds
     model_tag = os.path.basename(args.model.rstrip("/"))
     args.run_name = args.run_name or f"{algo}-{args.task.split(':')[0]}-{model_tag}-s{args.seed}"
     style = models.prompt_style(args.model)
@@ -217,8 +218,10 @@ def setup(args, algo: str) -> Run:
         served = server.check_server(args.server_url, args, tokenizer, dtype, max_len, args.server_timeout)
     # what each rank will hold, before anything large is loaded: one line; a plan that cannot fit stops here
     plan = memplan.plan_run(args, algo, path, device, dtype, max_len, run_dir)
+    server.check_trainer_memory(args, device, plan)  # --engine server: `vllm serve` on these GPUs?
     model, tokenizer, path = models.load_model(args, task, device, dtype, tokenizer)
     model = dist.shard_model(model, dtype)  # torchrun: FSDP2 over the ranks
+    runlog.startup("model", f" (task, memory plan, {args.model} built or loaded)")
     optimizer = optim.adamw(trainable_parameters(model), args.lr, args.weight_decay)  # LoRA: the adapters
     memplan.materialize_adamw(optimizer)  # its state exists before vLLM sizes itself (bit-identical training)
     scheduler = optim.schedule(optimizer, args)
@@ -228,6 +231,7 @@ def setup(args, algo: str) -> Run:
     # both guards' tolerances: the dtype's floor, or more where the engines already differ at start
     probe, push_base, guard_base = sampler.calibrate(probe_prompt, min(16, max_new), args.seed,
                                                      args.temperature)
+    runlog.startup("engine", f" ({args.engine}: started, then calibrated on a probe)")
     args.push_check_tol = args.push_check_tol or max(engine.default_push_tol(dtype), 5 * push_base)
     args.sampler_diff_tol = args.sampler_diff_tol or max(faults.default_sampler_diff_tol(dtype),
                                                           10 * guard_base)
@@ -260,11 +264,12 @@ def checkpoint(run) -> None:
 
 
 def finish(run) -> None:
-    """The last checkpoint and final/ (the policy in HF format), then a barrier: no rank exits before every
-    rank has saved (the process group itself ends at exit: rlmini/dist.py::setup_device)."""
+    """The last checkpoint and final/ (the policy in HF format), then one line saying where they went, then a
+    barrier: no rank exits before every rank has saved (the process group ends at exit: dist.setup_device)."""
+    run.log.close()  # the progress bar ends before the save's line
+    start = time.perf_counter()
     ckpt.save(run)
-    ckpt.save_final(run.model, run.tokenizer, os.path.join(run.run_dir, "final"), run.style)
-    run.log.close()
+    ckpt.save_final(run.model, run.tokenizer, os.path.join(run.run_dir, "final"), run.style, since=start)
     getattr(run.engine, "close", lambda: None)()  # --engine server: its request threads
     dist.barrier()
 

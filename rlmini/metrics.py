@@ -91,6 +91,7 @@ def step_metrics(run, batch: Batch, pre: PreUpdate, stats: StepStats, advantages
         "perf/pad_frac": tot["perf/padded"] / max(tot["perf/computed"], 1.0),  # the update's forwards
     }
     metrics.update(memstats.metrics(run.times, run.plan, run.engine))  # CUDA: each phase's peak memory
+    runlog.first_step(t, now)  # the start-up's last line
     if "value/loss" in tot:  # PPO's critic
         metrics["value/loss"] = tot["value/loss"] / updates
         metrics["value/clip_frac"] = tot["value/clip_frac"] / tot["tokens"]

@@ -50,9 +50,10 @@ class Device:
         # vLLM's allocator as memstats.asleep reads it: pointer_to_data (is_asleep) and each tag's MemPools,
         # whose snapshot() lists segments (torch's MemPool.snapshot, as CuMemAllocator._trim reads it)
         data = {i: Allocation(self.pool, tag) for i, tag in enumerate(self.pool)}
-        pools = {tag: [(types.SimpleNamespace(snapshot=lambda i=i, tag=tag: [
-            {"address": i, "allocated_size": self.pool[tag][0], "total_size": 1.01 * self.pool[tag][0]}]), None)]
-            for i, tag in enumerate(self.pool)}
+        def segments(i, tag):
+            return [{"address": i, "allocated_size": self.pool[tag][0], "total_size": 1.01 * self.pool[tag][0]}]
+        pools = {tag: [(types.SimpleNamespace(snapshot=lambda i=i, tag=tag: segments(i, tag)), None)]
+                 for i, tag in enumerate(self.pool)}
         allocator = types.SimpleNamespace(pointer_to_data=data, allocator_and_pools=pools)
         cumem = types.SimpleNamespace(CuMemAllocator=types.SimpleNamespace(instance=allocator))
         monkeypatch.setitem(sys.modules, "vllm.device_allocator.cumem", cumem)
@@ -89,8 +90,8 @@ class LLM:
 
 
 def test_memory_per_phase_is_true_while_vllm_sleeps(monkeypatch):
-    """One step of the loop (rollout, sleep, update, push) on a simulated GPU: vLLM's weights 3 GB and KV cache
-    10 GB in its sleep-mode pool; the trainer's 5 GB, plus 1 GB in the rollout, 20 GB of activations in the
+    """One step of the loop (rollout, sleep, update, push) on a simulated GPU: vLLM's weights 3 GB and KV
+    cache 10 GB in its sleep-mode pool; the trainer's 5 GB, plus 1 GB in the rollout, 20 GB of activations in the
     update and 0.5 GB of a gathered parameter in the push. What was on the device: rollout 5+1+3+10 = 19,
     update 5+20 = 25 (torch's own peak says 38: it counts the sleeping pool), push 5+0.5+3 = 8.5, measured
     before the KV cache wakes (the plan's push phase)."""
@@ -161,3 +162,23 @@ def test_nccl_communicator_is_made_at_init_and_gloo_is_unchanged(monkeypatch):
     backend, kw = calls[1]
     assert backend == "nccl" and kw["device_id"] == torch.device("cuda", 1) and kw["timeout"].seconds == 60
     assert calls[2:] == ["barrier"]
+
+
+def test_server_mode_names_a_gpu_that_vllm_serve_took(monkeypatch):
+    """--engine server: before the model loads, the rank's GPU must have the plan's need free (beyond the CUDA
+    context already made); `vllm serve` on the same GPU leaves too little, and the line says so."""
+    GiB = 2**30
+    plan = {"peak": 41 * GiB}  # memplan.plan's largest phase, the context (1 GiB) included
+    args = types.SimpleNamespace(engine="server")
+    free = [12.1 * GiB]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 79.2 * GiB))
+    with pytest.raises(SystemExit) as e:
+        server.check_trainer_memory(args, torch.device("cuda", 0), plan)
+    assert str(e.value).startswith("--engine server: GPU 0 (rank 0) has 12.1 GiB free of 79.2 GiB but the "
+                                   "trainer's memory plan needs 40.0 GiB: is `vllm serve` on the trainer's "
+                                   "GPUs? start it with CUDA_VISIBLE_DEVICES"), e.value
+    free[0] = 40 * GiB  # exactly the need: enough
+    server.check_trainer_memory(args, torch.device("cuda", 0), plan)
+    free[0] = 0
+    server.check_trainer_memory(types.SimpleNamespace(engine="vllm"), torch.device("cuda", 0), plan)  # vLLM
+    server.check_trainer_memory(args, torch.device("cpu"), plan)  # no GPU to check
