@@ -349,9 +349,9 @@ def check_trainer_memory(args, device, plan: dict) -> None:
     need = plan["peak"] - CONTEXT
     if free < need:
         raise SystemExit(f"--engine server: GPU {device.index} (rank {dist.rank()}) has {free / GiB:.1f} GiB "
-                         f"free of {total / GiB:.1f} GiB but the trainer's memory plan needs {need / GiB:.1f} "
-                         f"GiB: is `vllm serve` on the trainer's GPUs? start it with CUDA_VISIBLE_DEVICES "
-                         f"naming other GPUs, and torchrun with the rest (docs/scale.md)")
+                         f"free of {total / GiB:.1f} GiB but the trainer's memory plan needs "
+                         f"{need / GiB:.1f} GiB: is `vllm serve` on the trainer's GPUs? start it with "
+                         f"CUDA_VISIBLE_DEVICES naming other GPUs, torchrun on the rest (docs/scale.md)")
 
 
 def write_safetensors(weights, root: str, version: int) -> str:

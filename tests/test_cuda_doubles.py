@@ -51,7 +51,8 @@ class Device:
         # whose snapshot() lists segments (torch's MemPool.snapshot, as CuMemAllocator._trim reads it)
         data = {i: Allocation(self.pool, tag) for i, tag in enumerate(self.pool)}
         def segments(i, tag):
-            return [{"address": i, "allocated_size": self.pool[tag][0], "total_size": 1.01 * self.pool[tag][0]}]
+            size = self.pool[tag][0]
+            return [{"address": i, "allocated_size": size, "total_size": 1.01 * size}]
         pools = {tag: [(types.SimpleNamespace(snapshot=lambda i=i, tag=tag: segments(i, tag)), None)]
                  for i, tag in enumerate(self.pool)}
         allocator = types.SimpleNamespace(pointer_to_data=data, allocator_and_pools=pools)
@@ -91,10 +92,10 @@ class LLM:
 
 def test_memory_per_phase_is_true_while_vllm_sleeps(monkeypatch):
     """One step of the loop (rollout, sleep, update, push) on a simulated GPU: vLLM's weights 3 GB and KV
-    cache 10 GB in its sleep-mode pool; the trainer's 5 GB, plus 1 GB in the rollout, 20 GB of activations in the
-    update and 0.5 GB of a gathered parameter in the push. What was on the device: rollout 5+1+3+10 = 19,
-    update 5+20 = 25 (torch's own peak says 38: it counts the sleeping pool), push 5+0.5+3 = 8.5, measured
-    before the KV cache wakes (the plan's push phase)."""
+    cache 10 GB in its sleep-mode pool; the trainer's 5 GB, plus 1 GB in the rollout, 20 GB of activations
+    in the update and 0.5 GB of a gathered parameter in the push. What was on the device: rollout
+    5+1+3+10 = 19, update 5+20 = 25 (torch's own peak says 38: it counts the sleeping pool), push
+    5+0.5+3 = 8.5, measured before the KV cache wakes (the plan's push phase)."""
     device = Device({"weights": [3 * GB, False], "kv_cache": [10 * GB, False]})
     device.install(monkeypatch)
     tokenizer = types.SimpleNamespace(eos_token_id=1, pad_token_id=0)
@@ -176,7 +177,8 @@ def test_server_mode_names_a_gpu_that_vllm_serve_took(monkeypatch):
         server.check_trainer_memory(args, torch.device("cuda", 0), plan)
     assert str(e.value).startswith("--engine server: GPU 0 (rank 0) has 12.1 GiB free of 79.2 GiB but the "
                                    "trainer's memory plan needs 40.0 GiB: is `vllm serve` on the trainer's "
-                                   "GPUs? start it with CUDA_VISIBLE_DEVICES"), e.value
+                                   "GPUs? start it with "
+                                   "CUDA_VISIBLE_DEVICES"), e.value
     free[0] = 40 * GiB  # exactly the need: enough
     server.check_trainer_memory(args, torch.device("cuda", 0), plan)
     free[0] = 0
