@@ -42,6 +42,8 @@ PEAK_BF16 = [(("H200", "NVL"), 835e12), (("H200",), 989e12), (("H100", "NVL"), 8
              (("A100",), 312e12), (("L40S",), 362e12)]
 PHASES = ("rollout", "update", "push")
 SCRIPTS = ("grpo", "rloo", "gpg", "corpo", "ppo")
+# GPG resamples groups without a spread up to 20 rounds a step; random weights give none: one round
+SCRIPT_FLAGS = {"gpg": ["--max_sampling_rounds", "1"]}
 FINITE = ("reward/mean", "loss/policy", "grad_norm", "entropy", "logprob/sampler_diff")  # NaN: a failure
 CONFIGS = os.path.join(ROOT, "tests", "fixtures", "configs")
 SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()  # models and runs: no disk
@@ -306,7 +308,7 @@ def run_one(label: str, script: str, flags: list, a, extra: list, gpus: int, ste
     launcher = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run",
                                                    "--standalone", "--nproc_per_node", str(world)]
     # the path being certified: bf16 on CUDA, vLLM asleep in the update, the push checked every step
-    argv = [*flags, "--engine", engine, *extra, "--steps", str(steps), "--dtype",
+    argv = [*flags, *SCRIPT_FLAGS.get(script, []), "--engine", engine, *extra, "--steps", str(steps), "--dtype",
             "bfloat16" if gpus else "float32", "--vllm_sleep", "true", "--push_check_every", "1",
             "--save_every", "0", "--eval_every", "0", "--overwrite", "true", "--print_every", "1"]
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
