@@ -308,8 +308,8 @@ def run_one(label: str, script: str, flags: list, a, extra: list, gpus: int, ste
     launcher = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run",
                                                    "--standalone", "--nproc_per_node", str(world)]
     # the path being certified: bf16 on CUDA, vLLM asleep in the update, the push checked every step
-    argv = [*flags, *SCRIPT_FLAGS.get(script, []), "--engine", engine, *extra, "--steps", str(steps), "--dtype",
-            "bfloat16" if gpus else "float32", "--vllm_sleep", "true", "--push_check_every", "1",
+    argv = [*flags, *SCRIPT_FLAGS.get(script, []), "--engine", engine, *extra, "--steps", str(steps),
+            "--dtype", "bfloat16" if gpus else "float32", "--vllm_sleep", "true", "--push_check_every", "1",
             "--save_every", "0", "--eval_every", "0", "--overwrite", "true", "--print_every", "1"]
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     with tempfile.TemporaryDirectory(prefix="gpu-check-", dir=SCRATCH) as out:  # checkpoints in memory
