@@ -231,7 +231,6 @@ def setup(args, algo: str) -> Run:
     # both guards' tolerances: the dtype's floor, or more where the engines already differ at start
     probe, push_base, guard_base = sampler.calibrate(probe_prompt, min(16, max_new), args.seed,
                                                      args.temperature)
-    runlog.startup("engine", f" ({args.engine}: started, then calibrated on a probe)")
     args.push_check_tol = args.push_check_tol or max(engine.default_push_tol(dtype), 5 * push_base)
     args.sampler_diff_tol = args.sampler_diff_tol or max(faults.default_sampler_diff_tol(dtype),
                                                           10 * guard_base)

@@ -21,6 +21,9 @@ class RunLog:
     nothing."""
 
     def __init__(self, args, run_dir: str, start_step: int, total: int, algo: str):
+        # made last in common.setup: the engine's start-up phase ends here
+        startup("engine", f" ({args.engine}: started, calibrated on a probe"
+                          f"{', the checkpoint restored' if args.resume else ''})")
         self.rank0 = dist.rank() == 0
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.wandb = None
