@@ -356,7 +356,11 @@ def engine_choice(extra: list) -> tuple:
         del extra[i:i + 2]
     if asked == "hf":
         return "hf", "vLLM columns n/a: --engine hf (the HF engine samples from the policy; nothing to push)."
-    if importlib.util.find_spec("vllm") is None:
+    try:
+        installed = importlib.util.find_spec("vllm") is not None
+    except ImportError:  # a finder that refuses it
+        installed = False
+    if not installed:
         return "hf", ("vLLM columns n/a: vLLM is not installed here, so every run used --engine hf (the HF "
                       "engine samples from the policy; nothing to push).")
     if asked not in ("", "vllm"):
