@@ -216,3 +216,27 @@ def test_the_ladder_and_the_engine(monkeypatch):
     monkeypatch.setattr(gpu_check.importlib.util, "find_spec", lambda name: None)  # no vLLM here
     engine, note = gpu_check.engine_choice([])
     assert engine == "hf" and note.startswith("vLLM columns n/a: vLLM is not installed here")
+
+
+def test_each_start_up_phase_is_one_line_with_its_compile_seconds(monkeypatch, capsys):
+    """rlmini/runlog.py::startup on a scripted clock and dynamo's compile timer: a line per phase, the first
+    step's split, then nothing until the clock starts again."""
+    import types
+
+    from rlmini import runlog
+    readings = [10.0, 13.5, 20.0, 60.0]
+    monkeypatch.setattr(runlog.time, "perf_counter", lambda: readings.pop(0) if readings else 1e9)
+    compiled = []
+    monkeypatch.setitem(sys.modules, "torch._dynamo.utils",
+                        types.SimpleNamespace(compilation_time_metrics={"_compile.compile_inner": compiled}))
+    runlog.startup()
+    runlog.startup("model", " (built)")
+    compiled.append(2.0)
+    runlog.startup("engine")
+    compiled.append(30.0)
+    runlog.first_step({"start": 21.0, "update": 25.0, "update_end": 55.0, "push": 58.0}, 60.0)
+    runlog.startup("model")  # after the first step: the start-up is over
+    assert capsys.readouterr().out.splitlines() == [
+        "start-up: model 3.5 s (built)", "start-up: engine 6.5 s; torch.compile 2.0 s of it",
+        "start-up: first step 40.0 s (before it 1.0: rollout 4.0, update 30.0, push 2.0); torch.compile "
+        "30.0 s of it"]
