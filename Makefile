@@ -12,7 +12,7 @@ test:  ## the whole test suite (CPU, offline)
 bench:  ## throughput table for each engine
 	$(PY) benchmarks/bench_engines.py $(ARGS)
 
-gpu-check:  ## certify a GPU machine: a few GRPO steps per model up a ladder, checked, in one table (docs/gpu.md)
+gpu-check:  ## certify a GPU machine offline: every trainer, then built 1.5B and 7B (LoRA) models, checked, in one table (docs/gpu.md)
 	$(PY) scripts/gpu_check.py $(ARGS)
 
 reproduce:  ## seed 000 end to end: tabular Tables 1-2 and the six trainers on `calibration`; rewrites the block in docs/seed000.md

@@ -22,7 +22,7 @@ from typing import ClassVar, Literal
 import numpy as np
 import torch
 
-from rlmini import checkpoint as ckpt
+from rlmini import checkpoint as ckpt, memstats
 from rlmini import data, dist, engine, faults, logprobs, memplan, models, optim, runlog, server, tools
 from rlmini.batches import (Batch, Keep, Micro, Minibatch, PreUpdate, Scored, group_permutation,
                              micro_batch, micro_rows)
@@ -198,6 +198,7 @@ def setup(args, algo: str) -> Run:
     """Seeds, task, run folder, device, model, engine, optimizer and log; on --resume, the checkpoint."""
     check_ranks(args)
     data.seed_everything(args.seed)
+    runlog.startup()  # rank 0 prints each start-up phase: model, engine, first step, with their seconds
     model_tag = os.path.basename(args.model.rstrip("/"))
     args.run_name = args.run_name or f"{algo}-{args.task.split(':')[0]}-{model_tag}-s{args.seed}"
     style = models.prompt_style(args.model)
@@ -217,8 +218,10 @@ def setup(args, algo: str) -> Run:
         served = server.check_server(args.server_url, args, tokenizer, dtype, max_len, args.server_timeout)
     # what each rank will hold, before anything large is loaded: one line; a plan that cannot fit stops here
     plan = memplan.plan_run(args, algo, path, device, dtype, max_len, run_dir)
+    server.check_trainer_memory(args, device, plan)  # --engine server: `vllm serve` on these GPUs?
     model, tokenizer, path = models.load_model(args, task, device, dtype, tokenizer)
     model = dist.shard_model(model, dtype)  # torchrun: FSDP2 over the ranks
+    runlog.startup("model", f" (task, memory plan, {args.model} built or loaded)")
     optimizer = optim.adamw(trainable_parameters(model), args.lr, args.weight_decay)  # LoRA: the adapters
     memplan.materialize_adamw(optimizer)  # its state exists before vLLM sizes itself (bit-identical training)
     scheduler = optim.schedule(optimizer, args)
@@ -260,11 +263,12 @@ def checkpoint(run) -> None:
 
 
 def finish(run) -> None:
-    """The last checkpoint and final/ (the policy in HF format), then a barrier: no rank exits before every
-    rank has saved (the process group itself ends at exit: rlmini/dist.py::setup_device)."""
+    """The last checkpoint and final/ (the policy in HF format), then one line saying where they went, then a
+    barrier: no rank exits before every rank has saved (the process group ends at exit: dist.setup_device)."""
+    run.log.close()  # the progress bar ends before the save's line
+    start = time.perf_counter()
     ckpt.save(run)
-    ckpt.save_final(run.model, run.tokenizer, os.path.join(run.run_dir, "final"), run.style)
-    run.log.close()
+    ckpt.save_final(run.model, run.tokenizer, os.path.join(run.run_dir, "final"), run.style, since=start)
     getattr(run.engine, "close", lambda: None)()  # --engine server: its request threads
     dist.barrier()
 
@@ -309,7 +313,7 @@ def pre_update(run, batch: Batch, ref_model=None, values=None, need_old: bool = 
     --top_entropy_quantile, and `values(layout)` (PPO's critic)."""
     args, B, T = run.args, len(batch), run.args.temperature
     run.times["update"] = time.perf_counter()
-    memplan.phase_end("rollout", run.times)  # CUDA: the rollout's peak memory, vLLM awake (memory/* metrics)
+    memstats.phase_end("rollout", run.times)  # CUDA: the rollout's peak memory, vLLM awake (memory/* metrics)
     # on-policy, pi_old is the update's own first forward; with --lora_dropout it comes from a pass without it
     on_policy = (args.updates_per_rollout == 1 and args.minibatches == 1 and not args.lora_dropout
                  and not need_old)
@@ -463,7 +467,7 @@ def check_sampler(run, batch: Batch, stats: StepStats) -> None:
     """The guard: the trainer's log-probs of the sampled tokens equal the sampler's (else the rollouts came
     from stale or discarded weights), and the loss is finite. Sums the step's diagnostics over ranks."""
     run.times["update_end"] = time.perf_counter()
-    memplan.phase_end("update", run.times)  # CUDA: the update's peak memory, vLLM asleep
+    memstats.phase_end("update", run.times)  # CUDA: the update's peak memory, vLLM asleep
     tokens = {"tokens": stats.tokens, "first_pass_tokens": float(batch.lengths.sum())}
     stats.totals = all_sum({**stats.sums, **tokens})
     diff = stats.totals["logprob/sampler_diff"] / stats.totals["first_pass_tokens"]

@@ -19,11 +19,12 @@ sys.path.insert(0, ROOT)
 from rlmini import runlog  # noqa: E402
 
 
-def train(argv: list, out: str, run_name: str, launcher=(sys.executable,), env=None, timeout=None):
-    """train_grpo.py `argv` into out/run_name, in its own process (a vLLM engine is process-wide; `launcher`:
-    python, or torchrun's command): (exit status, None after `timeout` seconds; its stdout and stderr; the
-    rows of its metrics.jsonl, [] if none)."""
-    cmd = [*launcher, os.path.join(ROOT, "train_grpo.py"), *argv, "--out_dir", out, "--run_name", run_name,
+def train(argv: list, out: str, run_name: str, launcher=(sys.executable,), env=None, timeout=None,
+          script: str = "train_grpo.py"):
+    """`script` (train_grpo.py) with `argv` into out/run_name, in its own process (a vLLM engine is
+    process-wide; `launcher`: python, or torchrun's command): (exit status, None after `timeout` seconds; its
+    stdout and stderr; the rows of its metrics.jsonl, [] if none)."""
+    cmd = [*launcher, os.path.join(ROOT, script), *argv, "--out_dir", out, "--run_name", run_name,
            "--wandb", "false"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)

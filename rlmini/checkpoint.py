@@ -8,6 +8,7 @@ import os
 import pickle
 import shutil
 import sys
+import time
 
 import torch
 
@@ -304,11 +305,12 @@ def resume(run) -> None:
     run.engine.push()
 
 
-def save_final(model, tokenizer, path: str, style: str = "chat") -> None:
+def save_final(model, tokenizer, path: str, style: str = "chat", since: float | None = None) -> None:
     """The final policy in HF format (loadable by transformers and vLLM), written atomically by rank 0. Under
     FSDP2 the whole weights are gathered once, into rank 0's CPU memory (every rank calls this). LoRA: the
     merged model (W + (alpha / r) B A, in the base's dtype), and the adapters alone in path/adapter (peft's
-    format: PeftModel.from_pretrained(base, path/adapter))."""
+    format: PeftModel.from_pretrained(base, path/adapter)). `since` (the end of a run, common.finish): rank 0
+    then prints one line, where the model and the metrics went and the seconds since then."""
     state, adapters = None, None
     if is_lora(model):
         base_dtype = next(p.dtype for p in model.parameters() if not p.requires_grad)
@@ -330,3 +332,8 @@ def save_final(model, tokenizer, path: str, style: str = "chat") -> None:
     with open(os.path.join(tmp, "rlmini.json"), "w") as f:
         json.dump({"prompt_style": style}, f)
     _swap_in(tmp, path)
+    if since is not None:  # a save of many GB takes a while: say what it wrote, and how long it took
+        what = "merged model, adapter" if adapters is not None else "model"
+        took = time.perf_counter() - since
+        print(f"saved {path} ({what}, {took:.1f} s with the checkpoint) and "
+              f"{os.path.join(os.path.dirname(path), 'metrics.jsonl')}", flush=True)

@@ -27,7 +27,11 @@ def world_size() -> int:
 def setup_device(args) -> tuple[torch.device, torch.dtype]:
     """This rank's device and the compute dtype; under torchrun (any number of ranks), starts the process
     group (NCCL on CUDA, gloo on CPU) with a bounded wait: a rank stuck in a collective stops the run with an
-    error after --dist_timeout seconds instead of hanging it."""
+    error after --dist_timeout seconds instead of hanging it. On CUDA the NCCL communicator is made now, with
+    its memory, before the plan reads the free memory and before vLLM sizes its share: device_id makes
+    init_process_group create it at once (torch/distributed/distributed_c10d.py::init_process_group,
+    "the communicator is immediately formed", eager_connect_single_device) rather than at the first
+    collective, and a barrier on it waits for every rank's."""
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank())
         torch.cuda.set_device(device)
@@ -35,8 +39,11 @@ def setup_device(args) -> tuple[torch.device, torch.dtype]:
         device = torch.device("cpu")
     if (world_size() > 1 or "TORCHELASTIC_RUN_ID" in os.environ) and not torch.distributed.is_initialized():
         timeout = _TIMEOUT[0] = datetime.timedelta(seconds=getattr(args, "dist_timeout", 1800))
-        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+        cuda = {"device_id": device} if device.type == "cuda" else {}  # gloo: lazy as before, nothing to bind
+        torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=timeout, **cuda)
         atexit.register(_end_process_group)
+        if cuda:
+            torch.distributed.barrier()  # the bound device's communicator, on every rank, before vLLM starts
     name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     return device, getattr(torch, name)
 

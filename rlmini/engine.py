@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from rlmini import dist, memplan
+from rlmini import dist, memplan, memstats
 from rlmini.data import Rollouts, rng_state, set_rng_state
 from rlmini.logprobs import token_logprobs
 from rlmini.models import autocast, is_lora
@@ -337,6 +337,7 @@ class VLLMEngine:
         self.adapters, self.lora = (Adapters() if adapters else None), None  # --lora_push adapter
         self.eos_ids, self.pad_id = stop_ids(tokenizer, model), tokenizer.pad_token_id
         self.sleep_mode, self.asleep, self.slept = sleep_mode, False, False  # slept: sleep mode's, on CUDA
+        self.measured = {}  # CUDA: the push phase's memory/* readings, until step_metrics logs them
         self.tied = llm.apply_model(_tied_groups)[0] if llm is not None else []  # names sharing one tensor
         self.weighted = llm.apply_model(_weighted_layers)[0] if llm is not None else set()
 
@@ -386,6 +387,7 @@ class VLLMEngine:
         weights instead of copying them to CPU memory, since the push after the update replaces them. On CPU,
         where vLLM has no sleep mode, only the state that refuses generate() until the push."""
         if self.sleep_mode and not self.slept:
+            memstats.track()  # awake: the rollout's peak had all of vLLM on the device
             self.llm.sleep(level=2)
             self.slept = True
         self.asleep = True
@@ -394,6 +396,7 @@ class VLLMEngine:
         if self.slept:
             torch.cuda.empty_cache()  # the trainer's cached blocks go back before vLLM allocates
             self.llm.wake_up(tags=tags)
+            memstats.track()  # less sleeps now: the phase's peak may hold the woken part
 
     def push(self) -> None:
         """Load the trainer's current weights into vLLM, waking it first if it sleeps (weights memory, the
@@ -408,6 +411,8 @@ class VLLMEngine:
             if was_asleep:
                 self.load(named_weights(self.model, self.dtype, merge=False))
             self.lora = self.adapters.save(self.model)
+        # the push's peak, as the plan counts it: vLLM's weights and the load, before its KV cache wakes
+        memstats.phase_end("push", self.measured)
         self._wake(tags=["kv_cache"])
         self.asleep = self.slept = False
 
@@ -473,7 +478,7 @@ class VLLMEngine:
         at = out.prompt_logprobs[len(prompt):]
         vllm_lp = torch.tensor([lp[t].logprob for lp, t in zip(at, completion)])
         diff = (vllm_lp - trainer_logprobs(self, prompt, completion, 1.0)).abs().mean().item()
-        self.last_check = diff  # logged as push/check_diff (common.memory_metrics)
+        self.last_check = diff  # logged as push/check_diff (rlmini/memstats.py::metrics)
         if not diff <= tol:
             raise PushError(f"vLLM and trainer disagree after the weight push: mean |logprob diff| "
                             f"{diff:.4g} > tolerance {tol:.3g} on the probe; the push did not take effect")

@@ -315,28 +315,3 @@ def plan_run(args, algo: str, path: str, device, dtype, max_len: int, run_dir: s
         raise SystemExit(f"memory plan: {p['why']}")
     return p
 
-
-def phase_end(name: str, store: dict) -> None:
-    """CUDA: the peak of the phase that ends now (allocated and reserved by torch's allocator, vLLM's memory
-    included; and the device's whole use), into `store` as memory/<name>_*_gb, then a new peak begins."""
-    if not torch.cuda.is_available():
-        return
-    free, total = torch.cuda.mem_get_info()
-    store[f"memory/{name}_peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
-    store[f"memory/{name}_reserved_gb"] = torch.cuda.max_memory_reserved() / 1e9
-    store[f"memory/{name}_device_gb"] = (total - free) / 1e9
-    torch.cuda.reset_peak_memory_stats()
-
-
-def metrics(times: dict, p: dict, engine) -> dict:
-    """CUDA: each phase's measured peak (memory/<phase>_peak_gb, _reserved_gb, _device_gb; phase_end) beside
-    the
-    plan's (memory/<phase>_plan_gb), this rank's; and the push check's value on the steps it ran
-    (push/check_diff)."""
-    out = {k: v for k, v in times.items() if k.startswith("memory/")}
-    if out:
-        out.update({f"memory/{phase}_plan_gb": p[phase] / 1e9 for phase in ("rollout", "update", "push")})
-    diff, engine.last_check = getattr(engine, "last_check", None), None
-    if diff is not None:
-        out["push/check_diff"] = diff
-    return out

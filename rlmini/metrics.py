@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from rlmini import faults, memplan, runlog, tools
+from rlmini import faults, memstats, runlog, tools
 from rlmini.batches import Batch, Micro, PreUpdate
 from rlmini.dist import all_gather, all_sum, local_slice, world_size
 
@@ -90,8 +90,8 @@ def step_metrics(run, batch: Batch, pre: PreUpdate, stats: StepStats, advantages
         "perf/tokens_per_s": n / (now - t["start"]),  # every rank's tokens
         "perf/pad_frac": tot["perf/padded"] / max(tot["perf/computed"], 1.0),  # the update's forwards
     }
-    memplan.phase_end("push", run.times)  # CUDA: the push's (and check's) peak, vLLM waking
-    metrics.update(memplan.metrics(run.times, run.plan, run.engine))
+    metrics.update(memstats.metrics(run.times, run.plan, run.engine))  # CUDA: each phase's peak memory
+    runlog.first_step(t, now)  # the start-up's last line
     if "value/loss" in tot:  # PPO's critic
         metrics["value/loss"] = tot["value/loss"] / updates
         metrics["value/clip_frac"] = tot["value/clip_frac"] / tot["tokens"]

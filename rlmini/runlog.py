@@ -1,5 +1,5 @@
-"""What a run logs: metrics.jsonl (always), wandb (optional), rollouts.jsonl (sampled completions), and a
-progress bar or, without a terminal, a line every --print_every steps."""
+"""What a run logs: metrics.jsonl (always), wandb (optional), rollouts.jsonl (sampled completions), a
+progress bar or, without a terminal, a line every --print_every steps, and its start-up phases (startup)."""
 import dataclasses
 import datetime
 import json
@@ -21,6 +21,9 @@ class RunLog:
     nothing."""
 
     def __init__(self, args, run_dir: str, start_step: int, total: int, algo: str):
+        # made last in common.setup: the engine's start-up phase ends here
+        startup("engine", f" ({args.engine}: started, calibrated on a probe"
+                          f"{', the checkpoint restored' if args.resume else ''})")
         self.rank0 = dist.rank() == 0
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.wandb = None
@@ -140,3 +143,38 @@ def truncate_metrics(path: str, start_step: int) -> None:
 def read_metrics(path: str) -> list:
     """The rows of a metrics.jsonl (or rollouts.jsonl); DataError naming the file and line of a bad one."""
     return rewards.read_jsonl_numbered(path, allow_empty=True)[0]
+
+
+_STARTUP = {"clock": None, "compiled": 0.0}  # the last phase's end, torch.compile's seconds by then
+
+
+def compile_seconds() -> float:
+    """Seconds torch.compile (dynamo, with its backend: inductor and Triton on CUDA) has spent in this
+    process, from dynamo's own timer (torch/_dynamo/utils.py::compilation_time_metrics, the time of each
+    _compile.compile_inner); 0 if nothing imported dynamo (importing it takes seconds)."""
+    metrics = getattr(sys.modules.get("torch._dynamo.utils"), "compilation_time_metrics", {})
+    return float(sum(metrics.get("_compile.compile_inner", [])))
+
+
+def startup(phase: str = "", detail: str = "") -> None:
+    """The start-up, one line per phase on rank 0 with its seconds and torch.compile's share of them (a first
+    compile on a fresh machine can take a minute): `phase` ended now. No phase: the clock starts
+    (common.setup).
+    "first step" ends the start-up: later calls print nothing until the clock starts again."""
+    now, compiled = time.perf_counter(), compile_seconds()
+    last, since = _STARTUP["clock"], _STARTUP["compiled"]
+    _STARTUP.update(clock=now if phase != "first step" else None, compiled=compiled)
+    if not phase or last is None or dist.rank() != 0:
+        return
+    spent = f"; torch.compile {compiled - since:.1f} s of it" if compiled - since >= 0.05 else ""
+    print(f"start-up: {phase} {now - last:.1f} s{detail}{spent}", flush=True)
+
+
+def first_step(times: dict, now: float) -> None:
+    """The first step's start-up line (the reference or critic loaded before it, then its rollout, update and
+    push; the first update compiles FlexAttention on CUDA); nothing after it."""
+    if _STARTUP["clock"] is not None:
+        t = times
+        before = t["start"] - _STARTUP["clock"]  # the reference, the critic, the log (wandb) are made here
+        startup("first step", f" (before it {before:.1f}: rollout {t['update'] - t['start']:.1f}, update "
+                              f"{t['update_end'] - t['update']:.1f}, push {now - t['push']:.1f})")

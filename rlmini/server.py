@@ -337,6 +337,23 @@ def check_server(url: str, args, tokenizer, dtype, max_len: int, timeout: float)
     return name, config.get("device_config", {}).get("device", "cuda")
 
 
+def check_trainer_memory(args, device, plan: dict) -> None:
+    """--engine server on CUDA, before the model loads: this rank's GPU has the free memory the plan needs
+    beyond the CUDA context already made (torch.cuda.mem_get_info, what vLLM itself reads, vllm/utils/
+    mem_utils.py::MemorySnapshot.measure); else one line naming the GPU and the likely cause, a `vllm serve`
+    started on the trainer's GPUs."""
+    if args.engine != "server" or device.type != "cuda":
+        return
+    from rlmini.memplan import CONTEXT, GiB
+    free, total = torch.cuda.mem_get_info(device)
+    need = plan["peak"] - CONTEXT
+    if free < need:
+        raise SystemExit(f"--engine server: GPU {device.index} (rank {dist.rank()}) has {free / GiB:.1f} GiB "
+                         f"free of {total / GiB:.1f} GiB but the trainer's memory plan needs "
+                         f"{need / GiB:.1f} GiB: is `vllm serve` on the trainer's GPUs? start it with "
+                         f"CUDA_VISIBLE_DEVICES naming other GPUs, torchrun on the rest (docs/scale.md)")
+
+
 def write_safetensors(weights, root: str, version: int) -> str:
     """(name, tensor) pairs into root/v<version>/ as safetensors files of at most SHARD_BYTES each, the
     folder complete before it is named (the server never reads half a push); earlier pushes removed first
