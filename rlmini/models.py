@@ -145,13 +145,14 @@ def load_pretrained(cls, path, device, dtype, compute_dtype, prepare, new=None, 
         return load_streamed(cls, path, device, dtype, compute_dtype, prepare, new, check_head, **config)
     if dist.many_ranks() and dist.rank() == 0:
         print(f"{path}: no *.safetensors weights: every rank loads the whole model before sharding")
-    quiet = logging.getLogger("transformers.utils.loading_report")  # its table: ours is one line (callers')
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
+    # transformers' load report (transformers/utils/loading_report.py::log_state_dict_report, logged by
+    # modeling_utils): a table that reads like a failure; what it says, new heads, callers say in one line
+    logger = logging.getLogger("transformers.modeling_utils")
+    logger.addFilter(_no_load_report)
     try:
         model, info = cls.from_pretrained(path, dtype=dtype, output_loading_info=True, **config)
     finally:
-        quiet.setLevel(level)
+        logger.removeFilter(_no_load_report)
     allowed = _parameters_of(model, new(model) if new else [])
     missing = [k for k in info["missing_keys"] if k not in allowed]
     if missing:
@@ -161,6 +162,10 @@ def load_pretrained(cls, path, device, dtype, compute_dtype, prepare, new=None, 
         check_output_head(model, check_head)
     model = dist.shard_model(prepare(model), compute_dtype)
     return model, sorted(k for k in info["missing_keys"] if k in allowed)
+
+
+def _no_load_report(record) -> bool:
+    return "LOAD REPORT" not in str(record.msg)
 
 
 def weight_index(path: str) -> dict | None:
