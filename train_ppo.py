@@ -72,23 +72,23 @@ def load_critic(path, device, dtype, args):
     frozen copy of the base in `dtype` with its own adapters, the head trained in full (fp32)."""
     from transformers import AutoModelForTokenClassification
 
-    def head(critic):
+    def head_of(critic):
         return [(n, m) for n, m in critic.named_modules() if isinstance(m, torch.nn.Linear)
                 and m.out_features == 1][-1]
 
     def prepare(critic):
-        head_name, value_head = head(critic)
-        torch.nn.init.zeros_(value_head.float().weight)  # the head trains in fp32, from V = 0
-        if value_head.bias is not None:
-            torch.nn.init.zeros_(value_head.bias)
+        head_name, head = head_of(critic)
+        torch.nn.init.zeros_(head.float().weight)  # the head trains in fp32, from V = 0
+        if head.bias is not None:
+            torch.nn.init.zeros_(head.bias)
         critic = common.prepare_for_training(critic, args.gradient_checkpointing, args.packing)
         if args.lora_rank:
-            critic = common.add_lora(critic, args, extra_trainable=[value_head], exclude=[head_name])
+            critic = common.add_lora(critic, args, extra_trainable=[head], exclude=[head_name])
         return critic
     base_dtype = dtype if args.lora_rank else torch.float32
     critic, new = common.load_pretrained(AutoModelForTokenClassification, path, device, base_dtype, dtype,
-                                         prepare, new=lambda critic: [head(critic)[0]], num_labels=1)
-    if common.rank() == 0:
+                                         prepare, new=lambda critic: [head_of(critic)[0]], num_labels=1)
+    if common.rank() == 0:  # transformers' load report, a table that reads like a failure, in one line
         print(f"critic: value head {', '.join(new)} initialised (new), backbone from {path}")
     return critic
 
