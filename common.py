@@ -32,7 +32,8 @@ from rlmini.dist import all_gather, all_mean_var, all_sum, local_slice, rank, wo
 from rlmini.faults import user_errors  # noqa: F401
 from rlmini.logprobs import to_ragged  # noqa: F401
 from rlmini.metrics import StepStats, step_metrics  # noqa: F401
-from rlmini.models import add_lora, autocast, prepare_for_training, trainable_parameters  # noqa: F401
+from rlmini.models import (add_lora, autocast, load_pretrained, prepare_for_training,  # noqa: F401
+                           trainable_parameters)
 from rlmini.options import arg, check_ranks, parse_args, validate  # noqa: F401
 from rlmini.packing import model_forward, to_batch_layout  # noqa: F401
 from rlmini.rollouts import overlong_penalty, resample, sample, score  # noqa: F401
@@ -219,8 +220,7 @@ def setup(args, algo: str) -> Run:
     # what each rank will hold, before anything large is loaded: one line; a plan that cannot fit stops here
     plan = memplan.plan_run(args, algo, path, device, dtype, max_len, run_dir)
     server.check_trainer_memory(args, device, plan)  # --engine server: `vllm serve` on these GPUs?
-    model, tokenizer, path = models.load_model(args, task, device, dtype, tokenizer)
-    model = dist.shard_model(model, dtype)  # torchrun: FSDP2 over the ranks
+    model, tokenizer, path = models.load_model(args, task, device, dtype, tokenizer)  # torchrun: sharded
     runlog.startup("model", f" (task, memory plan, {args.model} built or loaded)")
     optimizer = optim.adamw(trainable_parameters(model), args.lr, args.weight_decay)  # LoRA: the adapters
     memplan.materialize_adamw(optimizer)  # its state exists before vLLM sizes itself (bit-identical training)
@@ -248,9 +248,9 @@ def load_reference(run):
 
 
 def add_critic(run, critic, lr: float) -> None:
-    """PPO's value model beside the policy: sharded like it, with an AdamW of its own, restored on --resume
+    """PPO's value model (sharded like the policy) beside it, with an AdamW of its own, restored on --resume
     and saved in every checkpoint."""
-    run.critic = dist.shard_model(critic, run.dtype)
+    run.critic = critic
     run.critic_optimizer = optim.adamw(trainable_parameters(run.critic), lr, run.args.weight_decay)
     memplan.materialize_adamw(run.critic_optimizer)  # reserved in the plan, made now
     if run.args.resume:

@@ -67,21 +67,30 @@ def whiten(advantages, mask, eps=1e-8):
 
 def load_critic(path, device, dtype, args):
     """Value model: a transformers backbone with a scalar head on every position (token classification
-    with one label; the head zero-initialised, V = 0 at start, and no dropout: it regresses). A model of its
-    own, not the policy's: with --lora_rank, its own frozen copy of the base in `dtype` with its own adapters,
-    the head trained in full (fp32)."""
+    with one label; the head zero-initialised, V = 0 at start, and no dropout: it regresses), sharded like
+    the policy (models.load_pretrained). A model of its own, not the policy's: with --lora_rank, its own
+    frozen copy of the base in `dtype` with its own adapters, the head trained in full (fp32)."""
     from transformers import AutoModelForTokenClassification
+
+    def head_of(critic):
+        return [(n, m) for n, m in critic.named_modules() if isinstance(m, torch.nn.Linear)
+                and m.out_features == 1][-1]
+
+    def prepare(critic):
+        head_name, head = head_of(critic)
+        torch.nn.init.zeros_(head.float().weight)  # the head trains in fp32, from V = 0
+        if head.bias is not None:
+            torch.nn.init.zeros_(head.bias)
+        critic = common.prepare_for_training(critic, args.gradient_checkpointing, args.packing)
+        if args.lora_rank:
+            critic = common.add_lora(critic, args, extra_trainable=[head], exclude=[head_name])
+        return critic
     base_dtype = dtype if args.lora_rank else torch.float32
-    critic = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=base_dtype)
-    head_name, head = [(n, m) for n, m in critic.named_modules() if isinstance(m, torch.nn.Linear)
-                       and m.out_features == 1][-1]
-    torch.nn.init.zeros_(head.float().weight)  # the head trains in fp32, from V = 0
-    if head.bias is not None:
-        torch.nn.init.zeros_(head.bias)
-    critic = common.prepare_for_training(critic, args.gradient_checkpointing, args.packing)
-    if args.lora_rank:
-        critic = common.add_lora(critic, args, extra_trainable=[head], exclude=[head_name])
-    return critic.to(device)
+    critic, new = common.load_pretrained(AutoModelForTokenClassification, path, device, base_dtype, dtype,
+                                         prepare, new=lambda critic: [head_of(critic)[0]], num_labels=1)
+    if common.rank() == 0:  # transformers' load report, a table that reads like a failure, in one line
+        print(f"critic: value head {', '.join(new)} initialised (new), backbone from {path}")
+    return critic
 
 
 def critic_values(critic, batch):

@@ -223,3 +223,40 @@ def top_share_threshold(values: list, share: float) -> float:
         return float("inf")
     k = max(1, math.ceil(share * x.numel() - 1e-9))  # 0.2 * 10 is 2.0000000000000004 in floating point
     return x.kthvalue(x.numel() - k + 1).values.item()
+
+
+def fill_from_rank0(targets: list, read) -> None:
+    """Fill a sharded model's parameters (DTensor shards) and buffers from whole tensors that only global rank
+    0 reads, one at a time: `targets` is [(name, tensor)] in the same order on every rank, `read(name)`
+    (called on rank 0 only) gives the whole tensor. Each is broadcast from rank 0 into one buffer on the
+    collectives' device and each rank copies its own shard out of it, so a rank holds at most one whole tensor
+    beside its shards. Modelled on torch/distributed/_state_dict_utils.py::_broadcast_tensors and
+    ::_distribute_tensors (set_model_state_dict's broadcast_from_rank0, which needs the whole state dict on
+    rank 0)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    device = _comm_device()
+    with torch.no_grad():
+        for name, target in targets:
+            if rank() == 0:
+                whole = read(name).to(device=device, dtype=target.dtype)
+            else:
+                whole = torch.empty(target.shape, dtype=target.dtype, device=device)
+            torch.distributed.broadcast(whole, src=0)
+            if isinstance(target, DTensor):
+                shape, offset = compute_local_shape_and_global_offset(whole.shape, target.device_mesh,
+                                                                      target.placements)
+                target.to_local().copy_(whole[tuple(slice(o, o + n) for n, o in zip(shape, offset))])
+            else:
+                target.copy_(whole)
+            del whole
+
+
+def from_rank0(obj):
+    """Rank 0's picklable `obj` on every rank (what only rank 0 read, e.g. a file's index, or its one-line
+    error, so that every rank stops alike and none waits in a collective for one that stopped)."""
+    if not many_ranks():
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]

@@ -3,6 +3,7 @@ frozen KL reference, and the compute dtype (autocast)."""
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -114,20 +115,191 @@ def load_tokenizer(path: str):
 
 
 def load_model(args, task, device, dtype, tokenizer=None):
-    """(policy, tokenizer, path on disk). The policy keeps fp32 master weights; compute runs in `dtype`
-    through autocast. With --lora_rank the base is frozen in `dtype` (bf16 on CUDA) and only the adapters
-    train, in fp32 (peft). The model is left in training mode with its dropout off."""
+    """(policy, tokenizer, path on disk), sharded under torchrun (load_pretrained). The policy keeps fp32
+    master weights; compute runs in `dtype` through autocast. With --lora_rank the base is frozen in `dtype`
+    (bf16 on CUDA) and only the adapters train, in fp32 (peft). The model is left in training mode with its
+    dropout off."""
     from transformers import AutoModelForCausalLM
     path = model_path(args.model, task)
     use_kernel(args.packed_attention)
     tokenizer = tokenizer or load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype if args.lora_rank else torch.float32)
-    model = model.to(device)
-    check_output_head(model, args.model)
-    model = prepare_for_training(model, args.gradient_checkpointing, args.packing)
-    if args.lora_rank:
-        model = add_lora(model, args)
+
+    def prepare(model):
+        model = prepare_for_training(model, args.gradient_checkpointing, args.packing)
+        return add_lora(model, args) if args.lora_rank else model
+    model, _ = load_pretrained(AutoModelForCausalLM, path, device, dtype if args.lora_rank else torch.float32,
+                               dtype, prepare, check_head=args.model)
     return model, tokenizer, path
+
+
+def load_pretrained(cls, path, device, dtype, compute_dtype, prepare, new=None, check_head=None, **config):
+    """(model, names of its new parameters): a transformers Auto class `cls` from `path` in `dtype`, prepared
+    by `prepare` (dropout, packing, LoRA: on meta parameters under torchrun), sharded (dist.shard_model,
+    compute in `compute_dtype`) on `device`. `new(model)` names the modules the checkpoint may lack (a value
+    head): transformers initialises them; any other parameter it lacks stops the load. `check_head`: the
+    --model whose output layer logprobs.check_output_head checks.
+
+    Under torchrun with safetensors weights no rank holds the whole model (load_streamed); in one process,
+    or from .bin weights, transformers' from_pretrained on the CPU, then moved whole to `device`."""
+    if dist.many_ranks() and dist.from_rank0(weight_index(path) is not None if dist.rank() == 0 else None):
+        return load_streamed(cls, path, device, dtype, compute_dtype, prepare, new, check_head, **config)
+    if dist.many_ranks() and dist.rank() == 0:
+        print(f"{path}: no *.safetensors weights: every rank loads the whole model before sharding")
+    # transformers' load report (transformers/utils/loading_report.py::log_state_dict_report, logged by
+    # modeling_utils): a table that reads like a failure; what it says, new heads, callers say in one line
+    logger = logging.getLogger("transformers.modeling_utils")
+    logger.addFilter(_no_load_report)
+    try:
+        model, info = cls.from_pretrained(path, dtype=dtype, output_loading_info=True, **config)
+    finally:
+        logger.removeFilter(_no_load_report)
+    allowed = _parameters_of(model, new(model) if new else [])
+    missing = [k for k in info["missing_keys"] if k not in allowed]
+    if missing:
+        raise SystemExit(f"{path}: the checkpoint has no {', '.join(missing[:3])} for {type(model).__name__}")
+    model = model.to(device)
+    if check_head:
+        check_output_head(model, check_head)
+    model = dist.shard_model(prepare(model), compute_dtype)
+    return model, sorted(k for k in info["missing_keys"] if k in allowed)
+
+
+def _no_load_report(record) -> bool:
+    return "LOAD REPORT" not in str(record.msg)
+
+
+def weight_index(path: str) -> dict | None:
+    """{checkpoint key: its safetensors file} of a model folder or hub id (one file, or several listed in
+    model.safetensors.index.json); None where there are none (.bin weights)."""
+    from safetensors import safe_open
+    folder = path
+    if not os.path.isdir(path):  # a hub id: its cached snapshot (transformers downloads all of it)
+        from huggingface_hub import snapshot_download
+        folder = snapshot_download(path, allow_patterns=["*.json", "*.safetensors"])
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        return {k: os.path.join(folder, f) for k, f in json.load(open(index))["weight_map"].items()}
+    out = {}
+    for name in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(folder, name), "pt") as f:
+            out.update(dict.fromkeys(f.keys(), os.path.join(folder, name)))
+    return out or None
+
+
+class _AdaptersStayOnCPU(torch.overrides.TorchFunctionMode):
+    """peft moves new adapters to their base layer's device (peft/tuners/tuners_utils.py::
+    _move_adapter_to_device_of_base_layer): on a meta base they stay on the CPU with their values (the RNG
+    draws of a real base's) and its dtype cast, for load_streamed to place."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.Tensor.to and isinstance(out, torch.Tensor) and out.is_meta and not args[0].is_meta:
+            return args[0].to(dtype=out.dtype)
+        return out
+
+
+def load_streamed(cls, path, device, dtype, compute_dtype, prepare, new=None, check_head=None, **config):
+    """load_pretrained under torchrun: every rank builds the model from its config with its parameters on the
+    meta device (no memory; the `new` modules on the CPU, initialised by transformers' _init_weights as
+    from_pretrained does: the same RNG draws), prepares and shards it (dist.shard_model), and gives its shards
+    memory on `device` (FSDP2's to_empty: torch/distributed/fsdp/_fully_shard/_fully_shard.py::
+    FSDPModule._apply). Non-persistent buffers (rotary inv_freq) are recomputed by _init_weights, as
+    from_pretrained does (transformers/modeling_utils.py::_move_missing_keys_from_meta_to_device). Then global
+    rank 0 reads the safetensors weights one tensor at a time (mmap) and broadcasts each, every rank keeping
+    its shard (dist.fill_from_rank0). A rank holds its shards and one whole tensor; rank 0 alone reads."""
+    from transformers import AutoConfig
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    with torch.device("meta"):
+        model = cls.from_config(AutoConfig.from_pretrained(path, **config), dtype=dtype)
+    base, new_modules = model, (new(model) if new else [])
+    if get_model_conversion_mapping(base, add_legacy=False):  # e.g. fused or renamed checkpoint tensors
+        raise SystemExit(f"{path}: transformers converts {base.config.model_type}'s checkpoint keys when it "
+                         f"loads them; the sharded load under torchrun does not: not supported on many ranks")
+    for name in new_modules:
+        module = base.get_submodule(name)
+        module.to_empty(device="cpu")
+        base._init_weights(module)
+    with _AdaptersStayOnCPU():
+        model = prepare(model)
+    kept = {n: p.detach() for n, p in model.named_parameters() if not p.is_meta}  # new heads, adapters
+    model = dist.shard_model(model, compute_dtype)
+    model.to_empty(device=device)
+    _recompute_buffers(base, path)
+    targets = [(n, p) for n, p in model.named_parameters()] + _persistent_buffers(model)
+    index, sources, error = (weight_index(path), {}, None) if dist.rank() == 0 else (None, {}, None)
+    if dist.rank() == 0:
+        sources, error = _checkpoint_sources(targets, kept, index, base.base_model_prefix, path)
+    error = dist.from_rank0(error)
+    if error:
+        raise SystemExit(error)
+
+    def read(name):
+        if name in kept:
+            return kept[name]
+        from safetensors import safe_open
+        file, key = sources[name]
+        with safe_open(file, "pt") as f:  # opened per tensor: no more of the file stays mapped
+            return f.get_tensor(key)
+    dist.fill_from_rank0(targets, read)
+    if check_head:  # the root's parameters (the output layer) gathered for the probe, as after a forward
+        model.unshard()
+        check_output_head(model, check_head)
+        model.reshard()
+    return model, sorted(n for n in _parameters_of(base, new_modules))
+
+
+def _checkpoint_sources(targets, kept, index, prefix, path) -> tuple[dict, str | None]:
+    """({target name: (file, checkpoint key)}, None), or ({}, a one-line error): each tensor the checkpoint
+    must give, under its own name, or with or without the base model's prefix (a base model's checkpoint
+    for a head model, or the reverse, as from_pretrained allows); peft's wrapping names removed."""
+    from safetensors import safe_open
+    sources, shapes = {}, {}
+    for name, target in targets:
+        if name in kept:
+            continue
+        plain = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        key = next((k for k in (plain, plain.removeprefix(prefix + "."), f"{prefix}.{plain}") if k in index),
+                   None)
+        if key is None:
+            return {}, f"{path}: the checkpoint has no tensor for {plain} (nor {prefix}.{plain})"
+        sources[name] = (index[key], key)
+        if index[key] not in shapes:
+            with safe_open(index[key], "pt") as f:
+                shapes[index[key]] = {k: f.get_slice(k).get_shape() for k in f.keys()}
+        if list(shapes[index[key]][key]) != list(target.shape):
+            return {}, (f"{path}: {key} has shape {shapes[index[key]][key]} in the checkpoint, the model's "
+                        f"{plain} {list(target.shape)}")
+    return sources, None
+
+
+def _parameters_of(model, module_names) -> list:
+    return [f"{m}.{n}" for m in module_names for n, _ in model.get_submodule(m).named_parameters()]
+
+
+def _persistent_buffers(model) -> list:
+    return [(f"{m}.{b}" if m else b, t) for m, module in model.named_modules()
+            for b, t in module._buffers.items()
+            if t is not None and b not in module._non_persistent_buffers_set]
+
+
+def _recompute_buffers(model, path) -> None:
+    """Non-persistent buffers after to_empty: transformers' _init_weights recomputes them (rotary
+    embeddings' inv_freq); one it does not recompute stops the load by name."""
+    for name, module in model.named_modules():
+        buffers = [b for b, t in module._buffers.items()
+                   if t is not None and b in module._non_persistent_buffers_set]
+        if not buffers:
+            continue
+        for b in buffers:
+            if module._buffers[b].is_floating_point():
+                module._buffers[b].fill_(float("nan"))
+        with torch.no_grad():
+            model._init_weights(module)
+        stale = [b for b in buffers if module._buffers[b].is_floating_point()
+                 and module._buffers[b].isnan().any()]
+        if stale:
+            raise SystemExit(f"{path}: sharded load: transformers does not recompute {name}.{stale[0]}: "
+                             f"not supported on many ranks")
 
 
 def prepare_for_training(model, gradient_checkpointing: bool, packing: bool = True):
@@ -200,17 +372,33 @@ def trainable_parameters(model) -> list:
 
 
 def load_reference(args, task, device, dtype, policy=None):
-    """The frozen reference policy of a KL term: the base model in the compute dtype (no fp32 master copy, no
-    gradients, no optimizer state), sharded like the policy under torchrun. A LoRA policy's reference is its
-    own base with the adapters off: no second copy."""
-    from transformers import AutoModelForCausalLM
+    """The frozen reference policy of a KL term: the base model (load_frozen). A LoRA policy's reference is
+    its own base with the adapters off: no second copy."""
     if policy is not None and is_lora(policy):
         return AdaptersOff(policy)
-    model = AutoModelForCausalLM.from_pretrained(model_path(args.model, task), dtype=dtype).to(device)
-    exact_attention(model)
-    if args.packing:
-        enable_packing(model)
-    return dist.shard_model(model.eval().requires_grad_(False), dtype)
+    return load_frozen(model_path(args.model, task), device, dtype, packing=args.packing)
+
+
+FROZEN = {"causal": "AutoModelForCausalLM", "sequence-classification": "AutoModelForSequenceClassification"}
+
+
+def load_frozen(path, device, dtype, kind: str = "causal", packing: bool = True):
+    """A frozen model (the KL reference; a teacher; a reward model: kind "sequence-classification", one
+    label): in the compute dtype (no fp32 master copy, no gradients, no optimizer state), in eval mode,
+    sharded like the policy under torchrun (load_pretrained: loaded without a whole copy on any rank); a
+    causal LM's attention through packing.packed_attention (--packing)."""
+    import transformers
+    if kind not in FROZEN:
+        raise ValueError(f"load_frozen: kind {kind!r} is not one of {', '.join(FROZEN)}")
+
+    def prepare(model):
+        exact_attention(model)
+        if packing and kind == "causal":
+            enable_packing(model)
+        return model.eval().requires_grad_(False)
+    config = {"num_labels": 1} if kind == "sequence-classification" else {}
+    cls = getattr(transformers, FROZEN[kind])
+    return load_pretrained(cls, path, device, dtype, dtype, prepare, **config)[0]
 
 
 class AdaptersOff(torch.nn.Module):
