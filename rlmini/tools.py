@@ -267,7 +267,8 @@ def run_calls(box: Toolbox, calls: list, instances: list | None = None) -> list:
             results[k] = run_call(box, *calls[k], instances[k])
 
     longest = max((len(ks) for ks in jobs.values()), default=1)
-    envs.bounded([lambda ks=ks: job(ks) for ks in jobs.values()], box.workers, longest * (box.timeout + 1))
+    limit = longest * (box.timeout + 1) - 1  # one call each: --tool_timeout, as before --env
+    envs.bounded([lambda ks=ks: job(ks) for ks in jobs.values()], box.workers, limit)
     results = [r if r is not None else Result(_timeout_text(box), True, True, box.timeout) for r in results]
     for r, inst in zip(results, instances):
         if r.timed_out and inst is not None:

@@ -31,8 +31,8 @@ class Calculator:
         self.answer, self.results = None, []
 
     def reset(self, **example) -> str | None:
-        """A new episode for one rollout of `example` (its columns: prompt, answer, ...). Text returned here is
-        appended to the prompt: the example's `hint` column, if the data set has one."""
+        """A new episode for one rollout of `example` (its columns: prompt, answer, ...). Text returned here
+        is appended to the prompt: the example's `hint` column, if the data set has one."""
         self.answer, self.results = example.get("answer"), []
         return example.get("hint")
 
