@@ -19,7 +19,7 @@ import rewards
 import train_grpo
 from conftest import ROOT, read_metrics
 from rlmini import data, envs, models, tools
-from test_tools import Scripted
+from test_tools import Scripted, tool_chat_model  # noqa: F401 (a fixture)
 
 CALCULATOR = os.path.join(ROOT, "docs", "examples", "calculator_env.py")
 OPENENV = os.path.join(ROOT, "docs", "examples", "openenv_calculator.py")
@@ -144,6 +144,25 @@ def test_a_raising_method_is_a_tool_error_and_a_hung_instance_is_discarded(tmp_p
     assert weighted.score("```output1", {"answer": 1}, True, env=1.0).parts == (1.0, 1.0)
     assert weighted.score("```output1", {"answer": 1}, True, env=1.0).reward == 2.5
     pool.close()
+
+
+def test_chat_format_calls_methods_by_the_templates_tool_calls(tool_chat_model):
+    """--tool_format chat: the template renders the methods' schemas, and a <tool_call> runs the method on the
+    rollout's instance with its arguments, as in TRL."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tool_chat_model)
+    box = tools.make_toolbox(common.Args(model=tool_chat_model, env=f"{CALCULATOR}:Calculator",
+                                         tool_format="chat"), style="chat", tokenizer=tok)
+    assert [s["function"]["name"] for s in box.schemas] == ["python"]
+    lent, prompts, per = box.env.begin([{"prompt": "What is 37 * 48 mod 7?", "answer": 5}], 2)
+    ids = data.encode_prompts(tok, prompts, True, box)
+    assert "Evaluate an integer expression" in tok.decode(ids[0])
+    call = '<tool_call>{"name": "python", "arguments": {"code": "37*48%7"}}</tool_call><|im_end|>'
+    engine = Scripted(tok, [[call, "\\boxed{5}<|im_end|>"], ["\\boxed{4}<|im_end|>"]])
+    r = tools.generate(engine, box, tok, ids, per, 200, 1.0, 0, lent)
+    assert [s["calls"] for s in r.tool_stats] == [1, 0] and "5" in tok.decode(r.completion_ids[0])
+    assert box.env.end(lent) == [1.0, 0.0]
+    box.close()
 
 
 def test_bad_environment_classes_are_refused_in_one_line(tmp_path):
