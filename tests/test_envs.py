@@ -46,6 +46,10 @@ class Recorded(Calculator):
     def close(self):
         self.closed = getattr(self, "closed", 0) + 1
 
+    async def get_reward(self):
+        await asyncio.sleep(0)
+        return super().get_reward()
+
     async def shout(self, text: str, times: int = 1) -> str:
         '''Say it louder.
 
@@ -84,7 +88,7 @@ def test_methods_become_tools_and_reset_text_joins_the_prompt(tmp_path):
     """Public methods but reset/get_reward/close are the tools, with transformers' schema; reset gets the
     example's columns, its text is appended to a text prompt or a conversation's last message (as TRL does),
     each rollout of an example its own instance; code-format text is converted to the parameter's type; async
-    methods and get_reward run; get_reward's values come back per rollout."""
+    methods and an async get_reward run; get_reward's values come back per rollout."""
     pool = envs.Pool(f"{_module(tmp_path, RECORDED)}:Recorded", 2.0, 4)
     assert sorted(pool.tools) == ["hang", "python", "shout"]
     shout = next(s for s in pool.schemas if s["function"]["name"] == "shout")["function"]["parameters"]
