@@ -122,6 +122,7 @@ class Args:
     tool_memory_mb: int = arg(1024, "--tools: the python tool's memory limit (address space), MiB", ge=64)
     tool_output_chars: int = arg(2000, "--tools: a longer tool output is cut to this many characters", ge=1)
     tool_workers: int = arg(8, "--tools: calls running at once", ge=1)
+    env: str = arg("", "an environment class, module:Class, in TRL's environment_factory contract")
     tool_sandbox: Literal["auto", "namespaces", "landlock", "none"] = arg(
         "auto", "--tools python: a call's confinement (docs/tools.md); auto: the strongest here, none: none")
     vllm_gpu_memory_utilization: float = arg(0.0, "share of GPU memory vLLM may take; 0: what the memory "
@@ -269,7 +270,8 @@ def finish(run) -> None:
     start = time.perf_counter()
     ckpt.save(run)
     ckpt.save_final(run.model, run.tokenizer, os.path.join(run.run_dir, "final"), run.style, since=start)
-    getattr(run.engine, "close", lambda: None)()  # --engine server: its request threads
+    for part in (run.engine, run.toolbox):  # the server engine's request threads, --env's instances
+        getattr(part, "close", lambda: None)()
     dist.barrier()
 
 

@@ -29,7 +29,7 @@ import rewards
 from rlmini import data, dist, engine, models, runlog, tools
 
 TOOL_OPTIONS = ("tools", "tool_format", "max_turns", "tool_timeout", "tool_memory_mb", "tool_output_chars",
-                "tool_workers", "tool_sandbox")  # the trainers' (common.Args), taken as they are
+                "tool_workers", "tool_sandbox", "env")  # the trainers' (common.Args), taken as they are
 
 # ---------------------------------------------------------------------------------------------- metrics
 
@@ -355,6 +355,7 @@ def cmd_evaluate(argv) -> dict:
     task = rewards.load_task(a.task, style=style, seed=a.seed, jsonl_reward=a.jsonl_reward,
                              prompt_column=a.prompt_column, answer_column=a.answer_column)
     task = rewards.with_system_prompt(task, a.system_prompt)
+    task = rewards.with_reward_functions(task, "", "", env=a.env)  # --env's get_reward, as in training
     models.model_path(a.model, task)  # builds the tiny model on first use, before torch.distributed starts
     device, dtype = dist.setup_device(args)
     model, tok, path = models.load_model(args, task, device, dtype)
@@ -368,6 +369,7 @@ def cmd_evaluate(argv) -> dict:
                              max_new_tokens=max_new, device=device, dtype=dtype, task=task, step=0,
                              toolbox=tools.make_toolbox(args, "", style, tok))
     scores = sample_and_score(run, examples, a.n, seed=data.rollout_seed(a.seed, -1, dist.rank()))
+    getattr(run.toolbox, "close", lambda: None)()  # --env's instances
     result = {"model": a.model, "task": a.task, "split": a.split, "temperature": a.temperature,
               **summarize(task, examples, scores, a.n, ks, boot=True)}
     # torchrun: every rank holds the same result (scores were gathered); rank 0 writes it

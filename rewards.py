@@ -591,8 +591,14 @@ def import_function(item: str, flag: str = "--reward"):
     return fn
 
 
-def reward_functions(spec: str, weights: str) -> list:
-    """[(name, function or None for the task's verifier, weight)] from --reward and --reward_weights."""
+ENV_REWARD = "env"  # --reward's name for the --env class's get_reward (rlmini/envs.py)
+
+
+def reward_functions(spec: str, weights: str, env_reward: bool = False) -> list:
+    """[(name, function, None for the task's verifier or ENV_REWARD for --env's get_reward, weight)] from
+    --reward and --reward_weights; with `env_reward` (an --env class with get_reward), `env` is added with
+    weight 1 (beside 'task' when --reward is empty) unless --reward lists it, as TRL adds the environment's
+    reward to its reward functions (trl/trainer/grpo_trainer.py::GRPOTrainer.__init__)."""
     items = [x.strip() for x in spec.split(",") if x.strip()]
     try:
         ws = [float(w) for w in weights.split(",")] if weights.strip() else [1.0] * len(items)
@@ -604,32 +610,43 @@ def reward_functions(spec: str, weights: str) -> list:
                         f"function(s)")
     if not all(math.isfinite(w) for w in ws):
         raise DataError(f"--reward_weights {weights!r}: every weight must be a finite number")
+    if ENV_REWARD in items and not env_reward:
+        raise DataError(f"--reward {spec!r}: '{ENV_REWARD}' is the reward of an --env class with a "
+                        f"get_reward method; there is none")
+    if env_reward and ENV_REWARD not in items:
+        items, ws = (items or ["task"]) + [ENV_REWARD], (ws or [1.0]) + [1.0]
     out = []
     for item, w in zip(items, ws):
-        name = "task" if item == "task" else item.rpartition(":")[2]
-        if name in RESERVED_REWARD_NAMES or name in [n for n, _, _ in out]:
+        name = item if item in ("task", ENV_REWARD) else item.rpartition(":")[2]
+        if (name in RESERVED_REWARD_NAMES or name in [n for n, _, _ in out]
+                or name == ENV_REWARD != item):
             raise DataError(f"--reward {spec!r}: the name {name!r} is taken (logged as reward/{name}); "
-                            f"rename the function (reserved: {', '.join(RESERVED_REWARD_NAMES)}, and each "
-                            f"name once)")
-        out.append((name, None if item == "task" else import_function(item), w))
+                            f"rename the function (reserved: {', '.join(RESERVED_REWARD_NAMES)}, env, and "
+                            f"each name once)")
+        fn = None if item == "task" else ENV_REWARD if item == ENV_REWARD else import_function(item)
+        out.append((name, fn, w))
     return out
 
 
-def with_reward_functions(task: Task, spec: str, weights: str, on_nonfinite: str = "stop") -> Task:
+def with_reward_functions(task: Task, spec: str, weights: str, on_nonfinite: str = "stop",
+                          env: str = "") -> Task:
     """The task, rewarded by sum_i w_i r_i over the --reward functions ('task' = the task's own verifier).
     Each function is called as f(prompt=, completion=, example=, finished=) and returns a float or a Score
     (the first Score's correct/format_ok replace the verifier's: reward/correct and pass@k read them).
     A function that raises or returns NaN/inf stops the run naming it, the prompt and the value; with
-    --on_nonfinite skip the reward becomes NaN and the step's update is skipped (common.check_rewards)."""
-    if not spec.strip():
+    --on_nonfinite skip the reward becomes NaN and the step's update is skipped (common.check_rewards).
+    `env`: --env module:Class; one with get_reward adds its value, passed to the score as `env=` (data.py::
+    score_rollouts; None for a discarded instance: 0)."""
+    env_reward = bool(env) and callable(getattr(import_function(env, flag="--env"), "get_reward", None))
+    if not spec.strip() and not env_reward:
         return task
-    fns, verifier = reward_functions(spec, weights), task.score
+    fns, verifier = reward_functions(spec, weights, env_reward), task.score
 
-    def score(completion: str, example: dict, finished: bool) -> Score:
+    def score(completion: str, example: dict, finished: bool, env: float | None = None) -> Score:
         base, parts, outcome = verifier(completion, example, finished), [], None
         for name, fn, w in fns:
-            if fn is None:
-                parts.append(base.reward)
+            if fn is None or fn is ENV_REWARD:
+                parts.append(base.reward if fn is None else 0.0 if env is None else env)
                 continue
             at = f"prompt {str(example['prompt'])[:60]!r}, completion {completion[:60]!r}"
             try:

@@ -56,7 +56,8 @@ def set_rng_state(state: dict) -> None:
 
 
 def load_task(args, style: str):
-    """The task of --task with its options: --system_prompt, --reward functions, --decontaminate."""
+    """The task of --task with its options: --system_prompt, --reward functions (and --env's get_reward),
+    --decontaminate."""
     task = rewards.load_task(args.task, style=style, seed=args.seed, brier=args.brier,
                              jsonl_reward=args.jsonl_reward, prompt_column=args.prompt_column,
                              answer_column=args.answer_column)
@@ -64,7 +65,8 @@ def load_task(args, style: str):
         raise SystemExit("--system_prompt: the built-in tiny model has no chat template; use a chat model "
                          "(--model)")
     task = rewards.with_system_prompt(task, args.system_prompt)
-    task = rewards.with_reward_functions(task, args.reward, args.reward_weights, args.on_nonfinite)
+    task = rewards.with_reward_functions(task, args.reward, args.reward_weights, args.on_nonfinite,
+                                         args.env)
     if args.decontaminate:
         task.train, dropped = rewards.decontaminate(task.train, task.test, args.decontaminate)
         if not task.train:
@@ -147,6 +149,7 @@ class Rollouts:
     policy_mask: list | None = None  # with tools: per token 1 sampled by the policy, 0 written by a tool
     tool_stats: list | None = None   # with tools: per completion {turns, calls, errors, ...} (tools.STATS)
     versions: list | None = None     # --engine server: per completion the weight push it was sampled from
+    env_rewards: list | None = None  # --env with get_reward: per completion its value (None: discarded)
 
     def lists(self) -> tuple:
         """The per-completion fields present (what groups are cut from and joined into)."""
@@ -154,7 +157,7 @@ class Rollouts:
 
 
 _PER_COMPLETION = ("prompt_ids", "completion_ids", "sampler_logprobs", "finished", "policy_mask",
-                   "tool_stats", "versions")
+                   "tool_stats", "versions", "env_rewards")
 
 
 class Group(typing.NamedTuple):
@@ -194,7 +197,8 @@ def score_rollouts(task, tokenizer, examples: list, rollouts: Rollouts, group_si
     for k, toks in enumerate(rollouts.completion_ids):
         text = (tokenizer.decode(toks, skip_special_tokens=True) if masks is None
                 else policy_text(tokenizer, toks, masks[k]))  # a tool cannot write the answer
-        scores.append(task.score(text, examples[k // group_size], rollouts.finished[k]))
+        env = {"env": rollouts.env_rewards[k]} if rollouts.env_rewards is not None else {}  # --env's reward
+        scores.append(task.score(text, examples[k // group_size], rollouts.finished[k], **env))
     reward = torch.tensor([s.reward for s in scores], dtype=torch.float32)
     correct = torch.tensor([s.correct for s in scores], dtype=torch.float32)
     fmt = torch.tensor([s.format_ok for s in scores], dtype=torch.float32)

@@ -116,5 +116,6 @@ def tool_metrics(rollouts) -> dict:
             "tools/turns": st["turns"].mean().item(),
             "tools/success_rate": 1 - st["errors"].sum().item() / calls if calls else math.nan,
             "tools/errors": st["errors"].sum().item(), "tools/timeouts": st["timeouts"].sum().item(),
+            "tools/raised": st["raised"].sum().item(),
             "tools/seconds": st["seconds"].sum().item(), "tools/turn_limit": st["turn_limit"].mean().item(),
             "tools/token_frac": st["tool_tokens"].sum().item() / max(tokens, 1.0)}

@@ -1,5 +1,6 @@
 """A rollout's plumbing behind common.rollout and common.generate: sampling through the engine (with
 --tools, multi-turn), scoring and shaping the rewards, and --async_steps' requests ahead of the update."""
+import sys
 import time
 
 import torch
@@ -23,10 +24,17 @@ def sample(run, examples: list, n: int, temperature: float, seed: int) -> data.R
     """generate's sampling: the engine's (with --tools, multi-turn) completions, not yet scored; what
     --async_steps runs in the background (the server engine makes no collective)."""
     mine = examples or run.task.train[:1]  # FSDP2: a rank with nothing still joins every forward
-    prompt_ids = data.encode_prompts(run.tokenizer, [e["prompt"] for e in mine], run.style == "chat",
-                                     run.toolbox)
-    rollouts = tools.generate(run.engine, run.toolbox, run.tokenizer, prompt_ids, n, run.max_new_tokens,
-                              temperature, seed)
+    pool = run.toolbox.env if run.toolbox is not None else None
+    instances, prompts, per = None, [e["prompt"] for e in mine], n
+    if pool is not None:  # --env: an instance per rollout, reset with its example (rlmini/envs.py)
+        instances, prompts, per = pool.begin(mine, n)
+    try:
+        prompt_ids = data.encode_prompts(run.tokenizer, prompts, run.style == "chat", run.toolbox)
+        rollouts = tools.generate(run.engine, run.toolbox, run.tokenizer, prompt_ids, per, run.max_new_tokens,
+                                  temperature, seed, instances)
+    finally:  # the rollouts are over (or failed): get_reward of each, the instances back in the pool
+        env_rewards = pool.end(instances, rewards=sys.exc_info()[0] is None) if pool is not None else None
+    rollouts.env_rewards = env_rewards
     for f in rollouts.lists() if not examples else ():  # the stand-in's completions are dropped
         setattr(rollouts, f, [])
     return rollouts

@@ -25,17 +25,16 @@ import secrets
 import signal
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 
 from rewards import OUTPUT_MARK, DataError, import_function
-from rlmini import dist, sandbox
+from rlmini import dist, envs, sandbox
 from rlmini.data import Rollouts
 
 _BLOCK = re.compile(r"```([A-Za-z_][\w.-]*)[ \t]*\n(.*?)```", re.S)
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
-STATS = ("turns", "calls", "errors", "timeouts", "seconds", "tool_tokens", "turn_limit")
+STATS = ("turns", "calls", "errors", "raised", "timeouts", "seconds", "tool_tokens", "turn_limit")
 
 
 @dataclass
@@ -45,6 +44,7 @@ class Result:
     error: bool = False
     timed_out: bool = False
     seconds: float = 0.0
+    raised: bool = False  # the tool (a function, an --env method) raised an exception
 
 
 @dataclass
@@ -62,6 +62,12 @@ class Toolbox:
     turn_end: str = ""          # chat: the token text that ends an assistant turn in the template
     sandbox: str = "auto"       # the python tool's confinement (--tool_sandbox, rlmini/sandbox.py)
     scratch_root: str = ""      # where the python tool's scratch folders go (sandbox.scratch_parent)
+    env: object = None          # --env: the environment class's instances (rlmini/envs.py::Pool)
+
+    def close(self) -> None:
+        """The run's end (common.finish, eval.py): --env's instances are closed."""
+        if self.env is not None:
+            self.env.close()
 
 
 # ---------------------------------------------------------------------------------------------- the tools
@@ -155,10 +161,11 @@ SCHEMAS = {
 
 
 def make_toolbox(args, run_dir: str = "", style: str = "tiny", tokenizer=None):
-    """The run's Toolbox from --tools (python, calculator, module:function for the user's own; empty: none)
-    and the --tool_* options; None without tools. Chat format: the template must render tool definitions."""
+    """The run's Toolbox from --tools (python, calculator, module:function for the user's own; empty: none),
+    --env's methods and the --tool_* options; None without tools. Chat format: the template must render tool
+    definitions."""
     names = [x.strip() for x in args.tools.split(",") if x.strip()]
-    if not names:
+    if not names and not args.env:
         return None
     tools, schemas = {}, []
     for item in names:
@@ -172,9 +179,15 @@ def make_toolbox(args, run_dir: str = "", style: str = "tiny", tokenizer=None):
         tools[name] = fn
         if args.tool_format == "chat":
             schemas.append(_schema(name, fn, item))
+    pool = envs.Pool(args.env, args.tool_timeout, args.tool_workers, args.on_nonfinite) if args.env else None
+    for name, fn in (pool.tools.items() if pool else ()):
+        if name in tools:
+            raise DataError(f"--env {args.env}: its tool {name!r} has the name of a --tools tool")
+        tools[name] = fn
+    schemas += pool.schemas if pool and args.tool_format == "chat" else []
     box = Toolbox(tools, args.tool_format, args.max_turns, args.tool_timeout, args.tool_memory_mb,
                   args.tool_output_chars, args.tool_workers, [run_dir] if run_dir else [], schemas,
-                  sandbox=args.tool_sandbox)
+                  sandbox=args.tool_sandbox, env=pool)
     if python in tools.values():  # the confinement, said in one line, before any call runs
         if run_dir:
             sandbox.check_run_dir(run_dir)
@@ -210,8 +223,9 @@ def _schema(name: str, fn, item: str) -> dict:
                          f"type hints and Google-style docstring: {e}") from None
 
 
-def run_call(box: Toolbox, name: str, arguments) -> Result:
-    """One call: the tool's output, or the error or time-out as text, never an exception."""
+def run_call(box: Toolbox, name: str, arguments, instance=None) -> Result:
+    """One call (an --env method on the rollout's `instance`): the tool's output, or the error or time-out as
+    text, never an exception."""
     start = time.perf_counter()
     fn = box.tools.get(name)
     if fn is None:
@@ -220,11 +234,14 @@ def run_call(box: Toolbox, name: str, arguments) -> Result:
         code = arguments if isinstance(arguments, str) else arguments.get("code", "")
         return python(code if isinstance(code, str) else str(code), box)
     try:
-        out = fn(arguments) if isinstance(arguments, str) else fn(**arguments)
+        if box.env is not None and name in box.env.tools:
+            out = box.env.call(instance, name, arguments)
+        else:
+            out = fn(arguments) if isinstance(arguments, str) else fn(**arguments)
         result = Result(_cut(str(out), box.output_chars), False, False, time.perf_counter() - start)
     except Exception as e:  # the tool's failure is the model's observation
         result = Result(_cut(f"{type(e).__name__}: {e}", box.output_chars), True, False,
-                        time.perf_counter() - start)
+                        time.perf_counter() - start, raised=True)
     if result.seconds > box.timeout:  # a function cannot be stopped; its late output is not shown
         return Result(_timeout_text(box), True, True, result.seconds)
     return result
@@ -234,24 +251,29 @@ def _timeout_text(box) -> str:
     return f"TimeoutError: the call ran past {box.timeout:g} s and was stopped"
 
 
-def run_calls(box: Toolbox, calls: list) -> list:
-    """[(name, arguments)] -> [Result], `box.workers` at a time, in daemon threads: a function tool (the
-    user's, the calculator) that never returns is reported as timed out when the batch's deadline passes and
-    its thread is abandoned (it cannot hold the run at exit)."""
-    results, gate = [None] * len(calls), threading.BoundedSemaphore(box.workers)
+def run_calls(box: Toolbox, calls: list, instances: list | None = None) -> list:
+    """[(name, arguments)] -> [Result], `box.workers` at a time, in daemon threads (rlmini/envs.py::bounded);
+    the calls on one --env instance (`instances`: per call, or None) in order, in one thread. A function tool
+    (the user's, the calculator, an --env method) that never returns is reported as timed out when the
+    batch's deadline passes and its thread is abandoned (it cannot hold the run at exit); its --env instance
+    is discarded."""
+    instances = instances or [None] * len(calls)
+    jobs, results = {}, [None] * len(calls)
+    for k, inst in enumerate(instances):  # one job per instance; each call without one, a job of its own
+        jobs.setdefault(("call", k) if inst is None else ("env", id(inst)), []).append(k)
 
-    def work(k, name, arguments):
-        with gate:
-            results[k] = run_call(box, name, arguments)
+    def job(ks):
+        for k in ks:
+            results[k] = run_call(box, *calls[k], instances[k])
 
-    threads = [threading.Thread(target=work, args=(k, *c), daemon=True) for k, c in enumerate(calls)]
-    for t in threads:
-        t.start()
-    deadline = time.perf_counter() + math.ceil(len(calls) / box.workers) * (box.timeout + 1) + 1
-    for t in threads:
-        t.join(timeout=max(0.0, deadline - time.perf_counter()))
+    longest = max((len(ks) for ks in jobs.values()), default=1)
+    limit = longest * (box.timeout + 1) - 1  # one call each: --tool_timeout, as before --env
+    envs.bounded([lambda ks=ks: job(ks) for ks in jobs.values()], box.workers, limit)
     results = [r if r is not None else Result(_timeout_text(box), True, True, box.timeout) for r in results]
-    return [Result(clean_output(r.text), r.error, r.timed_out, r.seconds) for r in results]
+    for r, inst in zip(results, instances):
+        if r.timed_out and inst is not None:
+            box.env.discard(inst)
+    return [Result(clean_output(r.text), r.error, r.timed_out, r.seconds, r.raised) for r in results]
 
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -329,10 +351,11 @@ def turn_seed(seed: int, turn: int) -> int:
 
 
 def generate(engine, box, tokenizer, prompt_ids: list, n: int, max_new_tokens: int, temperature: float,
-             seed: int):
+             seed: int, instances: list | None = None):
     """n trajectories per prompt. Without tools: engine.generate. With: turn 0 samples n per prompt (stopping
     at a call); each later turn continues every live trajectory from its token ids (vLLM: one batch, prefix
-    cache), with what is left of the length budget. Returns Rollouts with policy_mask and tool_stats."""
+    cache), with what is left of the length budget. `instances`: per trajectory, the --env instance its
+    calls go to. Returns Rollouts with policy_mask and tool_stats."""
     if box is None:
         return engine.generate(prompt_ids, n, max_new_tokens, temperature, seed)
     B = len(prompt_ids) * n
@@ -366,8 +389,9 @@ def generate(engine, box, tokenizer, prompt_ids: list, n: int, max_new_tokens: i
             elif len(ids[i]) < max_new_tokens:  # at the length limit a call has no room for its output
                 calls.append((i, found))
                 finished[i] = False
-        flat = [c for _, found in calls for c in found if not isinstance(c, str)]
-        results = iter(run_calls(box, flat))
+        flat = [(c, i) for i, found in calls for c in found if not isinstance(c, str)]
+        results = iter(run_calls(box, [c for c, _ in flat], [instances[i] if instances else None
+                                                             for _, i in flat]))
         live = []
         for i, found in calls:
             out = [Result(c, True) if isinstance(c, str) else next(results) for c in found]
@@ -375,6 +399,7 @@ def generate(engine, box, tokenizer, prompt_ids: list, n: int, max_new_tokens: i
             s = stats[i]
             s["calls"] += len(out)
             s["errors"] += sum(o.error for o in out)
+            s["raised"] += sum(o.raised for o in out)
             s["timeouts"] += sum(o.timed_out for o in out)
             s["seconds"] += sum(o.seconds for o in out)
             response = _response_ids(box, tokenizer, [(nm, o.text) for nm, o in zip(names, out)])
