@@ -195,8 +195,8 @@ def group_permutation(n: int, group_size: int, generator) -> torch.Tensor:
 
 @dataclass
 class PreUpdate:
-    """What the update needs from before it, per completion (ragged lists): pi_old, the reference's
-    log-probs, entropies and values."""
+    """What the update needs from before it, per completion (ragged lists on the CPU, laid out like
+    batch.sampler_logp: ragged_pass): pi_old, the reference's log-probs, entropies and values."""
     on_policy: bool         # pi_old is the update's own first forward (detached)
     old: list
     ref: list | None        # None: no reference model

@@ -137,10 +137,11 @@ def test_logprobs_under_torchrun_are_the_one_rank_ones_aligned_with_the_sampler(
                                                    for d in (one, two))
     lengths = [sum(m) for m in policy]  # the policy's tokens of each completion
     assert [len(x) for x in lp1] == [len(x) for x in lp2] == lengths == [len(x) for x in sampler1]
-    assert sampler1 == sampler2 and any(0 in m for m in policy)  # tool output in the batch
+    assert any(0 in m for m in policy)  # tool output in the batch
     flat = lambda ragged: torch.tensor([v for x in ragged for v in x])  # noqa: E731
-    for ours in (lp1, lp2):
-        assert ((flat(ours) - flat(sampler1)).norm() / flat(sampler1).norm()).item() < 1e-5
+    # each against its own sampler (the trained weights of 1 and 2 ranks differ in the last bits)
+    for ours, sampler in ((lp1, sampler1), (lp2, sampler2), (lp2, lp1)):
+        assert relative_difference(flat(sampler), flat(ours)) < 1e-5
 
 
 @pytest.mark.parametrize("name", ["grpo", "ppo"])
