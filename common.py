@@ -6,6 +6,7 @@
     extra = common.generate(run, batch.examples, 1, temperature=0)  # more, scored alike: before the sleep
     run.engine.sleep()                          # until run.engine.push() the engine refuses to generate
     pre = common.pre_update(run, batch, ref)    # pi_old, the reference's log-probs, entropies
+    lp = common.logprobs(run, batch, teacher)   # any model's log-probs, laid out like batch.sampler_logp
     for mb in common.minibatches(run, batch):   # whole groups; each yields its micro-batches
     common.optimizer_step(run, stats)           # clip, guard against NaN/inf, step
     common.check_sampler(run, batch, stats)     # the trainer reproduced the sampler's log-probs
@@ -23,14 +24,14 @@ import numpy as np
 import torch
 
 from rlmini import checkpoint as ckpt, memstats
-from rlmini import data, dist, engine, faults, logprobs, memplan, models, optim, runlog, server, tools
-from rlmini.batches import (Batch, Keep, Micro, Minibatch, PreUpdate, Scored, group_permutation,
-                             micro_batch, micro_rows)
+from rlmini import data, dist, engine, faults, memplan, models, optim, runlog, server, tools
+from rlmini.batches import (Batch, Keep, Micro, Minibatch, PreUpdate, Scored, batch_logprobs,
+                            group_permutation, ragged_pass)
 
 # what the scripts use as it is: collectives, the entry point's guard, what PPO's critic is built from
 from rlmini.dist import all_gather, all_mean_var, all_sum, local_slice, rank, world_size  # noqa: F401
 from rlmini.faults import user_errors  # noqa: F401
-from rlmini.logprobs import to_ragged  # noqa: F401
+from rlmini.logprobs import to_ragged, token_logprobs  # noqa: F401
 from rlmini.metrics import StepStats, step_metrics  # noqa: F401
 from rlmini.models import (add_lora, autocast, load_pretrained, prepare_for_training,  # noqa: F401
                            trainable_parameters)
@@ -320,24 +321,29 @@ def pre_update(run, batch: Batch, ref_model=None, values=None, need_old: bool = 
     on_policy = (args.updates_per_rollout == 1 and args.minibatches == 1 and not args.lora_dropout
                  and not need_old)
     top_entropy = args.top_entropy_quantile < 1
-    pre = PreUpdate(on_policy, [None] * B, [None] * B if ref_model is not None else None, [None] * B,
-                    [None] * B)
-    for rows in micro_rows(batch, list(range(B)), args.micro_batch_size, args.micro_batch_tokens):
-        micro = micro_batch(batch, rows, run.model, run.device)
-        at = slice(rows[0], rows[-1] + 1)
+
+    def forward(micro):
         with autocast(run.device, run.dtype):
-            if values is not None:
-                pre.values[at] = to_ragged(values(micro.layout), micro.mask)
-            if not on_policy or top_entropy:
-                logp, entropy = logprobs.token_logprobs(run.model, micro.layout, T, with_entropy=top_entropy)
-                pre.old[at] = to_ragged(logp, micro.mask)
-                pre.entropy[at] = to_ragged(entropy, micro.mask) if top_entropy else pre.entropy[at]
-            if ref_model is not None:
-                pre.ref[at] = to_ragged(logprobs.token_logprobs(ref_model, micro.layout, T)[0], micro.mask)
+            logp, entropy = (token_logprobs(run.model, micro.layout, T, with_entropy=top_entropy)
+                             if not on_policy or top_entropy else (None, None))
+            return {"old": logp, "entropy": entropy, "values": values and values(micro.layout)}
+    out = ragged_pass(batch, forward, args.micro_batch_size, args.micro_batch_tokens, run.model, run.device)
+    ref = logprobs(run, batch, ref_model) if ref_model is not None else None
+    pre = PreUpdate(on_policy, out.get("old", [None] * B), ref, out.get("entropy", [None] * B),
+                    out.get("values", [None] * B))
     if top_entropy:  # Wang et al. 2025: the top rho share of the global batch's tokens in the loss
         in_loss = [pre.entropy[i] for i in range(B) if batch.in_loss[i]]
         pre.tau = dist.top_share_threshold(in_loss, args.top_entropy_quantile)
     return pre
+
+
+def logprobs(run, batch: Batch, model) -> list:
+    """log model(token) of this rank's completions at --temperature (the policy, a reference, a teacher), no
+    gradient: one fp32 CPU 1-D tensor per completion, aligned with batch.sampler_logp (tool output left out).
+    Every rank calls it (rlmini/batches.py::batch_logprobs)."""
+    a = run.args
+    return batch_logprobs(batch, model, a.temperature, a.micro_batch_size, a.micro_batch_tokens, run.device,
+                          run.dtype)
 
 
 def minibatches(run, batch: Batch):
@@ -359,8 +365,8 @@ def policy_logprobs(run, micro: Micro) -> tuple:
     """The policy's log-probs of the micro-batch's tokens, with their gradient, and its entropies (in the
     first pass, or with --entropy_coef, whose gradient flows through them)."""
     with autocast(run.device, run.dtype):
-        return logprobs.token_logprobs(run.model, micro.layout, run.args.temperature,
-                                       with_entropy=micro.epoch == 0 or run.args.entropy_coef > 0)
+        return token_logprobs(run.model, micro.layout, run.args.temperature,
+                              with_entropy=micro.epoch == 0 or run.args.entropy_coef > 0)
 
 
 def optimizer_step(run, stats) -> None:
@@ -456,9 +462,9 @@ def hadw_reweight(rewards, advantages, state, args):
     posterior = (1 - eta_t) * prior + eta_t * y  # C_t^+, the next prior
     state.update(anchor=posterior, history=(history + [posterior])[-window:])
     hard, easy = diff < 0, diff > 0
-    info = {"hadw/anchor": prior, "hadw/eta": eta_t,
-            "hadw/phi_hard": phi[hard].mean().item() if hard.any() else float("nan"),
-            "hadw/phi_easy": phi[easy].mean().item() if easy.any() else float("nan")}
+    info = {"hadw/anchor": prior, "hadw/eta": eta_t}  # and each side's mean Phi, where it has prompts
+    info.update({f"hadw/phi_{side}": phi[on].mean().item() for side, on in (("hard", hard), ("easy", easy))
+                 if on.any()})
     return advantages * phi, info
 
 

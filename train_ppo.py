@@ -113,7 +113,7 @@ def explained_variance(values, returns):
     """1 - Var(R - V) / Var(R) over the tokens of the global batch (every rank's)."""
     v, r = torch.cat(values).cpu().double(), torch.cat(returns).cpu().double()
     var_r, var_residual = common.all_mean_var(r)[1], common.all_mean_var(r - v)[1]
-    return 1 - var_residual / var_r if var_r > 0 else float("nan")
+    return 1 - var_residual / var_r if var_r > 0 else None  # None: absent (returns all equal)
 
 
 # ---------------------------------------------------------------------------------------------- loss
@@ -127,7 +127,7 @@ def policy_loss(logp, old_logp, ref_logp, advantages, mask, args, is_weight=None
         seq = log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
         log_ratio = (seq.detach() + logp - logp.detach()) * mask
     ratio = torch.exp(log_ratio)
-    adv = advantages  # per token (GAE)
+    adv = advantages  # [b, T-1] per token (GAE), or [b, 1] per completion: micro.advantages
     eps_high = args.clip_eps_high or args.clip_eps
     clipped_ratio = torch.clamp(ratio, 1 - args.clip_eps, 1 + eps_high)
     token_loss = -torch.min(ratio * adv, clipped_ratio * adv)
@@ -164,8 +164,7 @@ def main(argv=None):
         token_adv, returns = compute_advantages(batch.rewards, values, mask, args.gamma, args.lam)
         if args.whiten_advantages:
             token_adv = whiten(token_adv, mask)  # over every rank's tokens
-        adv_seq, ret_seq = common.to_ragged(token_adv, mask), common.to_ragged(returns, mask)
-        advantages = common.all_gather(token_adv.sum(1) / batch.lengths)  # per completion: the adv/* metrics
+        advantages, ret_seq = common.to_ragged(token_adv, mask), common.to_ragged(returns, mask)
 
         # ---- update: --updates_per_rollout passes, each split into --minibatches optimizer steps
         stats = common.StepStats()
@@ -174,7 +173,7 @@ def main(argv=None):
                 logp, entropy = common.policy_logprobs(run, micro)
                 old = pre.old_logp(micro, logp)
                 is_weight, is_info = common.rollout_correction(old, micro.sampler_logp, micro.mask, args)
-                token_loss, info = policy_loss(logp, old, pre.ref_logp(micro), micro.per_token(adv_seq),
+                token_loss, info = policy_loss(logp, old, pre.ref_logp(micro), micro.advantages(advantages),
                                                micro.loss_mask, args, is_weight)
                 token_loss = common.entropy_terms(token_loss, entropy, pre, micro, args)
                 loss = common.aggregate(token_loss, micro.loss_mask, args.loss_agg, mb.n_seqs, mb.n_tokens,
@@ -197,8 +196,7 @@ def main(argv=None):
         if args.push_check_every and (run.step + 1) % args.push_check_every == 0:
             run.engine.check_push(run.probe, args.push_check_tol)  # vLLM reproduces the trainer on a probe
         run.step += 1
-        extra = {"value/mean": common.all_mean_var(torch.cat(pre.values))[0],
-                 "value/explained_var": explained_variance(pre.values, ret_seq)}
+        extra = {"value/mean": pre.values, "value/explained_var": explained_variance(pre.values, ret_seq)}
         metrics = common.step_metrics(run, batch, pre, stats, advantages, extra)
         if args.eval_every and (run.step % args.eval_every == 0 or run.step == args.steps):
             metrics.update(evaluate(run))  # held-out pass@k (and calibration) with the weights just pushed

@@ -6,7 +6,6 @@ of failed completions given a positive advantage, and the wall time. Prints a Ma
 """
 import argparse
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -42,7 +41,7 @@ def main():
                 rows = [json.loads(line) for line in f]
         first = statistics.mean(r["reward/mean"] for r in rows[:k])
         last = statistics.mean(r["reward/mean"] for r in rows[-k:])
-        fpf = [r["adv/failed_pos_frac"] for r in rows[:k] if not math.isnan(r["adv/failed_pos_frac"])]
+        fpf = [r["adv/failed_pos_frac"] for r in rows[:k] if "adv/failed_pos_frac" in r]  # absent: no failure
         print(f"| train_{algo}.py | {task} | {first:.3f} | {last:.3f} | "
               f"{statistics.mean(fpf) if fpf else float('nan'):.3f} | {wall:.0f} |")
 

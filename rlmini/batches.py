@@ -5,7 +5,9 @@ from dataclasses import dataclass
 import torch
 
 from rlmini.data import Rollouts
-from rlmini.logprobs import to_padded
+from rlmini.dist import all_gather, local_slice, world_size
+from rlmini.logprobs import to_padded, to_ragged, token_logprobs
+from rlmini.models import autocast
 from rlmini.packing import make_batch, padded_tokens
 
 
@@ -79,6 +81,7 @@ class Micro:
     sampler_logp: torch.Tensor
     computed: int           # token positions the forward computes ...
     padded: int             # ... and how many of them are padding (perf/pad_frac)
+    size: int = 0           # completions in this rank's batch (advantages: this rank's or the global batch's)
 
     @property
     def mask(self):
@@ -92,6 +95,19 @@ class Micro:
         """One value per completion of the batch -> these rows', on the trainer's device."""
         return values[self.rows].to(self.mask.device)
 
+    def advantages(self, adv) -> torch.Tensor:
+        """These rows' advantages, broadcastable against [b, T-1]: per token (a ragged list like
+        batch.sampler_logp, this rank's completions) -> [b, T-1]; per completion (1-D, this rank's batch or
+        the global batch, all_gather's order) -> [b, 1]. A loss takes either with `adv = advantages`."""
+        if isinstance(adv, (list, tuple)):
+            return self.per_token(adv)
+        if len(adv) == self.size * world_size() != self.size:  # the global batch: this rank's block
+            adv = adv[local_slice(self.size)]
+        elif len(adv) != self.size:
+            raise ValueError(f"Micro.advantages: {len(adv)} advantages for {self.size} completions per rank "
+                             f"({world_size()} ranks): give one per completion or a list per token")
+        return self.per_seq(adv).unsqueeze(1)
+
 
 def micro_batch(batch: Batch, rows: list, model, device, epoch: int = 0) -> Micro:
     r = batch.rollouts
@@ -101,7 +117,37 @@ def micro_batch(batch: Batch, rows: list, model, device, epoch: int = 0) -> Micr
     mask = layout["mask"]
     loss_mask = mask * batch.in_loss[rows].unsqueeze(1).to(device)
     return Micro(rows, epoch, layout, loss_mask, to_padded(batch.sampler_logp, rows, mask),
-                 *padded_tokens(layout, model))
+                 *padded_tokens(layout, model), size=len(batch))
+
+
+@torch.no_grad()
+def ragged_pass(batch: Batch, forward, max_seqs: int, max_tokens: int, model, device) -> dict:
+    """`forward(micro)` -> {name: [b, T-1] values} over this rank's whole batch in micro-batches (micro_rows),
+    without gradient -> {name: one CPU 1-D tensor per completion, laid out like batch.sampler_logp} (a None
+    value is left out). Under torchrun every rank runs as many micro-batches, a rank with fewer repeating its
+    last one and dropping what it gives: a FSDP2-sharded model's forward is a collective of every rank."""
+    rows = micro_rows(batch, list(range(len(batch))), max_seqs, max_tokens)
+    count = int(all_gather(torch.tensor([len(rows)])).max()) if world_size() > 1 else len(rows)
+    out = {}
+    for k in range(count):
+        micro = micro_batch(batch, rows[min(k, len(rows) - 1)], model, device)
+        values = forward(micro)
+        for name, v in values.items() if k < len(rows) else ():
+            if v is not None:  # one copy to the host per micro-batch, then split there (no sync per row)
+                out.setdefault(name, []).extend(to_ragged(v.detach().cpu(), micro.mask.cpu()))
+    return out
+
+
+def batch_logprobs(batch: Batch, model, temperature: float, max_seqs: int, max_tokens: int, device,
+                   dtype) -> list:
+    """log model(token) at `temperature` of each policy token of this rank's completions, without gradient:
+    one fp32 CPU 1-D tensor per completion, aligned with batch.sampler_logp (with --tools a tool's output is
+    context, not a target: make_batch's `policy`), packed and micro-batched as the update is, under autocast
+    in `dtype`. Every rank calls it (ragged_pass)."""
+    def forward(micro):
+        with autocast(device, dtype):
+            return {"logp": token_logprobs(model, micro.layout, temperature)[0]}
+    return ragged_pass(batch, forward, max_seqs, max_tokens, model, device).get("logp", [])
 
 
 @dataclass
@@ -149,8 +195,8 @@ def group_permutation(n: int, group_size: int, generator) -> torch.Tensor:
 
 @dataclass
 class PreUpdate:
-    """What the update needs from before it, per completion (ragged lists): pi_old, the reference's
-    log-probs, entropies and values."""
+    """What the update needs from before it, per completion (ragged lists on the CPU, laid out like
+    batch.sampler_logp: ragged_pass): pi_old, the reference's log-probs, entropies and values."""
     on_policy: bool         # pi_old is the update's own first forward (detached)
     old: list
     ref: list | None        # None: no reference model

@@ -80,11 +80,12 @@ def warn_on_collapse(run, metrics: dict, steps: int = 5) -> None:
     """Warn once per streak when the policy has had no gradient, or an entropy at its floor, for `steps` steps
     in a row: a collapsed policy (an --lr far too high) or a reward that never varies trains on and learns
     nothing, silently."""
-    quiet = metrics["grad_norm"] < 1e-12 or metrics["entropy"] < 1e-4
+    grad_norm = metrics.get("grad_norm", float("nan"))  # absent: every update was skipped (not quiet)
+    quiet = grad_norm < 1e-12 or metrics["entropy"] < 1e-4
     run.quiet_steps = run.quiet_steps + 1 if quiet else 0
     if run.quiet_steps == steps and dist.rank() == 0:
         print(f"warning: step {run.step}: no learning signal for {steps} steps (grad_norm "
-              f"{metrics['grad_norm']:.3g}, entropy {metrics['entropy']:.3g}, reward/mean "
+              f"{grad_norm:.3g}, entropy {metrics['entropy']:.3g}, reward/mean "
               f"{metrics['reward/mean']:.3g}): the policy may have collapsed (--lr {run.args.lr} too high?) "
               f"or every group's rewards are equal", file=sys.stderr)
 

@@ -107,5 +107,5 @@ def to_ragged(padded, mask) -> list:
 def to_padded(ragged: list, idx: list, mask):
     """The inverse: the 1-D tensors of completions `idx` -> [b, T] laid out like `mask`, 0 elsewhere."""
     out = torch.zeros_like(mask)
-    out[mask > 0] = torch.cat([ragged[i].to(mask.device) for i in idx])
+    out[mask > 0] = torch.cat([ragged[i] for i in idx]).to(mask.device)  # one copy to the device
     return out

@@ -56,16 +56,19 @@ class StepStats:
 
 def step_metrics(run, batch: Batch, pre: PreUpdate, stats: StepStats, advantages, extra=None) -> dict:
     """The step's metrics over the global batch: per-completion values gathered from every rank, and token
-    sums over ranks, so each equals its 1-rank value on the same batch (docs/metrics.md). `advantages`: one
-    per completion of the global batch. Also writes --log_completions and warns about a collapsed policy."""
+    sums over ranks, so each equals its 1-rank value on the same batch (docs/metrics.md); a metric that does
+    not apply to the run is absent. `advantages`: one per completion (1-D, the global batch's or this rank's)
+    or per token (this rank's, a list like batch.sampler_logp): advantage_metrics. `extra`: the script's own
+    metrics (global_means). Also writes --log_completions and warns about a collapsed policy."""
     now, t, G, tot = time.perf_counter(), run.times, run.args.group_size, stats.totals
     first = [all_gather(x) for x in batch.first]  # reward/* logs the first sampling round: the policy's rates
     rewards, lengths = all_gather(batch.rewards), all_gather(batch.lengths)
     trained = all_gather(getattr(batch, batch.spread_on)).view(-1, G)  # the groups trained on (Keep's filter)
     finished = all_gather(torch.tensor(batch.rollouts.finished, dtype=torch.float32))
-    failed, first_groups = rewards < run.task.pass_threshold, first[0].view(-1, G)
+    first_groups = first[0].view(-1, G)
     stale = all_gather(batch.staleness)  # --async_steps: pushes between sampling and this update
     updates, n = stats.updates + stats.skipped, tot["first_pass_tokens"]
+    adv_metrics, local_adv = advantage_metrics(advantages, batch, rewards, run.task.pass_threshold)
     metrics = {
         "reward/mean": first[0].mean().item(),
         "reward/std": first[0].std().item() if len(first[0]) > 1 else 0.0,
@@ -74,15 +77,11 @@ def step_metrics(run, batch: Batch, pre: PreUpdate, stats: StepStats, advantages
         "frac_reward_zero_std": (first_groups.amax(1) == first_groups.amin(1)).float().mean().item(),  # TRL's
         "sampling/rounds": batch.rounds, "sampling/extra_rollouts": all_sum(batch.generated - len(batch)),
         "sampling/kept_zero_std": (trained.amax(1) == trained.amin(1)).float().mean().item(),
-        "adv/mean": advantages.mean().item(), "adv/abs_mean": advantages.abs().mean().item(),
-        "adv/failed_pos_frac": (advantages[failed] > 0).float().mean().item() if failed.any() else math.nan,
-        "loss/policy": tot["loss/policy"] / updates, "nonfinite/skipped": stats.skipped,
-        "kl": tot["kl"] / tot["tokens"] if stats.has_kl else float("nan"),
+        **adv_metrics, "loss/policy": tot["loss/policy"] / updates, "nonfinite/skipped": stats.skipped,
         "kl/old": tot["kl/old"] / tot["tokens"], "clip_frac": tot["clip_frac"] / tot["tokens"],
         "entropy": tot["entropy"] / n, "logprob/sampler_diff": tot["logprob/sampler_diff"] / n,
         "is/mean": tot["is/mean"] / n, "is/clip_frac": tot["is/clip_frac"] / n, "is/kl": tot["is/kl"] / n,
-        "grad_norm": stats.grad_norm / stats.updates if stats.updates else float("nan"),  # NaN: all skipped
-        "lr": run.scheduler.get_last_lr()[0], "entropy/threshold": pre.tau,
+        "lr": run.scheduler.get_last_lr()[0],
         "len/mean": lengths.mean().item(), "len/truncated": 1.0 - finished.mean().item(),
         "rollout/staleness": stale.mean().item(), "rollout/staleness_max": stale.max().item(),  # pushes
         "time/rollout": t["update"] - t["start"], "time/update": t["update_end"] - t["update"],
@@ -90,6 +89,12 @@ def step_metrics(run, batch: Batch, pre: PreUpdate, stats: StepStats, advantages
         "perf/tokens_per_s": n / (now - t["start"]),  # every rank's tokens
         "perf/pad_frac": tot["perf/padded"] / max(tot["perf/computed"], 1.0),  # the update's forwards
     }
+    if stats.has_kl:  # a KL term (or a logged KL): the reference was loaded
+        metrics["kl"] = tot["kl"] / tot["tokens"]
+    if stats.updates:  # else every optimizer step was skipped (--on_nonfinite skip)
+        metrics["grad_norm"] = stats.grad_norm / stats.updates
+    if not math.isnan(pre.tau):  # --top_entropy_quantile < 1
+        metrics["entropy/threshold"] = pre.tau
     metrics.update(memstats.metrics(run.times, run.plan, run.engine))  # CUDA: each phase's peak memory
     runlog.first_step(t, now)  # the start-up's last line
     if "value/loss" in tot:  # PPO's critic
@@ -97,11 +102,62 @@ def step_metrics(run, batch: Batch, pre: PreUpdate, stats: StepStats, advantages
         metrics["value/clip_frac"] = tot["value/clip_frac"] / tot["tokens"]
     if batch.rollouts.tool_stats is not None:  # --tools
         metrics.update(tool_metrics(batch.rollouts))
-    metrics.update(extra or {})
+    metrics.update(global_means(extra or {}))
     faults.warn_on_collapse(run, metrics)  # no gradient or no entropy for several steps in a row
     runlog.log_completions(run, batch.examples, batch.rollouts, batch.rewards, batch.correct, batch.fmt,
-                           advantages[local_slice(len(batch))], run.args.log_completions)
+                           local_adv, run.args.log_completions)
     return metrics
+
+
+def advantage_metrics(advantages, batch: Batch, rewards, threshold: float) -> tuple:
+    """(adv/* over the global batch, this rank's one advantage per completion for --log_completions).
+    Per completion (1-D: the global batch's, all_gather's order, or this rank's): means over completions,
+    adv/failed_pos_frac the share of failed completions (reward < threshold; `rewards`: the global batch's)
+    with a positive advantage. Per token (a list of this rank's 1-D tensors, like batch.sampler_logp): means
+    over every rank's tokens, adv/failed_pos_frac the share of failed completions' tokens with a positive
+    advantage, a completion's own its token mean. adv/failed_pos_frac is absent when nothing failed."""
+    if isinstance(advantages, (list, tuple)):
+        failed = (batch.rewards < threshold).tolist()
+        none = [torch.zeros(0, dtype=torch.float64)]
+        a = [x.detach().cpu().double().flatten() for x in advantages]
+        flat, bad = torch.cat(a + none), torch.cat([x for x, f in zip(a, failed) if f] + none)
+        s = all_sum({"n": flat.numel(), "sum": flat.sum(), "abs": flat.abs().sum(), "failed": bad.numel(),
+                     "failed_pos": (bad > 0).sum()})
+        out = {"adv/mean": s["sum"] / max(s["n"], 1), "adv/abs_mean": s["abs"] / max(s["n"], 1)}
+        if s["failed"]:
+            out["adv/failed_pos_frac"] = s["failed_pos"] / s["failed"]
+        return out, torch.stack([x.detach().cpu().sum() / max(len(x), 1) for x in advantages])
+    if len(advantages) == len(batch) and world_size() > 1:  # this rank's: gather the global batch's
+        advantages = all_gather(advantages)
+    if len(advantages) != len(rewards):
+        raise ValueError(f"step_metrics: {len(advantages)} advantages for a global batch of {len(rewards)} "
+                         f"completions: give one per completion (this rank's or all) or a list per token")
+    failed = rewards < threshold
+    out = {"adv/mean": advantages.mean().item(), "adv/abs_mean": advantages.abs().mean().item()}
+    if failed.any():
+        out["adv/failed_pos_frac"] = (advantages[failed] > 0).float().mean().item()
+    return out, advantages[local_slice(len(batch))]
+
+
+def global_means(extra: dict) -> dict:
+    """A script's own metrics, summed over ranks in one all-reduce: a number is logged as it is (the script
+    made it global), a tensor or a list of tensors (this rank's values) as the mean of its elements over every
+    rank's, a (sum, count) pair (this rank's) as the sum over ranks / the count over ranks. None, or a mean of
+    nothing, is left out: a metric that does not apply is absent, not NaN."""
+    out, sums = {}, {}
+    for name, v in extra.items():
+        if isinstance(v, (torch.Tensor, list)):
+            x = torch.cat([t.detach().double().flatten().cpu() for t in ([v] if torch.is_tensor(v) else v)]
+                          + [torch.zeros(0, dtype=torch.float64)])
+            v = (x.sum(), x.numel())
+        if isinstance(v, tuple):
+            sums[(name, "count")], sums[(name, "sum")] = v[1], v[0]
+        elif v is not None:
+            out[name] = v
+    sums = all_sum(sums) if sums else {}
+    out.update({name: sums[(name, "sum")] / sums[(name, "count")] for name, what in sums
+                if what == "sum" and sums[(name, "count")]})
+    return out
 
 
 def tool_metrics(rollouts) -> dict:
@@ -114,7 +170,7 @@ def tool_metrics(rollouts) -> dict:
     return {"tools/calls": st["calls"].mean().item(),
             "tools/call_frac": (st["calls"] > 0).double().mean().item(),
             "tools/turns": st["turns"].mean().item(),
-            "tools/success_rate": 1 - st["errors"].sum().item() / calls if calls else math.nan,
+            **({"tools/success_rate": 1 - st["errors"].sum().item() / calls} if calls else {}),
             "tools/errors": st["errors"].sum().item(), "tools/timeouts": st["timeouts"].sum().item(),
             "tools/raised": st["raised"].sum().item(),
             "tools/seconds": st["seconds"].sum().item(), "tools/turn_limit": st["turn_limit"].mean().item(),

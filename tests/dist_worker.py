@@ -9,7 +9,8 @@ prompt depend on the prompt's text alone, so the global batch is the same whatev
 whichever rank samples it. Every gradient clip call (the policy's, then PPO's critic's) records the flattened
 gradient it is given, before clipping, into OUT/<name>.rank<r>.pt. A run with "generate": after training, a
 script's own common.generate calls (greedy, 2 per prompt) on the first 4, 3 and 1 held-out prompts, shared
-out over the ranks (2 + 2, 2 + 1, 1 + none), gathered into OUT/<name>.generate.rank<r>.pt. Then
+out over the ranks (2 + 2, 2 + 1, 1 + none), and common.logprobs of a rollout batch on micro-batches of 1
+(rank 0) and 64 (rank 1), gathered into OUT/<name>.generate.rank<r>.pt. Then
 dist.top_share_threshold of fixed values split unevenly over the ranks (one rank may hold none) goes to
 OUT/thresholds.rank<r>.json.
 """
@@ -56,6 +57,12 @@ for spec in runs:
                                                              r.completion_ids, r.policy_mask)]
             if k == 4:  # the same count on every rank: the tensors gather as the batch's do
                 out["tensor"] = common.all_gather(s.rewards).tolist()
+        # common.logprobs of a rollout batch: rank 0 a forward per completion, rank 1 one for all (equalised)
+        batch = common.rollout(run)
+        run.args.micro_batch_size = 1 if dist.rank() == 0 else 64
+        out["logprobs"] = [dist.all_gather_objects([x.tolist() for x in lp])
+                           for lp in (common.logprobs(run, batch, run.model), batch.sampler_logp)]
+        out["logprobs"].append(dist.all_gather_objects(batch.rollouts.policy_mask))
         torch.save(out, os.path.join(out_dir, f"{spec['name']}.generate.rank{dist.rank()}.pt"))
 
 values = torch.rand(1000, generator=torch.Generator().manual_seed(0)).round(decimals=2)  # ties too

@@ -364,3 +364,66 @@ def test_step_stats_stay_on_the_device_until_one_copy_per_step(monkeypatch):
     monkeypatch.undo()
     assert {k: totals[k] for k in expected} == expected  # bit for bit
     assert totals["perf/computed"] == 51 and totals["perf/padded"] == 6
+
+
+def _batch(rollouts, rewards):
+    """A Batch of these rollouts (scores as given), as common.rollout returns one."""
+    from rlmini.batches import Batch
+    n, rewards = len(rollouts.completion_ids), torch.tensor(rewards, dtype=torch.float32)
+    return Batch([{}] * n, rollouts, rewards, rewards, rewards, (rewards,), 1, n, "correct", torch.ones(n))
+
+
+def test_logprobs_of_a_model_are_its_plain_forward_aligned_with_the_sampler_with_and_without_tools(
+        tiny_addition):
+    """batches.batch_logprobs (common.logprobs): packed, micro-batched (3 of them, one cut by tokens), with
+    the model's forward taken as a plain unpacked HF forward's; CPU fp32, one tensor per completion of
+    exactly the sampler's tokens: with tools, a tool's output is context on both sides."""
+    from transformers import AutoModelForCausalLM
+    from rlmini import batches
+    model, tok, path = tiny_addition
+    packed = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert packing.enable_packing(packed)
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ["3+4=", "12+9=", "7+7="]]
+    r = engine.HFEngine(model, tok).generate(prompts, 3, 6, 0.8, 5)
+    tool = copy.deepcopy(r)  # the same tokens, the second of each longer completion a tool's output
+    tool.policy_mask = [[int(k != 1 or len(c) < 3) for k in range(len(c))] for c in r.completion_ids]
+    assert any(0 in m for m in tool.policy_mask)
+    for rollouts in (r, tool):
+        batch = _batch(rollouts, [0.0] * 9)
+        ours = batches.batch_logprobs(batch, packed, 0.8, 4, 24, torch.device("cpu"), torch.float32)
+        assert len(batches.micro_rows(batch, list(range(9)), 4, 24)) >= 3
+        masks = rollouts.policy_mask or [[1] * len(c) for c in rollouts.completion_ids]
+        with torch.no_grad():
+            plain = [_naive_logprobs(model, packing.make_batch([p], [c], 0, "cpu"), 0.8)[0, len(p) - 1:]
+                     [torch.tensor(m, dtype=torch.bool)] for p, c, m in
+                     zip(rollouts.prompt_ids, rollouts.completion_ids, masks)]
+        assert [x.shape for x in ours] == [x.shape for x in plain] == [x.shape for x in batch.sampler_logp]
+        assert all(x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad for x in ours)
+        assert_grad_close(torch.cat(ours), torch.cat(plain), rel=1e-5)
+        assert_grad_close(torch.cat(ours), torch.cat(batch.sampler_logp), rel=1e-5)  # the HF engine, fp32
+
+
+def test_advantages_per_completion_or_per_token_reach_the_loss_and_the_metrics_alike():
+    """Micro.advantages: a list per token -> [b, T-1], one per completion (this rank's or the global
+    batch's) -> [b, 1]; advantage_metrics: hand-computed over completions, or over tokens."""
+    from rlmini import batches, metrics
+    r = data.Rollouts([[1, 2]] * 3, [[5, 6], [7], [5, 6, 7]], [[0.0] * 2, [0.0], [0.0] * 3], [True] * 3, 0)
+    batch = _batch(r, [0.0, 1.0, 0.0])  # completions 0 and 2 failed (threshold 0.5)
+    micro = batches.micro_batch(batch, [2, 0], None, "cpu")
+    token = [torch.tensor([1.0, -2.0]), torch.tensor([0.5]), torch.tensor([-1.0, 3.0, 0.0])]
+    seq = torch.tensor([1.0, -1.0, 0.5])
+    assert micro.advantages(token).tolist() == [[0.0, -1.0, 3.0, 0.0], [0.0, 1.0, -2.0, 0.0]]  # [b, T-1]
+    assert micro.advantages(seq).tolist() == [[0.5], [1.0]]
+    with pytest.raises(ValueError, match="2 advantages for 3 completions per rank"):
+        micro.advantages(seq[:2])
+    out, local = metrics.advantage_metrics(token, batch, batch.rewards, 0.5)
+    assert out == pytest.approx({"adv/mean": 1.5 / 6, "adv/abs_mean": 7.5 / 6, "adv/failed_pos_frac": 2 / 5})
+    assert local.tolist() == pytest.approx([-0.5, 0.5, 2 / 3])
+    out, local = metrics.advantage_metrics(seq, batch, batch.rewards, 0.5)
+    assert out == pytest.approx({"adv/mean": 0.5 / 3, "adv/abs_mean": 2.5 / 3, "adv/failed_pos_frac": 1.0})
+    assert torch.equal(local, seq)
+    assert "adv/failed_pos_frac" not in metrics.advantage_metrics(token, batch, batch.rewards, -1.0)[0]
+    assert "adv/failed_pos_frac" not in metrics.advantage_metrics(seq, batch, batch.rewards, -1.0)[0]
+    means = metrics.global_means({"n": 2.5, "ragged": token, "t": seq, "pair": (3.0, 4), "no": None,
+                                  "empty": [torch.zeros(0)], "none": (0.0, 0)})
+    assert means == pytest.approx({"n": 2.5, "ragged": 0.25, "t": 0.5 / 3, "pair": 0.75})

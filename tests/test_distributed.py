@@ -127,6 +127,23 @@ def test_a_scripts_own_generate_calls_under_torchrun_give_the_one_rank_completio
     assert any(0 in m for m in a[4][3])  # tool output in the completions
 
 
+def test_logprobs_under_torchrun_are_the_one_rank_ones_aligned_with_the_sampler(one_and_two_ranks):
+    """common.logprobs with tools on 2 FSDP2 ranks that split their rows into different numbers of
+    micro-batches (a hang unless every rank joins every forward): the one-rank values, gathered in order,
+    laid out like batch.sampler_logp (the double's sampler is the trainer), tool output left out."""
+    one, two = one_and_two_ranks
+    (name,) = GENERATE
+    (lp1, sampler1, policy), (lp2, sampler2, _) = (torch.load(d / f"{name}.generate.rank0.pt")["logprobs"]
+                                                   for d in (one, two))
+    lengths = [sum(m) for m in policy]  # the policy's tokens of each completion
+    assert [len(x) for x in lp1] == [len(x) for x in lp2] == lengths == [len(x) for x in sampler1]
+    assert any(0 in m for m in policy)  # tool output in the batch
+    flat = lambda ragged: torch.tensor([v for x in ragged for v in x])  # noqa: E731
+    # each against its own sampler (the trained weights of 1 and 2 ranks differ in the last bits)
+    for ours, sampler in ((lp1, sampler1), (lp2, sampler2), (lp2, lp1)):
+        assert relative_difference(flat(sampler), flat(ours)) < 1e-5
+
+
 @pytest.mark.parametrize("name", ["grpo", "ppo"])
 def test_resume_under_torchrun_is_exact(one_and_two_ranks, name):
     _, two = one_and_two_ranks

@@ -2,7 +2,6 @@
 policy, runs protected from being overwritten or shared, resume against changed options or another algorithm,
 a torn metrics line, and one-line errors at the entry points."""
 import json
-import math
 import os
 import subprocess
 import sys
@@ -61,7 +60,7 @@ def test_a_nan_reward_with_skip_skips_that_update_only(tmp_path, monkeypatch):
     monkeypatch.undo()
     straight = train(train_grpo, tmp_path, "--steps", "1", "--run_name", "one")
     rows = read_metrics(skipped.run_dir)
-    assert [r["nonfinite/skipped"] for r in rows] == [0, 1] and math.isnan(rows[1]["grad_norm"])
+    assert [r["nonfinite/skipped"] for r in rows] == [0, 1] and "grad_norm" not in rows[1]
     for a, b in zip(skipped.model.parameters(), straight.model.parameters()):  # step 2 changed nothing
         assert torch.equal(a, b)
     assert finite_checkpoint(skipped.run_dir)

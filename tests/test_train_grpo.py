@@ -9,10 +9,9 @@ import torch
 import train_grpo
 from conftest import mean_of, read_metrics, run_script, undocumented
 
-SHARED_METRICS = {"reward/mean", "reward/correct", "reward/format", "adv/mean", "adv/failed_pos_frac",
-                  "loss/policy",
-                  "kl", "clip_frac", "entropy", "len/mean", "time/rollout", "time/update", "time/push",
-                  "perf/tokens_per_s"}
+SHARED_METRICS = {"reward/mean", "reward/correct", "reward/format", "adv/mean", "adv/abs_mean",
+                  "loss/policy", "grad_norm", "clip_frac", "entropy", "len/mean", "time/rollout",
+                  "time/update", "time/push", "perf/tokens_per_s"}
 NOT_REPRODUCIBLE = ("time/", "perf/", "tools/seconds")  # clocks
 
 
@@ -118,7 +117,7 @@ def test_every_variant_runs_and_logs_sane_metrics(tmp_path, extra):
     if "--beta" in extra:
         assert all(r["kl"] >= 0 for r in rows) and rows[-1]["kl"] > 0  # k3 is non-negative
     else:
-        assert all(math.isnan(r["kl"]) for r in rows)
+        assert all("kl" not in r for r in rows)  # no reference: absent, not NaN
 
 
 def test_on_policy_run_never_clips(tmp_path):
@@ -132,7 +131,7 @@ def test_failed_positive_fraction_on_ordinal(tmp_path):
                 "--run_name", "o")
     rows = read_metrics(run.run_dir)
     # a random policy on a partial-credit task: GRPO does reward some failures (seed 004, Fig. 1)
-    assert max(r["adv/failed_pos_frac"] for r in rows) > 0.05
+    assert max(r.get("adv/failed_pos_frac", 0) for r in rows) > 0.05
 
 
 def test_decontaminate_drops_overlapping_training_prompts(tmp_path):
