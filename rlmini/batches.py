@@ -1,6 +1,6 @@
 """What flows through a step: the rollout batch (whole groups, scored), what the pre-update pass computed, and
 the minibatches and micro-batches of the update, laid out for the trainer."""
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -82,14 +82,15 @@ class Micro:
     computed: int           # token positions the forward computes ...
     padded: int             # ... and how many of them are padding (perf/pad_frac)
     size: int = 0           # completions in this rank's batch (advantages: this rank's or the global batch's)
+    idle: bool = False      # torchrun: a repeat that keeps this rank in step, every mask zero (Minibatch)
 
     @property
     def mask(self):
-        return self.layout["mask"]
+        return torch.zeros_like(self.layout["mask"]) if self.idle else self.layout["mask"]
 
     def per_token(self, ragged: list) -> torch.Tensor:
         """Per-completion 1-D tensors of the whole batch -> [b, T-1] for these rows."""
-        return to_padded(ragged, self.rows, self.mask)
+        return to_padded(ragged, self.rows, self.layout["mask"])
 
     def per_seq(self, values: torch.Tensor) -> torch.Tensor:
         """One value per completion of the batch -> these rows', on the trainer's device."""
@@ -127,7 +128,7 @@ def ragged_pass(batch: Batch, forward, max_seqs: int, max_tokens: int, model, de
     value is left out). Under torchrun every rank runs as many micro-batches, a rank with fewer repeating its
     last one and dropping what it gives: a FSDP2-sharded model's forward is a collective of every rank."""
     rows = micro_rows(batch, list(range(len(batch))), max_seqs, max_tokens)
-    count = int(all_gather(torch.tensor([len(rows)])).max()) if world_size() > 1 else len(rows)
+    count = most_micro_batches(rows)
     out = {}
     for k in range(count):
         micro = micro_batch(batch, rows[min(k, len(rows) - 1)], model, device)
@@ -166,8 +167,21 @@ class Minibatch:
     device: torch.device
 
     def __iter__(self):
-        for rows in micro_rows(self.batch, self.rows, self.micro_batch_size, self.micro_batch_tokens):
-            yield micro_batch(self.batch, rows, self.model, self.device, self.epoch)
+        """Under torchrun every rank yields as many micro-batches (FSDP2's forward and backward are
+        collectives): a rank with fewer repeats its last one with every mask zero, so its loss, gradient
+        and statistics add nothing."""
+        rows = micro_rows(self.batch, self.rows, self.micro_batch_size, self.micro_batch_tokens)
+        for k in range(most_micro_batches(rows)):
+            micro = micro_batch(self.batch, rows[min(k, len(rows) - 1)], self.model, self.device, self.epoch)
+            if k >= len(rows):
+                micro = replace(micro, loss_mask=torch.zeros_like(micro.loss_mask), computed=0, padded=0,
+                                idle=True)
+            yield micro
+
+
+def most_micro_batches(rows: list) -> int:
+    """The most micro-batches any rank has (this rank's `rows`, a list of micro-batches)."""
+    return int(all_gather(torch.tensor([len(rows)])).max()) if world_size() > 1 else len(rows)
 
 
 def micro_rows(batch: Batch, rows: list, max_seqs: int, max_tokens: int = 0) -> list:

@@ -10,7 +10,8 @@ whichever rank samples it. Every gradient clip call (the policy's, then PPO's cr
 gradient it is given, before clipping, into OUT/<name>.rank<r>.pt. A run with "generate": after training, a
 script's own common.generate calls (greedy, 2 per prompt) on the first 4, 3 and 1 held-out prompts, shared
 out over the ranks (2 + 2, 2 + 1, 1 + none), and common.logprobs of a rollout batch on micro-batches of 1
-(rank 0) and 64 (rank 1), gathered into OUT/<name>.generate.rank<r>.pt. Then
+(rank 0) and 64 (rank 1), gathered into OUT/<name>.generate.rank<r>.pt. A run with "uneven": on 2 ranks, rank 0 trains on
+micro-batches of 1 (the update's micro-batch counts differ between the ranks). Then
 dist.top_share_threshold of fixed values split unevenly over the ranks (one rank may hold none) goes to
 OUT/thresholds.rank<r>.json.
 """
@@ -46,7 +47,9 @@ torch.nn.utils.clip_grad_norm_ = recording_clip
 for spec in runs:
     recorded.clear()
     argv = ["--out_dir", out_dir, "--run_name", spec["name"], "--wandb", "false", "--engine", "hf"]
-    run = importlib.import_module(spec["script"]).main(argv + spec["argv"])
+    uneven = spec.get("uneven") and int(os.environ.get("WORLD_SIZE", 1)) > 1 and os.environ["RANK"] == "0"
+    own = ["--micro_batch_size", "1"] if uneven else []  # rank 0 more micro-batches than rank 1: no hang
+    run = importlib.import_module(spec["script"]).main(argv + spec["argv"] + own)
     torch.save(list(recorded), os.path.join(out_dir, f"{spec['name']}.rank{dist.rank()}.pt"))
     if spec.get("generate"):
         out = {}

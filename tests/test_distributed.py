@@ -55,11 +55,13 @@ RESUME = [  # on 2 ranks: 4 steps straight, and 2 steps + resume to 4 (HA-DW's a
 
 
 GENERATE = {"grpo-tools"}  # after training: a script's own common.generate calls (tests/dist_worker.py)
+UNEVEN = {"ppo"}  # 2 ranks: rank 0 on micro-batches of 1, rank 1 of 4 (tests/dist_worker.py)
 
 
 def launch(out, runs, ranks, timeout=600):
     path = os.path.join(out, "runs.json")
-    json.dump([{"name": n, "script": s, "argv": a, "generate": n in GENERATE} for n, s, a in runs],
+    json.dump([{"name": n, "script": s, "argv": a, "generate": n in GENERATE, "uneven": n in UNEVEN}
+               for n, s, a in runs],
               open(path, "w"))
     worker = os.path.join(ROOT, "tests", "dist_worker.py")
     cmd = [sys.executable, worker, out, path] if ranks == 1 else \
