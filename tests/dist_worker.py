@@ -10,8 +10,8 @@ whichever rank samples it. Every gradient clip call (the policy's, then PPO's cr
 gradient it is given, before clipping, into OUT/<name>.rank<r>.pt. A run with "generate": after training, a
 script's own common.generate calls (greedy, 2 per prompt) on the first 4, 3 and 1 held-out prompts, shared
 out over the ranks (2 + 2, 2 + 1, 1 + none), and common.logprobs of a rollout batch on micro-batches of 1
-(rank 0) and 64 (rank 1), gathered into OUT/<name>.generate.rank<r>.pt. A run with "uneven": on 2 ranks, rank 0 trains on
-micro-batches of 1 (the update's micro-batch counts differ between the ranks). Then
+(rank 0) and 64 (rank 1), gathered into OUT/<name>.generate.rank<r>.pt. A run with "uneven": on 2 ranks,
+rank 0 trains on micro-batches of 1 (the update's micro-batch counts differ between the ranks). Then
 dist.top_share_threshold of fixed values split unevenly over the ranks (one rank may hold none) goes to
 OUT/thresholds.rank<r>.json.
 """
