@@ -354,7 +354,8 @@ def policy_logprobs(run, micro: Micro) -> tuple:
     first pass, or with --entropy_coef, whose gradient flows through them)."""
     with autocast(run.device, run.dtype):
         return logprobs.token_logprobs(run.model, micro.layout, run.args.temperature,
-                                       with_entropy=micro.epoch == 0 or run.args.entropy_coef > 0)
+                                       with_entropy=micro.epoch == 0 or run.args.entropy_coef > 0,
+                                       entropy_grad=run.args.entropy_coef > 0)
 
 
 def optimizer_step(run, stats) -> None:

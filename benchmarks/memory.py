@@ -80,12 +80,25 @@ def _tracker_class(fsdp: bool):
 
     class Tracker(FSDPMemTracker if fsdp else MemTracker):
         supports_higher_order_operators = True
+        where = ""  # the pass and module of the peak
 
         def _pre_fw_hook(self, module, inputs):
             try:
                 super()._pre_fw_hook(module, inputs)
             except NotImplementedError:  # "multiple iterative calls": the head, once per logit chunk
                 pass
+
+        def _post_fw_hook(self, module, inputs, outputs):
+            if module in self.memory_tracking:  # not the head called again (above): its stats are unused
+                super()._post_fw_hook(module, inputs, outputs)
+
+        def _pre_bw_hook(self, module, args):
+            if module in self.memory_tracking:
+                super()._pre_bw_hook(module, args)
+
+        def _post_bw_hook(self, module, args):
+            if module in self.memory_tracking:
+                super()._post_bw_hook(module, args)
 
         def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
             # a frozen parameter (a LoRA base) takes no gradient hook; its gradients count as temporaries
@@ -96,19 +109,26 @@ def _tracker_class(fsdp: bool):
             for dev, snap in self._curr_mem_snap.items():
                 if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
                     self._peak_mem[dev], self._peak_mem_snap[dev] = snap[_TOTAL_KEY], copy.deepcopy(snap)
+                    # where the peak is: the pass and the innermost module running
+                    self.where = (("backward" if self._mod_tracker.is_bw else "forward")
+                                  + " " + max(self._mod_tracker.parents, key=len, default=""))
 
         def total(self, kind: str = "current") -> int:
             return sum(s[_TOTAL_KEY] for s in self.get_tracker_snapshot(kind).values())
     return Tracker
 
 
-def _fake_batch(mode, G: int = 8, prompt: int = 512, length: int = 960, windows=(None,)):
+def _fake_batch(mode, groups=((512, 8, 960),), windows=(None,)):
     """make_batch's packed FlexAttention layout of one micro-batch, built for real and then turned into fake
-    tensors (block masks included: their construction reads values)."""
+    tensors (block masks included: their construction reads values). `groups`: per distinct prompt, (its
+    tokens, its completions, their tokens)."""
     from rlmini import packing
     g = torch.Generator().manual_seed(0)
-    comps = [torch.randint(3, 1000, (length,), generator=g).tolist() for _ in range(G)]
-    batch = packing.make_batch([[5] * prompt] * G, comps, 0, "cpu", kernel="flex")
+    prompts, comps = [], []
+    for k, (prompt, n, length) in enumerate(groups):
+        prompts += [[5 + k] * prompt] * n
+        comps += [torch.randint(3, 1000, (length,), generator=g).tolist() for _ in range(n)]
+    batch = packing.make_batch(prompts, comps, 0, "cpu", kernel="flex")
     layout = batch["packed"]["rows"]
     masks = {w: layout.block_mask(w) for w in windows}
     fake = lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
@@ -158,9 +178,13 @@ def _fake_process_group(ranks: int) -> None:
 
 
 def track(name: str, ranks: int = 1, lora_rank: int = 0, reference: bool = False, critic: bool = False,
-          checkpointing: bool = True, dtype=torch.bfloat16, micro_batches: int = 1) -> dict:
+          checkpointing: bool = True, dtype=torch.bfloat16, micro_batches: int = 1, groups=((512, 8, 960),),
+          entropy_graph: bool = False) -> dict:
     """Bytes the trackers count on one rank: `persistent` (at the step's start) and `update` (the peak of the
-    micro-batches' forward/backward and the optimizer step), for the trainer's build of model `name`."""
+    micro-batches' forward/backward and the optimizer step), for the trainer's build of model `name`, on
+    micro-batches laid out as `groups` (_fake_batch). `entropy_graph`: the entropy keeps its graph though no
+    gradient reaches it, as the trainer did before rlmini/logprobs.py::_chunk_logprobs computed it without
+    one (the code of the GPU runs in benchmarks/gpu_runs.json)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
@@ -172,7 +196,7 @@ def track(name: str, ranks: int = 1, lora_rank: int = 0, reference: bool = False
     args = argparse.Namespace(lora_rank=lora_rank, lora_alpha=0.0, lora_targets="all-linear",
                               lora_dropout=0.0)
     window = getattr(cfg, "sliding_window", None)
-    batch = _fake_batch(mode, windows=(None, window) if window else (None,))
+    batch = _fake_batch(mode, groups, windows=(None, window) if window else (None,))
     packing.use_kernel("flex")
     base = dtype if lora_rank else torch.float32  # models.load_model: fp32 masters, a LoRA base in the dtype
 
@@ -233,8 +257,9 @@ def track(name: str, ranks: int = 1, lora_rank: int = 0, reference: bool = False
                         param.grad = torch.zeros_like(param)
                 for _ in range(micro_batches):
                     tracker.reset_mod_stats()  # per-module stats only: each micro-batch calls the root again
-                    with torch.autocast("cpu", dtype=dtype):
-                        logp, _ = logprobs.token_logprobs(policy, batch, 1.0, with_entropy=True)
+                    with torch.autocast("cpu", dtype=dtype):  # the loop keeps the last entropy until the next
+                        logp, entropy = logprobs.token_logprobs(policy, batch, 1.0, with_entropy=True,
+                                                                entropy_grad=entropy_graph)
                     (-(logp * batch["mask"]).sum() / batch["mask"].sum()).backward()
                     if value is not None:  # train_ppo.py: the critic's forward and loss after the policy's
                         with torch.autocast("cpu", dtype=dtype):
@@ -246,7 +271,7 @@ def track(name: str, ranks: int = 1, lora_rank: int = 0, reference: bool = False
                 if value_opt is not None:
                     value_opt.step()
                     value_opt.zero_grad(set_to_none=True)
-                return {"persistent": persistent, "update": tracker.total("peak"),
+                return {"persistent": persistent, "update": tracker.total("peak"), "where": tracker.where,
                         "snapshot": tracker.get_tracker_snapshot("peak")}
     finally:
         packing.use_kernel("auto")
