@@ -150,6 +150,11 @@ class Args:
     allow_option_changes: bool = arg(False, "--resume with options that change the experiment (listed)")
     print_every: int = arg(10, "without a terminal (cluster job, nohup, CI): a line every N steps", ge=0)
     verbose: bool = arg(False, "show vLLM's warnings (most are hints the user cannot act on)")
+    plan_only: bool = arg(False, "print the memory plan for --gpus GPUs from the model's config and exit")
+    gpus: int = arg(1, "--plan_only: GPUs (ranks) the run would use (nodes x GPUs per node)", ge=1)
+    gpus_per_node: int = arg(8, "--plan_only: GPUs per node (host memory is per node)", ge=1)
+    gpu_memory_gb: float = arg(79.2, "--plan_only: GiB per GPU as torch shows it (80 GB H100: 79.2)", gt=0)
+    plan_prompt_tokens: int = arg(512, "--plan_only: the longest prompt, in tokens (no data is read)", ge=1)
     min_group_size: ClassVar[int] = 1  # scripts with a group baseline raise it to 2
     trains: ClassVar[bool] = True  # eval.py's options sample only: --dtype float16 is allowed there
 
@@ -196,6 +201,7 @@ class Run:
 
 def setup(args, algo: str) -> Run:
     """Seeds, task, run folder, device, model, engine, optimizer and log; on --resume, the checkpoint."""
+    memplan.plan_only(args, algo)  # --plan_only: the plan from the config alone, then exit
     check_ranks(args)
     data.seed_everything(args.seed)
     model_tag = os.path.basename(args.model.rstrip("/"))

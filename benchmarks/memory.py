@@ -20,8 +20,11 @@ import json
 import os
 import sys
 import time
+import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -276,6 +279,69 @@ def track(name: str, ranks: int = 1, lora_rank: int = 0, reference: bool = False
     finally:
         packing.use_kernel("auto")
         _fake_process_group(1)
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of the storages made under it that are still alive, and their peak, on real tensors: what a run
+    allocates beyond what existed before (a view or an in-place result shares an input's storage: not new)."""
+
+    def __init__(self):
+        super().__init__()
+        self.now = self.peak = 0
+        self.live = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        known = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)}
+        for t in tree_leaves(out):
+            if torch.is_tensor(t) and t.device.type != "meta":
+                st = t.untyped_storage()
+                if st._cdata not in known and st._cdata not in self.live and st.nbytes():
+                    self.live[st._cdata] = st.nbytes()
+                    self.now += st.nbytes()
+                    weakref.finalize(st, self._free, st._cdata)
+        self.peak = max(self.peak, self.now)
+        return out
+
+    def _free(self, key):
+        self.now -= self.live.pop(key, 0)
+
+
+def track_rollout(name: str, layers: int = 2, prompts: int = 2, n: int = 4, prompt: int = 37,
+                  new_tokens: int = 24, lora_rank: int = 0, dtype=torch.bfloat16) -> int:
+    """The peak bytes the HF engine's generate allocates (rlmini/engine.py::HFEngine.generate), run for real
+    on the CPU on model `name` cut to `layers` decoder layers, built as the trainer builds the policy (fp32
+    masters under autocast, or a LoRA base in the dtype): `prompts` prompts of `prompt` tokens, n completions
+    each, every one `new_tokens` long (no stop token)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from rlmini.engine import HFEngine
+    from rlmini.models import add_lora, prepare_for_training
+    cfg = _cut(config(name), layers)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype if lora_rank else torch.float32,
+                                             attn_implementation="sdpa")
+    model = prepare_for_training(model, True, packing=True)
+    if lora_rank:
+        model = add_lora(model, argparse.Namespace(lora_rank=lora_rank, lora_alpha=0.0, lora_targets="all-linear",
+                                                   lora_dropout=0.0))
+    engine = HFEngine(model, SimpleNamespace(eos_token_id=None, pad_token_id=0), torch.device("cpu"), dtype)
+    engine.eos_ids = frozenset()  # every completion runs to new_tokens: the plan's case
+    with _LiveBytes() as live:
+        engine.generate([[5 + k] * prompt for k in range(prompts)], n, new_tokens, 1.0, seed=0)
+    return live.peak
+
+
+def _cut(cfg, layers: int):
+    """The config with its first `layers` decoder layers."""
+    cfg = copy.deepcopy(cfg)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    text.num_hidden_layers = layers
+    if getattr(text, "layer_types", None):
+        text.layer_types = text.layer_types[:layers]
+    return cfg
 
 
 def planned(name: str, ranks: int = 1, lora_rank: int = 0, reference: bool = False, critic: bool = False,
