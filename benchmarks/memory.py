@@ -12,7 +12,9 @@ FakeTensorMode: real shapes and dtypes, no storage. It runs what one update hold
 state with AdamW's moments materialised, two packed micro-batches of 8192 tokens (512-token prompt, 8
 completions of 960) forward and backward with gradients accumulating, and the optimizer step. torch's
 MemTracker (FSDPMemTracker under FSDP2) counts every tensor the step creates. Not counted by either side:
-the CUDA context and the allocator's fragmentation (the plan's CONTEXT and margin).
+the CUDA context, NCCL, cuBLAS's workspaces and the allocator's fragmentation (the plan's CONTEXT, NCCL_COMM,
+WORKSPACE and margin). track_rollout counts what the HF engine's generate allocates, for real on a model cut
+to a few layers.
 """
 import argparse
 import copy
@@ -349,8 +351,8 @@ def planned(name: str, ranks: int = 1, lora_rank: int = 0, reference: bool = Fal
     """The plan's figures for what track() runs: the trainer's part (no CUDA context, no vLLM)."""
     c = memplan.count(config(name), lora_rank)
     p = memplan.plan(c, ranks=ranks, compute_bytes=compute_bytes, tokens=tokens, checkpointing=checkpointing,
-                     reference=reference, critic=critic, lora_rank=lora_rank)
-    return {"persistent": p["persistent"], "update": p["update"] - memplan.CONTEXT}
+                     reference=reference, critic=critic, lora_rank=lora_rank, context=0.0, workspace=0.0)
+    return {"persistent": p["persistent"], "update": p["update"]}
 
 
 CASES = [  # (model, ranks, LoRA rank, reference, critic, checkpointing)

@@ -158,17 +158,20 @@ def hf_rollout_bytes(c: dict, *, seqs: int, prompts: int, max_len: int, ranks: i
     kb, vb = (4 if fp32_stream else cb), cb
     B, S, V, hd = seqs, max_len, c["vocab"], c["head_dim"]
     kv = B * S * c["layers"] * c["kv_heads"] * hd * (kb + vb)
-    attention = B * S * c["heads"] * hd * (kb + vb + (cb if kb != cb else 0))
+    # (and sdpa's math kernel's fp32 scores and softmax for the step's one query; the [B, S] masks)
+    attention = B * S * c["heads"] * (hd * (kb + vb + (cb if kb != cb else 0)) + 8) + 16 * B * S
     if fp32_stream:  # every weight cast, cached for the step's forward
         weights = _cast_weights(c, cb)
     elif ranks > 1:  # FSDP2: the root stays gathered (no backward reshards it), a layer and the next
         weights = cb * (c["root"] + 2 * c["layer"])
     else:  # a LoRA base in the compute dtype: its adapters' casts
         weights = cb * c["lora"]
-    decode = kv + max(weights + (cb + 4) * B * V + max(attention, cb * B * V), (cb + 12) * B * V)
+    # the prefill's logits stay with its output through the loop
+    decode = kv + cb * prompts * V + max(weights + (cb + 4) * B * V + max(attention, cb * B * V),
+                                         (cb + 12) * B * V)
     tokens = prompts * S  # a prompt is at most the length less one new token: bounded by S
     prefill = weights + tokens * layer_activation_bytes(c, cb) + prompts * S * S + tokens / S * kv / B
-    return max(decode, prefill)
+    return max(decode, prefill) + 2**20  # and the loop's small tensors (ids, positions, tokens): under 1 MiB
 
 
 def plan(c: dict, *, ranks: int = 1, compute_bytes: int = 2, tokens: int = 8192, checkpointing: bool = False,

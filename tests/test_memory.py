@@ -47,38 +47,74 @@ def test_lora_count_is_what_peft_creates():
         assert c["lora"] == sum(p.numel() for p in trained) and c["lora_tensors"] == len(trained)
 
 
+TOY = dict(total=1000, layers=2, layer=300, root=400, largest=200, tensors=10, lora=40, lora_tensors=4,
+           hidden=8, intermediate=16, kv_per_token_layer=8, kv_heads=2, heads=4, head_dim=2, vocab=50,
+           embedding=400, norms=2, tied=False, softcap=False, context=4096)
+
+
 def test_plan_by_hand():
-    c = dict(total=1000, layers=2, layer=300, root=400, largest=200, tensors=10, lora=40, lora_tensors=4,
-             hidden=8, intermediate=16, kv_per_token_layer=4, vocab=50, norms=2, tied=False, softcap=False)
-    one = memplan.plan(c, ranks=1, compute_bytes=2, tokens=10, checkpointing=False, gpu_bytes=100 * GiB)
+    c, free = TOY, dict(context=0.0, workspace=0.0, gpu_bytes=100 * GiB)
+    one = memplan.plan(c, ranks=1, compute_bytes=2, tokens=10, checkpointing=False, **free)
     assert one["weights"] == 4000 and one["grads"] == 4000 and one["adam"] == 8000 + 512 * 10
     per_layer = 8 * 16 + 15 * 8 + 8 * 8 * 2  # layer_activation_bytes at bf16
-    head, logits = 2 * 50 * 8, 12 * 10 * 50 * 4 + 2 * 50 * 8
-    assert one["activations"] == 10 * 2 * per_layer + 17 * 8 * 10 + logits + head
-    assert one["working"] == 2 * 1000  # autocast's bf16 copies of every fp32 master
-    assert one["update"] == memplan.CONTEXT + one["persistent"] + 4000 + 2000 + one["activations"]
-    ckpt = memplan.plan(c, ranks=1, tokens=10, checkpointing=True, gpu_bytes=100 * GiB)
-    assert ckpt["activations"] == 10 * 2 * 4 * 8 + 17 * 8 * 10 + max(logits + head, 10 * per_layer)
-    four = memplan.plan(c, ranks=4, tokens=10, reference=True, gpu_bytes=100 * GiB)
-    assert (four["weights"], four["grads"], four["reference"]) == (1000, 1000, 500)  # sharded; ref in bf16
-    assert four["working"] == 2 * 400  # the gathered root
-    lora = memplan.plan(c, ranks=1, tokens=10, lora_rank=8, reference=True, gpu_bytes=100 * GiB)
+    cast = 2 * (1000 - 400)  # autocast's bf16 copies of every master but the (untied) input embedding
+    head = 2 * 50 * 8  # the head's gradient, and in one process its recomputed cast
+    fwd, bwd = 12 * 10 * 50, 20 * 10 * 50 + 2 * head  # three fp32 [chunk, vocab] buffers; five
+    outside = 17 * 8 * 10
+    assert one["activations"] == 10 * 2 * per_layer + outside + cast + max(fwd, bwd)
+    assert one["update"] == one["persistent"] + 4000 + one["activations"]
+    ckpt = memplan.plan(c, ranks=1, tokens=10, checkpointing=True, **free)
+    # the checkpoint inputs in the fp32 residual stream; the forward's end (every cast cached) or a backward
+    assert ckpt["activations"] == 10 * 2 * 4 * 8 + outside + max(cast + fwd, bwd, 10 * per_layer + 2 * 300)
+    four = memplan.plan(c, ranks=4, tokens=10, reference=True, **free)
+    assert (four["weights"], four["grads"]) == (1000, 1000)  # sharded
+    assert four["reference"] == 2 * 1000 / 4 + 2 * 400  # bf16 shards, and its root gathered for good
+    assert four["working"] == 2 * 400  # the policy's gathered root
+    lora = memplan.plan(c, ranks=1, tokens=10, lora_rank=8, reference=True, **free)
     assert lora["weights"] == 4 * 40 + 2 * 1000 and lora["adam"] == 8 * 40 + 512 * 4
-    assert lora["reference"] == 0
-    ppo = memplan.plan(c, ranks=1, tokens=10, critic=True, gpu_bytes=100 * GiB)
+    assert lora["reference"] == 0  # its base with the adapters off
+    ppo = memplan.plan(c, ranks=1, tokens=10, critic=True, **free)
     critic = 1000 - 50 * 8 + 8 + 1  # the backbone and a one-row head, no LM head
     assert ppo["weights"] == 4 * (1000 + critic) and ppo["adam"] == 8 * (1000 + critic) + 512 * (10 + 11)
+    teacher = dict(TOY, total=3000, root=900)
+    extra = memplan.plan(c, ranks=4, tokens=10, reference=True, frozen=[teacher], **free)
+    assert extra["reference"] - four["reference"] == 2 * 3000 / 4 + 2 * 900  # a frozen model more
     vllm = dict(max_num_seqs=4, max_len=100, dtype_bytes=2, batched_tokens=64, cudagraph=GiB)
-    p = memplan.plan(c, tokens=10, vllm=vllm, gpu_bytes=100 * GiB)
-    kv_token = 2 * 4 * 2
+    p = memplan.plan(c, tokens=10, vllm=vllm, **free)
+    kv_token = 2 * 8 * 2
     assert p["kv_token"] == kv_token
     want = (2 * 1000 + 4 * 100 * kv_token + 64 * (2 * 16 + 4 * 8) * 2 + 2 * 4 * 50 * 4 + GiB
             + memplan.VLLM_OVERHEAD)
     assert p["vllm_want"] == want and p["share"] == pytest.approx(want / (100 * GiB))  # all it can fill
-    assert p["rollout"] == memplan.CONTEXT + p["persistent"] + want
+    assert p["rollout"] == p["persistent"] + want
+    assert p["push"] == p["persistent"] + 2 * 1000 + (4 + 2) * 200  # its weights, one parameter gathered
     assert p["update"] == one["update"]  # asleep, vLLM keeps nothing (its CUDA graphs offloaded too)
-    awake = memplan.plan(c, tokens=10, vllm={**vllm, "sleep": False}, gpu_bytes=100 * GiB)
+    awake = memplan.plan(c, tokens=10, vllm={**vllm, "sleep": False}, **free)
     assert awake["update"] - one["update"] == pytest.approx(want)  # without sleep it stays whole
+    nccl = memplan.plan(c, ranks=4, tokens=10, reference=True, communicators=3, context=GiB, workspace=0.0,
+                        gpu_bytes=100 * GiB)
+    assert nccl["outside"] == GiB + 3 * memplan.NCCL_COMM  # the CUDA context and three communicators
+    assert nccl["update"] - four["update"] == nccl["outside"] == nccl["rollout"] - four["rollout"]
+
+
+def test_the_hf_engines_rollout_by_hand_and_against_its_generate():
+    """hf_rollout_bytes: the KV cache of every sequence at full length (fp32 keys in an fp32 residual stream),
+    one layer's attention over it, the step's logits and autocast's weight casts; or the prefill. And against
+    a live count of what HFEngine.generate allocates on a real Qwen2.5-0.5B cut to 2 layers (the CPU runs the
+    same autocast and attention code as CUDA)."""
+    c = TOY
+    B, S, V = 4, 10, 50
+    kv = B * S * 2 * 2 * 2 * (4 + 2)
+    attention = B * S * 4 * (2 * (4 + 2 + 2) + 8) + 16 * B * S  # copies, casts; fp32 scores; masks
+    decode = kv + 2 * 2 * V + max(1200 + 6 * B * V + max(attention, 2 * B * V), 14 * B * V)
+    prefill = 1200 + 2 * S * (8 * 16 + 15 * 8 + 8 * 8 * 2) + 2 * S * S + 2 * kv / B
+    assert memplan.hf_rollout_bytes(c, seqs=B, prompts=2, max_len=S) == max(decode, prefill) + 2**20
+    lora = memplan.hf_rollout_bytes(c, seqs=B, prompts=2, max_len=S, lora_rank=8)  # bf16 keys, the adapters
+    assert lora < memplan.hf_rollout_bytes(c, seqs=B, prompts=2, max_len=S)
+    real = memplan.count(memory._cut(memory.config("qwen2.5-0.5b-instruct"), 2))
+    got = memory.track_rollout("qwen2.5-0.5b-instruct", layers=2, prompts=2, n=4, prompt=37, new_tokens=8)
+    plan = memplan.hf_rollout_bytes(real, seqs=8, prompts=2, max_len=37 + 8)
+    assert got <= plan <= 1.15 * got, (got, plan)
 
 
 def test_the_plan_divides_the_engines_weights_and_kv_cache_by_tp(tmp_path, monkeypatch, capsys):
