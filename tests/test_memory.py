@@ -151,6 +151,64 @@ def test_the_plan_divides_the_engines_weights_and_kv_cache_by_tp(tmp_path, monke
     assert push_one - four["push"] == pytest.approx(weights * 3 / 4)
 
 
+def test_the_plan_holds_against_the_gpu_runs():
+    """Each GPU run of benchmarks/gpu_runs.json planned from its configuration, as the trainer plans it: per
+    phase, the plan's part in torch's allocator is at least the measured peak and at most 15% above it. The
+    runs' code kept the entropy's graph (two fp32 [completion tokens, vocab] buffers of a micro-batch: a full
+    one's in the update, the last one's in the next rollout and push); those bytes are taken off first."""
+    import common
+    import train_grpo
+    runs = json.load(open(os.path.join(ROOT, "benchmarks", "gpu_runs.json")))["runs"]
+    for run in runs:
+        args = common.parse_args(train_grpo.Args, [*run["argv"], "--model", "m", "--wandb", "false"])
+        c = memplan.count(memplan.load_config(os.path.join(ROOT, run["config"])))
+        args.micro_batch_tokens = tokens = run["micro_batch_tokens"]  # common.setup's default for a chat model
+        prompt, new = run["prompt_tokens"], run["completion_tokens"]
+        max_len = min(c["context"], 2 * prompt + new + 8)  # common.setup's bound
+        p, _ = memplan.plan_for(args, "grpo", c, ranks=1, dtype=torch.bfloat16, max_len=max_len,
+                                gpu_bytes=run["gpu_memory_gib"] * GiB)
+        per, seqs = tokens // (prompt + new), args.prompts_per_step * args.group_size  # batches.micro_rows
+        last = seqs - (seqs - 1) // per * per
+        graph = {"update": 8 * c["vocab"] * per * new, "rollout": 8 * c["vocab"] * last * new}
+        graph["push"] = graph["rollout"]
+        for phase, measured in run["measured_gb"].items():
+            expected = measured * 1e9 - graph[phase]
+            planned = p[phase] - p["outside"]
+            assert expected <= planned <= 1.15 * expected, (run["name"], phase, planned / 1e9, expected / 1e9)
+
+
+def test_plan_only_prints_the_plan_from_the_config_alone(capsys):
+    """--plan_only: from a config.json, no GPU, no weights, no data: the one-line plan, the load's peak, exit 0
+    when it fits, else 1 with the reason; a config that cannot be read names the file; an unknown model type
+    names it."""
+    import train_grpo
+    path = os.path.join(memory.CONFIGS, "qwen2.5-32b-instruct.json")
+    flags = ["--plan_only", "true", "--model", path, "--gradient_checkpointing", "true", "--gpus", "16",
+             "--gpus_per_node", "8", "--prompts_per_step", "64"]
+    with pytest.raises(SystemExit) as e:
+        train_grpo.main([*flags, "--vllm_tp", "4"])
+    out = capsys.readouterr().out.splitlines()
+    assert e.value.code == 0 and out[0].startswith("memory plan per rank (GiB of 79.20): update")
+    assert out[0].endswith("; fits") and "rollout" in out[0] and "push" in out[0]
+    c = memplan.count(memplan.load_config(path))
+    load = memplan.load_peak(c, ranks=16)  # the shards and one tensor in transit, bf16 and its fp32 copy
+    assert load["device"] == 4 * c["total"] / 16 + 6 * c["largest"] and load["host"] == 2 * c["largest"]
+    assert out[1].startswith("load peak: ") and f"{load['host'] / GiB:.2f} GiB of the model in host" in out[1]
+    assert "16 GPUs, 2 nodes of 8" in out[1]
+    with pytest.raises(SystemExit, match=r"memory plan: vLLM needs at least .* GiB"):
+        train_grpo.main(flags)  # one whole bf16 engine per GPU does not fit beside the trainer
+    with pytest.raises(SystemExit, match="cannot read the model's config /nonexistent/config.json"):
+        train_grpo.main([*flags[:2], "--model", "/nonexistent"])
+    bad = os.path.join(ROOT, "runs", "plan-only-test-config.json")
+    os.makedirs(os.path.dirname(bad), exist_ok=True)
+    with open(bad, "w") as f:
+        json.dump({"model_type": "no-such-model"}, f)
+    with pytest.raises(SystemExit, match=r"model type 'no-such-model' is unknown") as e:
+        train_grpo.main([*flags[:2], "--model", bad])
+    assert bad in str(e.value)
+    os.remove(bad)
+
+
 CASES = memory.CASES  # 1 and 8 ranks; full, LoRA, a reference, PPO's critic; with and without checkpointing
 
 
