@@ -352,7 +352,8 @@ def planned(name: str, ranks: int = 1, lora_rank: int = 0, reference: bool = Fal
     c = memplan.count(config(name), lora_rank)
     p = memplan.plan(c, ranks=ranks, compute_bytes=compute_bytes, tokens=tokens, checkpointing=checkpointing,
                      reference=reference, critic=critic, lora_rank=lora_rank, context=0.0, workspace=0.0)
-    return {"persistent": p["persistent"], "update": p["update"]}
+    gathered = 2 * c["root"] if ranks > 1 and reference and not lora_rank else 0  # after its first forward
+    return {"persistent": p["persistent"] - gathered, "update": p["update"]}
 
 
 CASES = [  # (model, ranks, LoRA rank, reference, critic, checkpointing)
