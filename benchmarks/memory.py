@@ -55,7 +55,8 @@ def table(args) -> str:
             vllm = dict(max_num_seqs=args.max_num_seqs * tp, max_len=args.max_len, dtype_bytes=2, tp=tp)
             p = memplan.plan(c, ranks=g, tokens=args.tokens, checkpointing=args.checkpointing,
                              reference=args.beta > 0, critic=args.critic, lora_rank=args.lora_rank, vllm=vllm,
-                             gpu_bytes=args.gpu_gb * GiB, share=args.vllm_share)
+                             gpu_bytes=args.gpu_gb * GiB, share=args.vllm_share,
+                             communicators=(g > 1) + 2 * (tp > 1))  # as memplan.plan_for counts them
             f = lambda x: f"{x / GiB:.1f}"  # noqa: E731
             rows.append(f"| {name} | {c['total'] / 1e9:.2f}B | {g} | {tp} | "
                         f"{f(p['weights'] + p['grads'] + p['adam'])} "
@@ -327,8 +328,8 @@ def track_rollout(name: str, layers: int = 2, prompts: int = 2, n: int = 4, prom
                                              attn_implementation="sdpa")
     model = prepare_for_training(model, True, packing=True)
     if lora_rank:
-        model = add_lora(model, argparse.Namespace(lora_rank=lora_rank, lora_alpha=0.0, lora_targets="all-linear",
-                                                   lora_dropout=0.0))
+        model = add_lora(model, argparse.Namespace(lora_rank=lora_rank, lora_alpha=0.0,
+                                                   lora_targets="all-linear", lora_dropout=0.0))
     engine = HFEngine(model, SimpleNamespace(eos_token_id=None, pad_token_id=0), torch.device("cpu"), dtype)
     engine.eos_ids = frozenset()  # every completion runs to new_tokens: the plan's case
     with _LiveBytes() as live:

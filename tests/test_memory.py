@@ -162,7 +162,7 @@ def test_the_plan_holds_against_the_gpu_runs():
     for run in runs:
         args = common.parse_args(train_grpo.Args, [*run["argv"], "--model", "m", "--wandb", "false"])
         c = memplan.count(memplan.load_config(os.path.join(ROOT, run["config"])))
-        args.micro_batch_tokens = tokens = run["micro_batch_tokens"]  # common.setup's default for a chat model
+        args.micro_batch_tokens = tokens = run["micro_batch_tokens"]  # common.setup's, a chat model
         prompt, new = run["prompt_tokens"], run["completion_tokens"]
         max_len = min(c["context"], 2 * prompt + new + 8)  # common.setup's bound
         p, _ = memplan.plan_for(args, "grpo", c, ranks=1, dtype=torch.bfloat16, max_len=max_len,
@@ -178,9 +178,9 @@ def test_the_plan_holds_against_the_gpu_runs():
 
 
 def test_plan_only_prints_the_plan_from_the_config_alone(capsys):
-    """--plan_only: from a config.json, no GPU, no weights, no data: the one-line plan, the load's peak, exit 0
-    when it fits, else 1 with the reason; a config that cannot be read names the file; an unknown model type
-    names it."""
+    """--plan_only: from a config.json, no GPU, no weights, no data: the one-line plan, the load's peak,
+    exit 0 when it fits, else 1 with the reason; a config that cannot be read names the file; an unknown
+    model type names it."""
     import train_grpo
     path = os.path.join(memory.CONFIGS, "qwen2.5-32b-instruct.json")
     flags = ["--plan_only", "true", "--model", path, "--gradient_checkpointing", "true", "--gpus", "16",
