@@ -29,7 +29,6 @@ figure is the device memory it needs: what torch's allocator holds (max_memory_a
 """
 import functools
 import json
-import math
 import os
 
 import torch
