@@ -153,6 +153,11 @@ class Args:
     allow_option_changes: bool = arg(False, "--resume with options that change the experiment (listed)")
     print_every: int = arg(10, "without a terminal (cluster job, nohup, CI): a line every N steps", ge=0)
     verbose: bool = arg(False, "show vLLM's warnings (most are hints the user cannot act on)")
+    plan_only: bool = arg(False, "print the memory plan for --gpus GPUs from the model's config and exit")
+    gpus: int = arg(1, "--plan_only: GPUs (ranks) the run would use (nodes x GPUs per node)", ge=1)
+    gpus_per_node: int = arg(8, "--plan_only: GPUs per node (host memory is per node)", ge=1)
+    gpu_memory_gb: float = arg(79.2, "--plan_only: GiB per GPU as torch shows it (80 GB H100: 79.2)", gt=0)
+    plan_prompt_tokens: int = arg(512, "--plan_only: the longest prompt, in tokens (no data is read)", ge=1)
     min_group_size: ClassVar[int] = 1  # scripts with a group baseline raise it to 2
     trains: ClassVar[bool] = True  # eval.py's options sample only: --dtype float16 is allowed there
 
@@ -199,6 +204,7 @@ class Run:
 
 def setup(args, algo: str) -> Run:
     """Seeds, task, run folder, device, model, engine, optimizer and log; on --resume, the checkpoint."""
+    memplan.plan_only(args, algo)  # --plan_only: the plan from the config alone, then exit
     check_ranks(args)
     data.seed_everything(args.seed)
     runlog.startup()  # rank 0 prints each start-up phase: model, engine, first step, with their seconds
@@ -366,7 +372,8 @@ def policy_logprobs(run, micro: Micro) -> tuple:
     first pass, or with --entropy_coef, whose gradient flows through them)."""
     with autocast(run.device, run.dtype):
         return token_logprobs(run.model, micro.layout, run.args.temperature,
-                              with_entropy=micro.epoch == 0 or run.args.entropy_coef > 0)
+                              with_entropy=micro.epoch == 0 or run.args.entropy_coef > 0,
+                              entropy_grad=run.args.entropy_coef > 0)
 
 
 def optimizer_step(run, stats) -> None:

@@ -12,7 +12,9 @@ FakeTensorMode: real shapes and dtypes, no storage. It runs what one update hold
 state with AdamW's moments materialised, two packed micro-batches of 8192 tokens (512-token prompt, 8
 completions of 960) forward and backward with gradients accumulating, and the optimizer step. torch's
 MemTracker (FSDPMemTracker under FSDP2) counts every tensor the step creates. Not counted by either side:
-the CUDA context and the allocator's fragmentation (the plan's CONTEXT and margin).
+the CUDA context, NCCL, cuBLAS's workspaces and the allocator's fragmentation (the plan's CONTEXT, NCCL_COMM,
+WORKSPACE and margin). track_rollout counts what the HF engine's generate allocates, for real on a model cut
+to a few layers.
 """
 import argparse
 import copy
@@ -20,8 +22,11 @@ import json
 import os
 import sys
 import time
+import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -50,7 +55,8 @@ def table(args) -> str:
             vllm = dict(max_num_seqs=args.max_num_seqs * tp, max_len=args.max_len, dtype_bytes=2, tp=tp)
             p = memplan.plan(c, ranks=g, tokens=args.tokens, checkpointing=args.checkpointing,
                              reference=args.beta > 0, critic=args.critic, lora_rank=args.lora_rank, vllm=vllm,
-                             gpu_bytes=args.gpu_gb * GiB, share=args.vllm_share)
+                             gpu_bytes=args.gpu_gb * GiB, share=args.vllm_share,
+                             communicators=(g > 1) + 2 * (tp > 1))  # as memplan.plan_for counts them
             f = lambda x: f"{x / GiB:.1f}"  # noqa: E731
             rows.append(f"| {name} | {c['total'] / 1e9:.2f}B | {g} | {tp} | "
                         f"{f(p['weights'] + p['grads'] + p['adam'])} "
@@ -80,12 +86,25 @@ def _tracker_class(fsdp: bool):
 
     class Tracker(FSDPMemTracker if fsdp else MemTracker):
         supports_higher_order_operators = True
+        where = ""  # the pass and module of the peak
 
         def _pre_fw_hook(self, module, inputs):
             try:
                 super()._pre_fw_hook(module, inputs)
             except NotImplementedError:  # "multiple iterative calls": the head, once per logit chunk
                 pass
+
+        def _post_fw_hook(self, module, inputs, outputs):
+            if module in self.memory_tracking:  # not the head called again (above): its stats are unused
+                super()._post_fw_hook(module, inputs, outputs)
+
+        def _pre_bw_hook(self, module, args):
+            if module in self.memory_tracking:
+                super()._pre_bw_hook(module, args)
+
+        def _post_bw_hook(self, module, args):
+            if module in self.memory_tracking:
+                super()._post_bw_hook(module, args)
 
         def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
             # a frozen parameter (a LoRA base) takes no gradient hook; its gradients count as temporaries
@@ -96,19 +115,26 @@ def _tracker_class(fsdp: bool):
             for dev, snap in self._curr_mem_snap.items():
                 if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
                     self._peak_mem[dev], self._peak_mem_snap[dev] = snap[_TOTAL_KEY], copy.deepcopy(snap)
+                    # where the peak is: the pass and the innermost module running
+                    self.where = (("backward" if self._mod_tracker.is_bw else "forward")
+                                  + " " + max(self._mod_tracker.parents, key=len, default=""))
 
         def total(self, kind: str = "current") -> int:
             return sum(s[_TOTAL_KEY] for s in self.get_tracker_snapshot(kind).values())
     return Tracker
 
 
-def _fake_batch(mode, G: int = 8, prompt: int = 512, length: int = 960, windows=(None,)):
+def _fake_batch(mode, groups=((512, 8, 960),), windows=(None,)):
     """make_batch's packed FlexAttention layout of one micro-batch, built for real and then turned into fake
-    tensors (block masks included: their construction reads values)."""
+    tensors (block masks included: their construction reads values). `groups`: per distinct prompt, (its
+    tokens, its completions, their tokens)."""
     from rlmini import packing
     g = torch.Generator().manual_seed(0)
-    comps = [torch.randint(3, 1000, (length,), generator=g).tolist() for _ in range(G)]
-    batch = packing.make_batch([[5] * prompt] * G, comps, 0, "cpu", kernel="flex")
+    prompts, comps = [], []
+    for k, (prompt, n, length) in enumerate(groups):
+        prompts += [[5 + k] * prompt] * n
+        comps += [torch.randint(3, 1000, (length,), generator=g).tolist() for _ in range(n)]
+    batch = packing.make_batch(prompts, comps, 0, "cpu", kernel="flex")
     layout = batch["packed"]["rows"]
     masks = {w: layout.block_mask(w) for w in windows}
     fake = lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
@@ -158,9 +184,13 @@ def _fake_process_group(ranks: int) -> None:
 
 
 def track(name: str, ranks: int = 1, lora_rank: int = 0, reference: bool = False, critic: bool = False,
-          checkpointing: bool = True, dtype=torch.bfloat16, micro_batches: int = 1) -> dict:
+          checkpointing: bool = True, dtype=torch.bfloat16, micro_batches: int = 1, groups=((512, 8, 960),),
+          entropy_graph: bool = False) -> dict:
     """Bytes the trackers count on one rank: `persistent` (at the step's start) and `update` (the peak of the
-    micro-batches' forward/backward and the optimizer step), for the trainer's build of model `name`."""
+    micro-batches' forward/backward and the optimizer step), for the trainer's build of model `name`, on
+    micro-batches laid out as `groups` (_fake_batch). `entropy_graph`: the entropy keeps its graph though no
+    gradient reaches it, as the trainer did before rlmini/logprobs.py::_chunk_logprobs computed it without
+    one (the code of the GPU runs in benchmarks/gpu_runs.json)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
@@ -172,7 +202,7 @@ def track(name: str, ranks: int = 1, lora_rank: int = 0, reference: bool = False
     args = argparse.Namespace(lora_rank=lora_rank, lora_alpha=0.0, lora_targets="all-linear",
                               lora_dropout=0.0)
     window = getattr(cfg, "sliding_window", None)
-    batch = _fake_batch(mode, windows=(None, window) if window else (None,))
+    batch = _fake_batch(mode, groups, windows=(None, window) if window else (None,))
     packing.use_kernel("flex")
     base = dtype if lora_rank else torch.float32  # models.load_model: fp32 masters, a LoRA base in the dtype
 
@@ -233,8 +263,9 @@ def track(name: str, ranks: int = 1, lora_rank: int = 0, reference: bool = False
                         param.grad = torch.zeros_like(param)
                 for _ in range(micro_batches):
                     tracker.reset_mod_stats()  # per-module stats only: each micro-batch calls the root again
-                    with torch.autocast("cpu", dtype=dtype):
-                        logp, _ = logprobs.token_logprobs(policy, batch, 1.0, with_entropy=True)
+                    with torch.autocast("cpu", dtype=dtype):  # the loop keeps the last entropy until the next
+                        logp, entropy = logprobs.token_logprobs(policy, batch, 1.0, with_entropy=True,
+                                                                entropy_grad=entropy_graph)
                     (-(logp * batch["mask"]).sum() / batch["mask"].sum()).backward()
                     if value is not None:  # train_ppo.py: the critic's forward and loss after the policy's
                         with torch.autocast("cpu", dtype=dtype):
@@ -246,11 +277,74 @@ def track(name: str, ranks: int = 1, lora_rank: int = 0, reference: bool = False
                 if value_opt is not None:
                     value_opt.step()
                     value_opt.zero_grad(set_to_none=True)
-                return {"persistent": persistent, "update": tracker.total("peak"),
+                return {"persistent": persistent, "update": tracker.total("peak"), "where": tracker.where,
                         "snapshot": tracker.get_tracker_snapshot("peak")}
     finally:
         packing.use_kernel("auto")
         _fake_process_group(1)
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of the storages made under it that are still alive, and their peak, on real tensors: what a run
+    allocates beyond what existed before (a view or an in-place result shares an input's storage: not new)."""
+
+    def __init__(self):
+        super().__init__()
+        self.now = self.peak = 0
+        self.live = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        known = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)}
+        for t in tree_leaves(out):
+            if torch.is_tensor(t) and t.device.type != "meta":
+                st = t.untyped_storage()
+                if st._cdata not in known and st._cdata not in self.live and st.nbytes():
+                    self.live[st._cdata] = st.nbytes()
+                    self.now += st.nbytes()
+                    weakref.finalize(st, self._free, st._cdata)
+        self.peak = max(self.peak, self.now)
+        return out
+
+    def _free(self, key):
+        self.now -= self.live.pop(key, 0)
+
+
+def track_rollout(name: str, layers: int = 2, prompts: int = 2, n: int = 4, prompt: int = 37,
+                  new_tokens: int = 24, lora_rank: int = 0, dtype=torch.bfloat16) -> int:
+    """The peak bytes the HF engine's generate allocates (rlmini/engine.py::HFEngine.generate), run for real
+    on the CPU on model `name` cut to `layers` decoder layers, built as the trainer builds the policy (fp32
+    masters under autocast, or a LoRA base in the dtype): `prompts` prompts of `prompt` tokens, n completions
+    each, every one `new_tokens` long (no stop token)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from rlmini.engine import HFEngine
+    from rlmini.models import add_lora, prepare_for_training
+    cfg = _cut(config(name), layers)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype if lora_rank else torch.float32,
+                                             attn_implementation="sdpa")
+    model = prepare_for_training(model, True, packing=True)
+    if lora_rank:
+        model = add_lora(model, argparse.Namespace(lora_rank=lora_rank, lora_alpha=0.0,
+                                                   lora_targets="all-linear", lora_dropout=0.0))
+    engine = HFEngine(model, SimpleNamespace(eos_token_id=None, pad_token_id=0), torch.device("cpu"), dtype)
+    engine.eos_ids = frozenset()  # every completion runs to new_tokens: the plan's case
+    with _LiveBytes() as live:
+        engine.generate([[5 + k] * prompt for k in range(prompts)], n, new_tokens, 1.0, seed=0)
+    return live.peak
+
+
+def _cut(cfg, layers: int):
+    """The config with its first `layers` decoder layers."""
+    cfg = copy.deepcopy(cfg)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    text.num_hidden_layers = layers
+    if getattr(text, "layer_types", None):
+        text.layer_types = text.layer_types[:layers]
+    return cfg
 
 
 def planned(name: str, ranks: int = 1, lora_rank: int = 0, reference: bool = False, critic: bool = False,
@@ -258,8 +352,9 @@ def planned(name: str, ranks: int = 1, lora_rank: int = 0, reference: bool = Fal
     """The plan's figures for what track() runs: the trainer's part (no CUDA context, no vLLM)."""
     c = memplan.count(config(name), lora_rank)
     p = memplan.plan(c, ranks=ranks, compute_bytes=compute_bytes, tokens=tokens, checkpointing=checkpointing,
-                     reference=reference, critic=critic, lora_rank=lora_rank)
-    return {"persistent": p["persistent"], "update": p["update"] - memplan.CONTEXT}
+                     reference=reference, critic=critic, lora_rank=lora_rank, context=0.0, workspace=0.0)
+    gathered = 2 * c["root"] if ranks > 1 and reference and not lora_rank else 0  # after its first forward
+    return {"persistent": p["persistent"] - gathered, "update": p["update"]}
 
 
 CASES = [  # (model, ranks, LoRA rank, reference, critic, checkpointing)

@@ -52,12 +52,19 @@ def check_output_head(model, name: str) -> None:
                          f"trainer's log-probs would not be the model's, so it is not supported")
 
 
-def _chunk_logprobs(hidden, model, targets, temperature, with_entropy=False):
-    """log pi(target) and, if asked, the entropy H = logsumexp(z) - sum_v softmax(z)_v z_v of one chunk."""
+def _chunk_logprobs(hidden, model, targets, temperature, with_entropy=False, entropy_grad=False):
+    """log pi(target) and, if asked, the entropy H = logsumexp(z) - sum_v softmax(z)_v z_v of one chunk, with
+    its gradient only if `entropy_grad`."""
     logits = output_logits(model, hidden).float() / temperature
     lse = torch.logsumexp(logits, -1)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    return logp, (lse - (logits.softmax(-1) * logits).sum(-1)) if with_entropy else None
+    if not with_entropy:
+        return logp, None
+    # without a gradient the entropy saves nothing for backward: else the checkpoint's recomputation of every
+    # chunk keeps its fp32 softmax and logits ([chunk, vocab] each) until the whole backward ends, since no
+    # gradient reaches the nodes that would release them (torch/utils/checkpoint.py::_checkpoint_hook)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        return logp, lse - (logits.softmax(-1) * logits).sum(-1)
 
 
 def chunk_for(vocab: int) -> int:
@@ -67,9 +74,9 @@ def chunk_for(vocab: int) -> int:
 
 
 def token_logprobs(model, batch: dict, temperature: float, chunk_tokens: int | None = None,
-                   with_entropy: bool = False) -> tuple:
+                   with_entropy: bool = False, entropy_grad: bool = False) -> tuple:
     """log pi(token) for every target position, [B, T-1] in fp32 (zero where mask is 0), and the policy
-    entropy per position if asked (with its gradient when grad is on: an entropy bonus).
+    entropy per position if asked (`with_entropy`), with its gradient if `entropy_grad` (an entropy bonus).
 
     The vocabulary projection runs over chunks of `chunk_tokens` completion positions (chunk_for the model's
     vocabulary unless given), each recomputed in the
@@ -88,7 +95,7 @@ def token_logprobs(model, batch: dict, temperature: float, chunk_tokens: int | N
         hs, ts = h[s:s + chunk_tokens], tg[s:s + chunk_tokens]
         if torch.is_grad_enabled() and hs.requires_grad:
             lp, ent = torch.utils.checkpoint.checkpoint(_chunk_logprobs, hs, model, ts, temperature,
-                                                        with_entropy, use_reentrant=False)
+                                                        with_entropy, entropy_grad, use_reentrant=False)
         else:
             lp, ent = _chunk_logprobs(hs, model, ts, temperature, with_entropy)
         lp_parts.append(lp)

@@ -79,7 +79,8 @@ def metrics(times: dict, p: dict, engine) -> dict:
         phase_end("push", times)
     out = {k: v for k, v in times.items() if k.startswith("memory/")}
     if out:
-        out.update({f"memory/{phase}_plan_gb": p[phase] / 1e9 for phase in PHASES})
+        # like with like: the plan's part in torch's allocator, without the CUDA context and NCCL (`outside`)
+        out.update({f"memory/{phase}_plan_gb": (p[phase] - p.get("outside", 0.0)) / 1e9 for phase in PHASES})
     diff, engine.last_check = getattr(engine, "last_check", None), None
     if diff is not None:
         out["push/check_diff"] = diff

@@ -65,7 +65,8 @@ def validate(args) -> None:
     if getattr(args, "async_steps", 0) and engine != "server":
         raise ValueError(f"--async_steps {args.async_steps}: rollouts overlap the update only with --engine "
                          f"server (an in-process engine shares the trainer's GPU, asleep while it updates)")
-    tp, ranks = getattr(args, "vllm_tp", 1), int(os.environ.get("WORLD_SIZE", 1))
+    tp = getattr(args, "vllm_tp", 1)
+    ranks = args.gpus if getattr(args, "plan_only", False) else int(os.environ.get("WORLD_SIZE", 1))
     if tp > 1 and args.engine != "vllm":
         raise ValueError(f"--vllm_tp {tp}: vLLM's tensor parallelism needs --engine vllm (not {args.engine})")
     if ranks % tp:

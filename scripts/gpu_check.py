@@ -216,7 +216,8 @@ def summarise(run_dir: str, rows: list, alone: dict, world: int, counts: dict | 
          "sampler_diff": top("logprob/sampler_diff", rows), "sampler_tol": cfg["sampler_diff_tol"],
          "check_diff": top("push/check_diff", rows), "check_tol": cfg["push_check_tol"], "cfg": cfg,
          "params": (counts or {}).get("params"), "wall": None, "startup": (None, None),
-         **{phase: (plan.get(f"{phase}_gb"), top(f"memory/{phase}_peak_gb", later),
+         # the plan's part in torch's allocator: the measured peak's basis (rlmini/memplan.py::write)
+         **{phase: (plan.get(f"{phase}_allocator_gb"), top(f"memory/{phase}_peak_gb", later),
                     top(f"memory/{phase}_reserved_gb", later)) for phase in PHASES}}
     prompt = [(1 if cfg.get("packing", True) else cfg["group_size"]) * sum(map(len, ids))
               for ids in (counts or {}).get("steps", [])][1:len(rows)]  # packing: each prompt once per group

@@ -323,11 +323,14 @@ def test_one_step_off_with_dynamic_sampling_resumes_without_drawing_a_prompt_twi
 
 
 def test_the_plan_counts_the_nccl_push_buffers_in_the_push_only():
-    """--server_push nccl: vLLM's two 1 GiB packed buffers sit on the trainer's GPU during the push."""
+    """--server_push nccl: vLLM's producer's packed chunks (two in flight of 1 GiB plus one tensor, and the
+    parameters of the one being packed) sit on the trainer's GPU during the push."""
     from benchmarks import memory
     from rlmini import memplan
     c = memplan.count(memory.config("qwen2.5-7b-instruct"))
-    disk = memplan.plan(c, ranks=8, checkpointing=True)
-    nccl = memplan.plan(c, ranks=8, checkpointing=True, push_buffers=memplan.NCCL_BUFFERS)
-    assert nccl["push"] - disk["push"] == 2 * 2**30
+    disk = memplan.plan(c, ranks=8, checkpointing=True, server=True)
+    buffers = memplan.nccl_buffers(c, 2)
+    nccl = memplan.plan(c, ranks=8, checkpointing=True, server=True, push_buffers=buffers)
+    assert buffers == 3 * (2**30 + 2 * 152064 * 3584)  # Qwen2.5-7B's largest tensor: an embedding, in bf16
+    assert nccl["push"] - disk["push"] == buffers
     assert (nccl["update"], nccl["rollout"]) == (disk["update"], disk["rollout"])

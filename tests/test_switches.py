@@ -84,7 +84,8 @@ def test_entropy_gradient_through_the_chunked_projection_is_the_analytic_one():
             return head
     model = Model()
     # 7 tokens: 4 chunks
-    _, entropy = logprobs.token_logprobs(model, batch, T, chunk_tokens=2, with_entropy=True)
+    _, entropy = logprobs.token_logprobs(model, batch, T, chunk_tokens=2, with_entropy=True,
+                                         entropy_grad=True)
     assert entropy.requires_grad
     (entropy * batch["mask"]).sum().backward()
     with torch.no_grad():
@@ -113,7 +114,7 @@ def test_top_entropy_mask_and_entropy_bonus_give_the_textbook_gradient(tmp_path,
     model = models.load_model(run.args, run.task, torch.device("cpu"), torch.float32)[0]
     advantages = train_grpo.compute_advantages(addition_rewards(run, tok, r), 4)
     batch = packing.make_batch(r.prompt_ids, r.completion_ids, r.pad_id, torch.device("cpu"))
-    logp, entropy = logprobs.token_logprobs(model, batch, 1.0, with_entropy=True)
+    logp, entropy = logprobs.token_logprobs(model, batch, 1.0, with_entropy=True, entropy_grad=coef > 0)
     mask = batch["mask"]
     H = entropy.detach()[mask > 0]
     k = max(1, math.ceil(round(rho * H.numel(), 6)))  # ceil(rho * N) without float noise
