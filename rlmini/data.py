@@ -59,7 +59,8 @@ def load_task(args, style: str):
     """The task of --task with its options: --system_prompt, --reward functions, --decontaminate."""
     task = rewards.load_task(args.task, style=style, seed=args.seed, brier=args.brier,
                              jsonl_reward=args.jsonl_reward, prompt_column=args.prompt_column,
-                             answer_column=args.answer_column)
+                             answer_column=args.answer_column, task_config=args.task_config,
+                             rg_size=args.rg_size, rg_allow_slow=args.rg_allow_slow)
     if args.system_prompt and style != "chat":
         raise SystemExit("--system_prompt: the built-in tiny model has no chat template; use a chat model "
                          "(--model)")
