@@ -268,6 +268,8 @@ def evaluate(run) -> dict:
                 "tool_error_rate", "scorer_errors"):
         if key in full:
             metrics[f"eval/{key}"] = full[key]
+    if run.task.on_eval is not None:  # rg: --rg_curriculum raises the level here (every rank alike)
+        metrics.update(run.task.on_eval(run.task, metrics))
     if dist.rank() == 0:  # every prediction: the scores of all ranks were gathered
         extra = {"predictions": full["predictions"]} if "predictions" in full else {}
         write_out(run.run_dir, "eval.json", {"step": run.step, "k": k, **metrics, **extra})

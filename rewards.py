@@ -57,6 +57,8 @@ class Task:
     reward_names: list = field(default_factory=list)
     # counters of the task's own since the last step (rg: task/scorer_errors): summed over ranks and logged
     stats: dict = field(default_factory=dict)
+    # called by eval.py::evaluate with (task, the evaluation's metrics): more metrics (rg: --rg_curriculum)
+    on_eval: Callable | None = None
 
 
 class DataError(ValueError):
@@ -501,7 +503,7 @@ JSONL_REWARDS = {"math": score_boxed_math, "exact": score_exact}
 
 def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False, jsonl_reward: str = "math",
               prompt_column: str = "prompt", answer_column: str = "answer", task_config: str = "",
-              rg_size: int = 1000, rg_allow_slow: bool = False) -> Task:
+              rg_size: int = 1000, rg_allow_slow: bool = False, rg_curriculum: float = 0.0) -> Task:
     """Task from its name. Real datasets take an optional local path: `gsm8k:data/{split}.jsonl`.
 
     `jsonl:PATH` reads PATH (train) and PATH with .test before the extension if present (else the
@@ -513,7 +515,7 @@ def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False
     """
     name, _, local = spec.partition(":")
     if name == "rg":
-        return rg_task(local, style, seed, rg_size, task_config, rg_allow_slow)
+        return rg_task(local, style, seed, rg_size, task_config, rg_allow_slow, rg_curriculum)
     if task_config:
         raise DataError(f"--task_config {task_config}: configures rg: tasks only (--task {spec})")
     if name == "addition":
@@ -623,7 +625,8 @@ def rg_configs(path: str, mix: dict) -> dict:
         raise SystemExit(f"--task_config {path}: file not found")
     import yaml  # YAML is a superset of JSON: one reader for both
     try:
-        cfg = yaml.safe_load(open(path)) or {}
+        with open(path) as f:
+            cfg = yaml.safe_load(f) or {}
     except yaml.YAMLError as e:
         raise SystemExit(f"--task_config {path}: not valid YAML/JSON: {' '.join(str(e).split())}") from None
     if not isinstance(cfg, dict) or not all(isinstance(v, dict) for v in cfg.values()):
@@ -672,28 +675,56 @@ def rg_extract(completion: str, style: str, finished: bool) -> str | None:
     return completion.split(RG_TAGS[1], 1)[0].strip()
 
 
+def rg_level_config(name: str, curriculum, level: int) -> dict:
+    """The config of a generator's reasoning-gym curriculum at a global level (seed and size left out)."""
+    curriculum.set_global_level(level)
+    config = curriculum.generate_configuration({})
+    return {k: v for k, v in vars(config).items() if k not in ("seed", "size")}
+
+
 def rg_task(spec: str, style: str, seed: int, size: int = 1000, task_config: str = "",
-            allow_slow: bool = False) -> Task:
+            allow_slow: bool = False, curriculum: float = 0.0) -> Task:
     """Examples of each generator of the mix (`spec` as rg_mix), drawn by weight, `size` for training and a
     tenth (at least 1) held out: the held-out items draw from seeds just past the training ones (disjoint
     ranges), and training items whose question is also held out are dropped (disjoint by content). Each
     example keeps reasoning-gym's entry (question, answer, metadata) and its generator's name ("rg"). The
     reward is the generator's score_answer on the extracted answer (partial credit kept); correct means 1.0;
-    a scorer that raises scores 0 and is counted (task/scorer_errors)."""
+    a scorer that raises scores 0 and is counted (task/scorer_errors). curriculum > 0: each generator's
+    reasoning-gym curriculum, from level 0; Task.on_eval raises the level (all generators, new examples)
+    after an evaluation whose pass@1 reaches it."""
     mix = rg_mix(spec, allow_slow)
-    configs = rg_configs(task_config, mix)
-    n_test = max(1, size // 10)
-    names, weights = list(mix), list(mix.values())
-    rng = random.Random(f"rg/{seed}/mix")  # which generator each example comes from
-    draws = {"train": rng.choices(names, weights, k=size), "test": rng.choices(names, weights, k=n_test)}
-    datasets, items = {}, {"train": {}, "test": {}}
-    for name in names:
-        n_train = draws["train"].count(name)
-        base = rg_seed(seed, name)
-        datasets[name] = rg_dataset(name, configs[name], base, n_train, task_config)
-        held = rg_dataset(name, configs[name], base + n_train, draws["test"].count(name), task_config)
-        items["train"][name] = iter([datasets[name][i] for i in range(n_train)])
-        items["test"][name] = iter([held[i] for i in range(draws["test"].count(name))])
+    user, names, weights = rg_configs(task_config, mix), list(mix), list(mix.values())
+    curricula = {}
+    if curriculum:
+        from reasoning_gym.factory import create_curriculum, has_curriculum
+        missing = [n for n in names if not has_curriculum(n)]
+        if missing:
+            raise SystemExit(f"--rg_curriculum: {', '.join(missing)} has no reasoning-gym curriculum")
+        curricula = {n: create_curriculum(n) for n in names}
+    datasets = {}  # the current level's, which the scorer asks
+
+    def build(level: int, size: int, note: bool = True) -> tuple:
+        n_test = max(1, size // 10)
+        rng = random.Random(f"rg/{seed}/mix")  # which generator each example comes from
+        draws = {"train": rng.choices(names, weights, k=size), "test": rng.choices(names, weights, k=n_test)}
+        items = {"train": {}, "test": {}}
+        for name in names:  # --task_config's keys override the curriculum level's
+            config = {**(rg_level_config(name, curricula[name], level) if curricula else {}), **user[name]}
+            n_train, base = draws["train"].count(name), rg_seed(seed, name)
+            datasets[name] = rg_dataset(name, config, base, n_train, task_config)
+            held = rg_dataset(name, config, base + n_train, draws["test"].count(name), task_config)
+            items["train"][name] = iter([datasets[name][i] for i in range(n_train)])
+            items["test"][name] = iter([held[i] for i in range(draws["test"].count(name))])
+        train, test = ([example(next(items[s][n]), n) for n in draws[s]] for s in ("train", "test"))
+        held_out = {e["question"] for e in test}
+        kept = [e for e in train if e["question"] not in held_out]
+        if not kept:
+            raise SystemExit(f"--task rg:{spec}: every training question is also held out (the config allows "
+                             f"few distinct questions); widen it in --task_config")
+        if len(kept) < len(train) and note:
+            print(f"--task rg:{spec}: dropped {len(train) - len(kept)} of {len(train)} training examples "
+                  f"whose question is held out", file=sys.stderr)
+        return kept, test
 
     def example(entry: dict, name: str) -> dict:
         q = entry["question"]
@@ -701,16 +732,7 @@ def rg_task(spec: str, style: str, seed: int, size: int = 1000, task_config: str
         return {"prompt": prompt, "answer": entry["answer"], "question": q, "metadata": entry["metadata"],
                 "rg": name}
 
-    train, test = ([example(next(items[s][n]), n) for n in draws[s]] for s in ("train", "test"))
-    held_out = {e["question"] for e in test}
-    kept = [e for e in train if e["question"] not in held_out]
-    if not kept:
-        raise SystemExit(f"--task rg:{spec}: every training question is also held out (the config allows "
-                         f"few distinct questions); widen it in --task_config")
-    if len(kept) < len(train):
-        print(f"--task rg:{spec}: dropped {len(train) - len(kept)} of {len(train)} training examples whose "
-              f"question is held out", file=sys.stderr)
-    stats = {"task/scorer_errors": 0}
+    stats, state = {"task/scorer_errors": 0}, {"level": 0}
 
     def score(completion: str, ex: dict, finished: bool) -> Score:
         pred = rg_extract(completion, style, finished)
@@ -725,11 +747,28 @@ def rg_task(spec: str, style: str, seed: int, size: int = 1000, task_config: str
             return Score(0.0, 0.0, 1.0, pred=pred, error=f"{ex['rg']}: {type(e).__name__}: {e}"[:200])
         return Score(value, float(value >= 1.0), 1.0, pred=pred)
 
-    texts = [e["prompt"] + str(e["answer"] or "") for e in kept + test]
-    answers = [len(str(e["answer"])) for e in kept + test if e["answer"] is not None] or [30]
-    return Task("rg", "binary", kept, test, score, pass_threshold=1.0,
+    def on_eval(task: Task, metrics: dict) -> dict:
+        """--rg_curriculum: one level up when the held-out pass@1 reaches the threshold; the new examples
+        take the current ones' system message, if any (--system_prompt)."""
+        if metrics["eval/pass@1"] >= curriculum and state["level"] < top:
+            state["level"] += 1
+            first = task.train[0]["prompt"]
+            opening = first[:-1] if isinstance(first, list) else None
+            task.train, task.test = ([{**e, "prompt": opening + [{"role": "user", "content": e["prompt"]}]}
+                                      if opening else e for e in split]
+                                     for split in build(state["level"], size))
+        return {"task/rg_level": state["level"]}
+
+    # with a curriculum the tokenizer and the generation budget are sized for its top level too
+    top = max((len(a.levels) - 1 for c in curricula.values() for a in c.attributes.values()), default=0)
+    sizing = sum(build(top, 50, note=False), []) if curricula else []  # a sample of the top level
+    train, test = build(0, size)
+    texts = [e["prompt"] + str(e["answer"] or "") for e in train + test + sizing]
+    answers = [len(str(e["answer"])) for e in train + test + sizing if e["answer"] is not None] or [30]
+    return Task("rg", "binary", train, test, score, pass_threshold=1.0,
                 alphabet=sorted(set("".join(texts))) + list(RG_TAGS),
-                max_new_tokens=max(answers) + 2 if style == "tiny" else 512, stats=stats)
+                max_new_tokens=max(answers) + 2 if style == "tiny" else 512, stats=stats,
+                on_eval=on_eval if curricula else None)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -94,6 +94,21 @@ def test_tasks_without_a_gold_answer_are_judged_by_their_scorer():
     assert s.reward == 0.0 and s.format_ok == 1.0
 
 
+def test_curriculum_raises_the_level_when_held_out_accuracy_reaches_the_threshold():
+    task = rewards.load_task("rg:chain_sum", "chat", rg_size=50, rg_curriculum=0.5)
+    task = rewards.with_system_prompt(task, "rg:default")
+    levels = lambda: {str(e["metadata"]["difficulty"]) for e in task.train + task.test}
+    assert levels() == {str({"num_terms": (2, 2), "num_digits": (1, 1)})}  # reasoning-gym's level 0
+    assert task.on_eval(task, {"eval/pass@1": 0.49}) == {"task/rg_level": 0} and len(levels()) == 1
+    assert task.on_eval(task, {"eval/pass@1": 0.5}) == {"task/rg_level": 1}
+    assert levels() == {str({"num_terms": (2, 3), "num_digits": (1, 2)})}  # new examples, one level up
+    assert all(e["prompt"][0]["content"] == SYSTEM_PROMPTS["default"] for e in task.train)  # kept
+    # the tiny model's budget fits the top level's answers (chain_sum: up to 12 terms of 10 digits)
+    assert rewards.load_task("rg:chain_sum", "tiny", rg_size=50, rg_curriculum=0.5).max_new_tokens > 2 + 8
+    with pytest.raises(SystemExit, match="--rg_curriculum: acre has no reasoning-gym curriculum"):
+        rewards.load_task("rg:chain_sum,acre", rg_size=10, rg_curriculum=0.5)
+
+
 def test_system_prompt_by_name():
     task = rewards.with_system_prompt(rewards.load_task("rg:chain_sum", "chat", rg_size=10), "rg:default")
     assert task.train[0]["prompt"][0] == {"role": "system", "content": SYSTEM_PROMPTS["default"]}
@@ -143,10 +158,13 @@ def test_eval_py_evaluates_an_rg_task(tmp_path, small_config):
 
 
 def test_reward_rises_on_two_one_digit_terms(tmp_path, small_config):
-    run = train_grpo.main(["--out_dir", str(tmp_path), "--wandb", "false", "--engine", "hf", "--task",
-                           "rg:chain_sum", "--task_config", small_config, "--rg_size", "500", "--steps", "80",
-                           "--prompts_per_step", "16", "--lr", "1e-3", "--run_name", "rg", "--save_every", "0"])
+    run = train_grpo.main([
+        "--out_dir", str(tmp_path), "--wandb", "false", "--engine", "hf", "--task", "rg:chain_sum",
+        "--task_config", small_config, "--rg_size", "500", "--steps", "80", "--prompts_per_step", "16",
+        "--lr", "1e-3", "--run_name", "rg", "--save_every", "0", "--eval_every", "40", "--eval_limit", "8",
+        "--eval_n", "2", "--rg_curriculum", "1"])
     rows = read_metrics(run.run_dir)
     start, end = mean_of(rows, "reward/mean", 0, 10), mean_of(rows, "reward/mean", 70, 80)
     assert start < 0.05 and end > start + 0.05, (start, end)
-    assert all(r["task/scorer_errors"] == 0 for r in rows) and not undocumented(rows[0], "grpo")
+    assert all(r["task/scorer_errors"] == 0 for r in rows) and not undocumented(rows[-1], "grpo")
+    assert [r["task/rg_level"] for r in rows if "task/rg_level" in r] == [0, 0]  # logged; 1 is never reached
