@@ -576,8 +576,14 @@ def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False
 # ----------------------------------------------------------------------------------------------
 # reasoning-gym (--task rg:NAME[=WEIGHT][,...]): procedural generators with their own verifiers, offline
 
-# generators over 2 s per 1,000 items here: CPU seconds (benchmarks/rg_generators.py; docs/tasks.md)
-RG_SLOW = {}
+# generators over 2 s per 1,000 items here: CPU seconds, "> N" where stopped (benchmarks/rg_generators.py)
+RG_SLOW = {
+    "advanced_geometry": "4", "codeio": "2.7", "countdown": "> 10", "futoshiki": "> 10",
+    "game_of_life": "5.3", "game_of_life_halting": "2.7", "intermediate_integration": "> 10", "jugs": "3.7",
+    "knight_swap": "> 4", "number_sequence": "> 4", "polynomial_equations": "> 4",
+    "polynomial_multiplication": "> 4", "puzzle24": "> 4", "quantum_lock": "> 4", "rearc": "> 4",
+    "rubiks_cube": "> 4", "simple_integration": "3.7", "sokoban": "> 4", "sudoku": "> 4",
+    "word_ladder": "3.5", "zebra_puzzles": "> 4"}
 RG_INSTRUCTION = "Give only the final answer between <answer> and </answer> tags."
 RG_TAGS = ("<answer>", "</answer>")
 
@@ -610,7 +616,7 @@ def rg_mix(spec: str, allow_slow: bool = False) -> dict:
             raise SystemExit(f"--task rg:{spec}: {item!r}: each generator once, with a weight > 0 "
                              f"(rg:chain_sum=2,leg_counting=1)")
         if name in RG_SLOW and not allow_slow:
-            raise SystemExit(f"--task rg:{spec}: {name} took {RG_SLOW[name]:.0f} s per 1,000 items here "
+            raise SystemExit(f"--task rg:{spec}: {name} took {RG_SLOW[name]} CPU s per 1,000 items here "
                              f"(supported: under 2 s); --rg_allow_slow true uses it anyway")
         mix[name] = w
     return mix

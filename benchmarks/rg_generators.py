@@ -19,8 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rewards  # noqa: E402
 
 
-class Stopped(Exception):
-    """The generator used up its CPU seconds."""
+class Stopped(BaseException):
+    """The generator used up its CPU seconds (not an Exception: generators retry on those)."""
 
 
 def _stop(signum, frame):

@@ -119,7 +119,7 @@ def test_system_prompt_by_name():
 @pytest.mark.parametrize("spec,config,match", [
     ("rg:chain_summ", "", r"no reasoning-gym generator 'chain_summ'; close names: chain_sum"),
     ("rg:chain_sum=0", "", r"a weight > 0"),
-    ("rg:puzzle24", "", r"puzzle24 took \d+ s per 1,000 items here .*--rg_allow_slow"),
+    ("rg:puzzle24", "", r"puzzle24 took > 4 CPU s per 1,000 items here .*--rg_allow_slow"),
     ("rg:chain_sum", "chain_sum: {max_term: 2}", r"rg.yaml: chain_sum: no config key 'max_term' \(it has: "
                                                   r"min_terms, max_terms"),
     ("rg:chain_sum", "chain_sum: {seed: 2}", r"chain_sum: no config key 'seed' \(set by --seed"),
@@ -160,7 +160,7 @@ def test_eval_py_evaluates_an_rg_task(tmp_path, small_config):
 
 def test_reward_rises_on_two_one_digit_terms(tmp_path, small_config):
     """The tiny model learns chain_sum's a +- b for one-digit a, b: from about 0.005 (even the format is rare
-    at first: about 47 tokens) to about 0.05 in 40 steps (seeds 0, 1, 2 measured: docs/tasks.md)."""
+    at first: about 47 tokens) to 0.03-0.05 in 40 steps (seeds 0, 1, 2 measured: docs/tasks.md)."""
     run = train_grpo.main([
         "--out_dir", str(tmp_path), "--wandb", "false", "--engine", "hf", "--task", "rg:chain_sum",
         "--task_config", small_config, "--rg_size", "500", "--steps", "40", "--prompts_per_step", "16",
@@ -168,6 +168,6 @@ def test_reward_rises_on_two_one_digit_terms(tmp_path, small_config):
         "--eval_n", "2", "--rg_curriculum", "1"])
     rows = read_metrics(run.run_dir)
     start, end = mean_of(rows, "reward/mean", 0, 10), mean_of(rows, "reward/mean", 30, 40)
-    assert start < 0.03 and end > start + 0.02, (start, end)
+    assert start < 0.03 and end > max(start + 0.012, 3 * start), (start, end)  # 0.012: about 2 sd of noise
     assert all(r["task/scorer_errors"] == 0 for r in rows) and not undocumented(rows[-1], "grpo")
     assert [r["task/rg_level"] for r in rows if "task/rg_level" in r] == [0, 0]  # logged; 1 is never reached
