@@ -46,7 +46,11 @@ from rlmini.rollouts import overlong_penalty, resample, sample, score  # noqa: F
 class Args:
     """Options shared by every algorithm. Each script subclasses this with its own."""
     model: str = arg("tiny", "'tiny' (built-in random-init Qwen3), a hub id or a local path")
-    task: str = arg("addition", "addition | calibration | ordinal | mixed | gsm8k | math | jsonl:PATH")
+    task: str = arg("addition", "addition | calibration | ordinal | mixed | gsm8k | math | jsonl:PATH | rg:")
+    task_config: str = arg("", "rg: tasks: YAML/JSON file of each generator's config, {name: {key: value}}")
+    rg_size: int = arg(1000, "rg: tasks: training examples (a tenth more are held out)", ge=1)
+    rg_allow_slow: bool = arg(False, "rg: tasks: allow generators over 2 s per 1,000 items (docs/tasks.md)")
+    rg_curriculum: float = arg(0.0, "rg: tasks: a level up when eval/pass@1 reaches it (0: off)", ge=0, le=1)
     steps: int = arg(200, "training steps (one rollout batch each)", ge=1)
     prompts_per_step: int = arg(32, "prompts per rollout batch (all ranks together)", ge=1)
     group_size: int = arg(8, "completions sampled per prompt (G)", ge=1)

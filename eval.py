@@ -26,10 +26,11 @@ import torch
 
 import common
 import rewards
-from rlmini import data, dist, engine, models, runlog, tools
+from rlmini import data, dist, engine, models, options, runlog, tools
 
 TOOL_OPTIONS = ("tools", "tool_format", "max_turns", "tool_timeout", "tool_memory_mb", "tool_output_chars",
                 "tool_workers", "tool_sandbox", "env")  # the trainers' (common.Args), taken as they are
+TASK_OPTIONS = ("task_config", "rg_size", "rg_allow_slow")  # rg: tasks, likewise
 
 # ---------------------------------------------------------------------------------------------- metrics
 
@@ -212,6 +213,8 @@ def summarize(task, examples: list, scores: list, n: int, ks: list, boot: bool =
         errors = sum(s.tools["errors"] for s in scores)
         out.update(tool_calls=float(calls.mean()), tool_call_frac=float((calls > 0).mean()),
                    tool_error_rate=errors / calls.sum() if calls.sum() else math.nan)
+    if "task/scorer_errors" in task.stats:  # rg: scorers that raised (each scored 0)
+        out["scorer_errors"] = sum(s.error is not None for s in scores)
     if task.kind == "ordinal":
         out["pass_rate"] = float(np.mean([s.reward >= task.pass_threshold for s in scores]))
     if task.kind == "probability":
@@ -253,16 +256,20 @@ def evaluate(run) -> dict:
     weights (the training loop pushed them just before); it is never put to sleep here."""
     args = run.args
     examples = run.task.test[: args.eval_limit or None]
+    counts = dict(run.task.stats)  # the step's counters: evaluation's own are reported as eval/*
     scores = sample_and_score(run, examples, args.eval_n, seed=data.rollout_seed(args.seed, -1, dist.rank()))
+    run.task.stats.update(counts)
     full = summarize(run.task, examples, scores, args.eval_n, sorted({1, args.eval_n}))
     k = args.eval_n
     metrics = {"eval/pass@1": full["pass@1"], "eval/pass@k": full[f"pass@{k}"],
                "eval/maj@k": full[f"maj@{k}"],
                "eval/format_fail": full["format_fail"], "eval/reward": full["reward"]}
     for key in ("ece", "auroc", "brier", "accuracy", "pass_rate", "tool_calls", "tool_call_frac",
-                "tool_error_rate"):
+                "tool_error_rate", "scorer_errors"):
         if key in full:
             metrics[f"eval/{key}"] = full[key]
+    if run.task.on_eval is not None:  # rg: --rg_curriculum raises the level here (every rank alike)
+        metrics.update(run.task.on_eval(run.task, metrics))
     if dist.rank() == 0:  # every prediction: the scores of all ranks were gathered
         extra = {"predictions": full["predictions"]} if "predictions" in full else {}
         write_out(run.run_dir, "eval.json", {"step": run.step, "k": k, **metrics, **extra})
@@ -311,7 +318,8 @@ def cmd_evaluate(argv) -> dict:
     p = argparse.ArgumentParser(prog="eval.py", description="Evaluate a policy on a task's held-out split.")
     p.add_argument("--model", default="tiny", help="hub id, local path (e.g. runs/<run>/final) or 'tiny'")
     p.add_argument("--task", default="addition",
-                   help="as in training: addition, calibration, ordinal, gsm8k, math, jsonl:PATH, hf:DATASET")
+                   help="as in training: addition, calibration, ordinal, gsm8k, math, jsonl:PATH, "
+                        "hf:DATASET, rg:NAME[,NAME...]")
     p.add_argument("--jsonl_reward", default="math", choices=sorted(rewards.JSONL_REWARDS),
                    help="jsonl:/hf: scoring")
     p.add_argument("--prompt_column", default="prompt", help="jsonl:/hf: the prompt's column")
@@ -328,11 +336,12 @@ def cmd_evaluate(argv) -> dict:
                    help="compute dtype (auto: CUDA bf16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="output folder (default runs/eval-<model>-<task>)")
-    for name in TOOL_OPTIONS:  # the trainers' tool options, with their defaults and help
+    for name in TOOL_OPTIONS + TASK_OPTIONS:  # the trainers' tool and task options, with defaults and help
         f = common.Args.__dataclass_fields__[name]
         choices = typing.get_args(f.type) if typing.get_origin(f.type) is typing.Literal else None
-        p.add_argument(f"--{name}", type=str if choices else type(f.default), default=f.default,
-                       help=f.metadata.get("help", ""), choices=choices)
+        kind = options.boolean if f.type is bool else str if choices else type(f.default)
+        p.add_argument(f"--{name}", type=kind, default=f.default, help=f.metadata.get("help", ""),
+                       choices=choices)
     a = p.parse_args(argv)
     for flag, value, low in (("--n", a.n, 1), ("--limit", a.limit, 0),
                              ("--max_new_tokens", a.max_new_tokens, 0)):
@@ -353,7 +362,8 @@ def cmd_evaluate(argv) -> dict:
                       max_new_tokens=a.max_new_tokens, dtype=a.dtype, **tool_options)
     style = models.prompt_style(a.model)
     task = rewards.load_task(a.task, style=style, seed=a.seed, jsonl_reward=a.jsonl_reward,
-                             prompt_column=a.prompt_column, answer_column=a.answer_column)
+                             prompt_column=a.prompt_column, answer_column=a.answer_column,
+                             **{k: getattr(a, k) for k in TASK_OPTIONS})
     task = rewards.with_system_prompt(task, a.system_prompt)
     task = rewards.with_reward_functions(task, "", "", env=a.env)  # --env's get_reward, as in training
     models.model_path(a.model, task)  # builds the tiny model on first use, before torch.distributed starts
@@ -382,7 +392,7 @@ def cmd_evaluate(argv) -> dict:
              **{f"{m} 95% CI": interval(m, k) for m in ("pass", "maj")}} for k in ks]
     table = _markdown(rows, ["k", "pass", "pass 95% CI", "maj", "maj 95% CI", "mean"])
     names = ("format_fail", "reward", "pass_rate", "ece", "auroc", "brier", "accuracy", "tool_calls",
-             "tool_call_frac", "tool_error_rate")
+             "tool_call_frac", "tool_error_rate", "scorer_errors")
     extra = {k: result[k] for k in names if k in result}
     table += "\n" + _markdown([extra], list(extra))
     title = f"# {a.model} on {a.task} ({a.split}, {len(examples)} questions, n={a.n})\n\n"

@@ -58,9 +58,17 @@ def set_rng_state(state: dict) -> None:
 def load_task(args, style: str):
     """The task of --task with its options: --system_prompt, --reward functions (and --env's get_reward),
     --decontaminate."""
+    if args.rg_curriculum and not (args.task.startswith("rg:") and args.eval_every):
+        raise SystemExit(f"--rg_curriculum {args.rg_curriculum}: needs an rg: task and --eval_every (the "
+                         f"level rises after an evaluation)")
+    if args.rg_curriculum and args.resume:
+        raise SystemExit("--rg_curriculum: the level is not in the checkpoint, so --resume would restart it "
+                         "at 0 and train on other examples than the run did")
     task = rewards.load_task(args.task, style=style, seed=args.seed, brier=args.brier,
                              jsonl_reward=args.jsonl_reward, prompt_column=args.prompt_column,
-                             answer_column=args.answer_column)
+                             answer_column=args.answer_column, task_config=args.task_config,
+                             rg_size=args.rg_size, rg_allow_slow=args.rg_allow_slow,
+                             rg_curriculum=args.rg_curriculum)
     if args.system_prompt and style != "chat":
         raise SystemExit("--system_prompt: the built-in tiny model has no chat template; use a chat model "
                          "(--model)")

@@ -102,6 +102,7 @@ def step_metrics(run, batch: Batch, pre: PreUpdate, stats: StepStats, advantages
         metrics["value/clip_frac"] = tot["value/clip_frac"] / tot["tokens"]
     if batch.rollouts.tool_stats is not None:  # --tools
         metrics.update(tool_metrics(batch.rollouts))
+    metrics.update(task_counts(run.task))  # rg: task/scorer_errors
     metrics.update(global_means(extra or {}))
     faults.warn_on_collapse(run, metrics)  # no gradient or no entropy for several steps in a row
     runlog.log_completions(run, batch.examples, batch.rollouts, batch.rewards, batch.correct, batch.fmt,
@@ -175,3 +176,14 @@ def tool_metrics(rollouts) -> dict:
             "tools/raised": st["raised"].sum().item(),
             "tools/seconds": st["seconds"].sum().item(), "tools/turn_limit": st["turn_limit"].mean().item(),
             "tools/token_frac": st["tool_tokens"].sum().item() / max(tokens, 1.0)}
+
+
+def task_counts(task) -> dict:
+    """The task's own counters (rewards.Task.stats; rg: task/scorer_errors) since the last step, summed over
+    ranks, then reset: what every scoring on this rank counted (the step's rollouts, a script's own
+    common.generate calls; evaluation takes its own out, eval.py::evaluate)."""
+    if not task.stats:
+        return {}
+    totals = all_sum(dict(task.stats))
+    task.stats.update(dict.fromkeys(task.stats, 0))
+    return totals

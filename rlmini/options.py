@@ -111,7 +111,7 @@ def parse_args(cls, argv=None):
         if typing.get_origin(f.type) is Literal:
             options.update(type=str, choices=typing.get_args(f.type))
         elif kind is bool:  # --flag, --flag true, --flag false
-            options.update(type=_boolean, nargs="?", const=True)
+            options.update(type=boolean, nargs="?", const=True)
         parser.add_argument(f"--{f.name}", **options)
     values, unknown = parser.parse_known_args(argv)
     if unknown:  # flags are never abbreviated: --temp is not --temperature
@@ -122,7 +122,7 @@ def parse_args(cls, argv=None):
         raise SystemExit(f"bad option ({source}): {e}") from None
 
 
-def _boolean(text: str) -> bool:
+def boolean(text: str) -> bool:
     if text.lower() in ("true", "yes", "1"):
         return True
     if text.lower() in ("false", "no", "0"):
