@@ -43,14 +43,11 @@ from rlmini.rollouts import overlong_penalty, resample, sample, score  # noqa: F
 
 
 @dataclass
-class Args:
-    """Options shared by every algorithm. Each script subclasses this with its own."""
+class Args(data.TaskArgs, tools.ToolArgs, server.ServerArgs, memplan.PlanArgs):
+    """Options shared by every algorithm (and, from its base classes, those of the task, the tools, the server
+    engine and --plan_only). Each script subclasses this with its own."""
     model: str = arg("tiny", "'tiny' (built-in random-init Qwen3), a hub id or a local path")
     task: str = arg("addition", "addition | calibration | ordinal | mixed | gsm8k | math | jsonl:PATH | rg:")
-    task_config: str = arg("", "rg: tasks: YAML/JSON file of each generator's config, {name: {key: value}}")
-    rg_size: int = arg(1000, "rg: tasks: training examples (a tenth more are held out)", ge=1)
-    rg_allow_slow: bool = arg(False, "rg: tasks: allow generators over 2 s per 1,000 items (docs/tasks.md)")
-    rg_curriculum: float = arg(0.0, "rg: tasks: a level up when eval/pass@1 reaches it (0: off)", ge=0, le=1)
     steps: int = arg(200, "training steps (one rollout batch each)", ge=1)
     prompts_per_step: int = arg(32, "prompts per rollout batch (all ranks together)", ge=1)
     group_size: int = arg(8, "completions sampled per prompt (G)", ge=1)
@@ -119,17 +116,6 @@ class Args:
     prompt_column: str = arg("prompt", "jsonl:/hf: tasks: the prompt's column (text or a list of messages)")
     answer_column: str = arg("answer", "jsonl:/hf: tasks: the reference answer's column")
     system_prompt: str = arg("", "a system message opening every prompt (chat models)")
-    tools: str = arg("", "tools the policy may call: python, calculator, module:function[,...] (empty: none)")
-    tool_format: Literal["code", "chat"] = arg(
-        "code", "calls as ```python blocks then ```output (base models), or the chat template's tool calls")
-    max_turns: int = arg(4, "--tools: generation turns per completion at most (calls + 1)", ge=1)
-    tool_timeout: float = arg(5.0, "--tools: wall-clock (and CPU) seconds per call", gt=0)
-    tool_memory_mb: int = arg(1024, "--tools: the python tool's memory limit (address space), MiB", ge=64)
-    tool_output_chars: int = arg(2000, "--tools: a longer tool output is cut to this many characters", ge=1)
-    tool_workers: int = arg(8, "--tools: calls running at once", ge=1)
-    env: str = arg("", "an environment class, module:Class, in TRL's environment_factory contract")
-    tool_sandbox: Literal["auto", "namespaces", "landlock", "none"] = arg(
-        "auto", "--tools python: a call's confinement (docs/tools.md); auto: the strongest here, none: none")
     vllm_gpu_memory_utilization: float = arg(0.0, "share of GPU memory vLLM may take; 0: what the memory "
                                                   "plan leaves it (memplan.plan_run)", ge=0, le=1)
     vllm_seed: Literal["request", "engine"] = arg(
@@ -139,15 +125,6 @@ class Args:
     vllm_sleep: bool = arg(True, "CUDA only: free vLLM's memory (sleep level 2) while the trainer updates")
     vllm_tp: int = arg(1, "torchrun: N consecutive ranks share one vLLM engine, tensor parallel over them",
                        ge=1)
-    server_url: str = arg("", "--engine server: the vLLM server's address, http://HOST:PORT (docs/scale.md)")
-    server_push: Literal["disk", "nccl"] = arg(
-        "disk", "--engine server: weights as safetensors in a folder the server reads, or vLLM's NCCL "
-                "transfer")
-    server_push_dir: str = arg("", "--server_push disk: that folder, on a filesystem both see (run_dir/push)")
-    server_timeout: float = arg(600.0, "--engine server: seconds a request or a rollout may take", gt=0)
-    server_concurrency: int = arg(64, "--engine server: requests in flight per rank (one per prompt)", ge=1)
-    async_steps: int = arg(0, "--engine server: rollouts sampled up to K pushes ahead of the update (0 = "
-                              "lock-step, 1 = one-step-off; AReaL's decoupled loss)", ge=0)
     push_check_every: int = arg(10, "check vLLM against the trainer on a probe every N steps (0 = off)", ge=0)
     push_check_tol: float = arg(0.0, "mean |logprob diff| allowed on the probe; 0 = by dtype", ge=0)
     config: str = arg("", "YAML or JSON file of options; command-line flags override it")
@@ -157,11 +134,6 @@ class Args:
     allow_option_changes: bool = arg(False, "--resume with options that change the experiment (listed)")
     print_every: int = arg(10, "without a terminal (cluster job, nohup, CI): a line every N steps", ge=0)
     verbose: bool = arg(False, "show vLLM's warnings (most are hints the user cannot act on)")
-    plan_only: bool = arg(False, "print the memory plan for --gpus GPUs from the model's config and exit")
-    gpus: int = arg(1, "--plan_only: GPUs (ranks) the run would use (nodes x GPUs per node)", ge=1)
-    gpus_per_node: int = arg(8, "--plan_only: GPUs per node (host memory is per node)", ge=1)
-    gpu_memory_gb: float = arg(79.2, "--plan_only: GiB per GPU as torch shows it (80 GB H100: 79.2)", gt=0)
-    plan_prompt_tokens: int = arg(512, "--plan_only: the longest prompt, in tokens (no data is read)", ge=1)
     min_group_size: ClassVar[int] = 1  # scripts with a group baseline raise it to 2
     trains: ClassVar[bool] = True  # eval.py's options sample only: --dtype float16 is allowed there
 

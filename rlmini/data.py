@@ -11,6 +11,16 @@ import numpy as np
 import torch
 
 import rewards
+from rlmini.options import arg
+
+
+@dataclass
+class TaskArgs:
+    """rg: tasks' options (reasoning-gym, rewards.py::rg_task), in common.Args."""
+    task_config: str = arg("", "rg: tasks: YAML/JSON file of each generator's config, {name: {key: value}}")
+    rg_size: int = arg(1000, "rg: tasks: training examples (a tenth more are held out)", ge=1)
+    rg_allow_slow: bool = arg(False, "rg: tasks: allow generators over 2 s per 1,000 items (docs/tasks.md)")
+    rg_curriculum: float = arg(0.0, "rg: tasks: a level up when eval/pass@1 reaches it (0: off)", ge=0, le=1)
 
 
 def seed_everything(seed: int) -> None:

@@ -30,10 +30,23 @@ figure is the device memory it needs: what torch's allocator holds (max_memory_a
 import functools
 import json
 import os
+from dataclasses import dataclass
 
 import torch
 
 from rlmini.logprobs import chunk_for
+from rlmini.options import arg
+
+
+@dataclass
+class PlanArgs:
+    """--plan_only's options: the plan of a run on GPUs this machine may not have (plan_only)."""
+    plan_only: bool = arg(False, "print the memory plan for --gpus GPUs from the model's config and exit")
+    gpus: int = arg(1, "--plan_only: GPUs (ranks) the run would use (nodes x GPUs per node)", ge=1)
+    gpus_per_node: int = arg(8, "--plan_only: GPUs per node (host memory is per node)", ge=1)
+    gpu_memory_gb: float = arg(79.2, "--plan_only: GiB per GPU as torch shows it (80 GB H100: 79.2)", gt=0)
+    plan_prompt_tokens: int = arg(512, "--plan_only: the longest prompt, in tokens (no data is read)", ge=1)
+
 
 GiB = 2**30
 CONTEXT = 1.0 * GiB  # CUDA context and the cuBLAS/cuDNN handles outside torch's allocator, per process

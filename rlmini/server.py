@@ -25,6 +25,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -32,6 +34,22 @@ from rlmini import dist
 from rlmini.data import Rollouts
 from rlmini.engine import PushError, _check_awake, named_weights, stop_ids, trainer_logprobs
 from rlmini.faults import ServerError
+from rlmini.options import arg
+
+
+@dataclass
+class ServerArgs:
+    """--engine server's options (docs/scale.md), in common.Args."""
+    server_url: str = arg("", "--engine server: the vLLM server's address, http://HOST:PORT (docs/scale.md)")
+    server_push: Literal["disk", "nccl"] = arg(
+        "disk", "--engine server: weights as safetensors in a folder the server reads, or vLLM's NCCL "
+                "transfer")
+    server_push_dir: str = arg("", "--server_push disk: that folder, on a filesystem both see (run_dir/push)")
+    server_timeout: float = arg(600.0, "--engine server: seconds a request or a rollout may take", gt=0)
+    server_concurrency: int = arg(64, "--engine server: requests in flight per rank (one per prompt)", ge=1)
+    async_steps: int = arg(0, "--engine server: rollouts sampled up to K pushes ahead of the update (0 = "
+                              "lock-step, 1 = one-step-off; AReaL's decoupled loss)", ge=0)
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARD_BYTES = 2 * 2**30  # a push's safetensors files: the host holds one shard at a time, not the model

@@ -27,10 +27,29 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 from rewards import OUTPUT_MARK, DataError, import_function
 from rlmini import dist, envs, sandbox
 from rlmini.data import Rollouts
+from rlmini.options import arg
+
+
+@dataclass
+class ToolArgs:
+    """--tools and --env options (docs/tools.md, docs/environments.md), in common.Args and eval.py's."""
+    tools: str = arg("", "tools the policy may call: python, calculator, module:function[,...] (empty: none)")
+    tool_format: Literal["code", "chat"] = arg(
+        "code", "calls as ```python blocks then ```output (base models), or the chat template's tool calls")
+    max_turns: int = arg(4, "--tools: generation turns per completion at most (calls + 1)", ge=1)
+    tool_timeout: float = arg(5.0, "--tools: wall-clock (and CPU) seconds per call", gt=0)
+    tool_memory_mb: int = arg(1024, "--tools: the python tool's memory limit (address space), MiB", ge=64)
+    tool_output_chars: int = arg(2000, "--tools: a longer tool output is cut to this many characters", ge=1)
+    tool_workers: int = arg(8, "--tools: calls running at once", ge=1)
+    env: str = arg("", "an environment class, module:Class, in TRL's environment_factory contract")
+    tool_sandbox: Literal["auto", "namespaces", "landlock", "none"] = arg(
+        "auto", "--tools python: a call's confinement (docs/tools.md); auto: the strongest here, none: none")
+
 
 _BLOCK = re.compile(r"```([A-Za-z_][\w.-]*)[ \t]*\n(.*?)```", re.S)
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)

@@ -36,6 +36,14 @@ def values(f) -> str:
     return f"{text} {range_text(*bounds)}" if any(b is not None for b in bounds) else text
 
 
+def shared_fields() -> list:
+    """common.Args's options: its own first, then its bases' (task, tools, server, plan)."""
+    import common
+    own = common.Args.__dict__.get("__annotations__", {})
+    fields = dataclasses.fields(common.Args)
+    return [f for f in fields if f.name in own] + [f for f in fields if f.name not in own]
+
+
 def table(fields) -> list:
     rows = ["| flag | default | values | meaning |", "|---|---|---|---|"]
     for f in fields:
@@ -56,7 +64,7 @@ def page(names=None) -> str:
            "Every option is a flag (`--name value`; a bare boolean flag means true) or a key of a `--config` "
            "YAML/JSON file;",
            "a flag given on the command line overrides the file.", "",
-           "## Every script", "", *table(dataclasses.fields(common.Args))]
+           "## Every script", "", *table(shared_fields())]
     for name in scripts() if names is None else names:
         own = [f for f in dataclasses.fields(importlib.import_module(name).Args) if f.name not in shared]
         out += ["", f"## `{name}.py`", "", *table(own)]

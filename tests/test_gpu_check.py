@@ -128,8 +128,8 @@ def step(k, **over):
 
 ALONE = {"device": "NVIDIA H100 80GB HBM3", "tokens_per_s": 400.0}
 COUNTS = {"params": 1e9, "steps": [[[7] * 10] * 4] * 3}  # 4 prompts of 10 tokens a step: 40
-PLAN = {"rollout_allocator_gb": 30.0, "update_allocator_gb": 40.0, "push_allocator_gb": 35.0, "margin_gb": 2.0,
-        "device": "cuda"}
+PLAN = {"rollout_allocator_gb": 30.0, "update_allocator_gb": 40.0, "push_allocator_gb": 35.0,
+        "margin_gb": 2.0, "device": "cuda"}
 
 
 def test_the_numbers_and_the_checks_on_a_made_up_run(tmp_path):
