@@ -554,7 +554,7 @@ def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False
             rows, test = rows[:-n_test] or rows, rows[-n_test:]
         return Task(name, "binary", rows, test, JSONL_REWARDS[jsonl_reward], pass_threshold=1.0,
                     alphabet=list(string.printable), max_new_tokens=512)
-    raise DataError(f"--task {spec!r}: unknown task; choose addition, calibration, ordinal, "
+    raise DataError(f"--task {spec!r}: unknown task; choose addition[:N], calibration, ordinal, "
                     f"mixed[:HARD_FRAC], modmul, gsm8k, math, jsonl:PATH or hf:DATASET")
 
 
