@@ -138,7 +138,8 @@ def summary_line(rows: list, last: int = 10) -> str:
     if not reward:
         return "no step logged"
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    text = f"training reward {mean(reward[:last]):.3f} -> {mean(reward[-last:]):.3f} (first, last {last} steps)"
+    text = (f"training reward {mean(reward[:last]):.3f} -> {mean(reward[-last:]):.3f} (first, last {last} "
+            f"steps)")
     held = [r for r in rows if "eval/pass@1" in r]
     if not held:
         return text + " | held-out pass@1: not evaluated (--eval_every N)"

@@ -71,7 +71,7 @@ def test_a_run_ends_with_its_training_reward_beside_its_held_out_accuracy(tmp_pa
         log.log(step, {"reward/mean": step / 10, **({"eval/pass@1": step / 24} if step % 6 == 0 else {})})
     log.close()
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last == ("training reward 0.550 -> 0.750 (first, last 10 steps) | held-out pass@1 0.500 at step 12")
+    assert last == "training reward 0.550 -> 0.750 (first, last 10 steps) | held-out pass@1 0.500 at step 12"
     rows = [{"step": 1, "reward/mean": 0.25}]
     assert runlog.summary_line(rows).endswith("0.250 -> 0.250 (first, last 10 steps) | held-out pass@1: not "
                                               "evaluated (--eval_every N)")
