@@ -3,8 +3,8 @@ PY = "$$(bash scripts/setup_env.sh)/bin/python"
 
 .PHONY: demo test bench gpu-check reproduce env
 
-demo:  ## GRPO on the built-in tiny model and the addition task (CPU, offline, vLLM rollouts)
-	$(PY) train_grpo.py --run_name demo --overwrite true --wandb false $(ARGS)
+demo:  ## GRPO on the built-in tiny model, sums of 0..14 (CPU, offline, vLLM rollouts), held-out pass@1 at the end
+	$(PY) train_grpo.py --run_name demo --task addition:14 --eval_every 50 --eval_n 8 --overwrite true --wandb false $(ARGS)
 
 test:  ## the whole test suite (CPU, offline)
 	$(PY) -m pytest -q tests $(ARGS)

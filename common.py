@@ -136,6 +136,10 @@ class Args(data.TaskArgs, tools.ToolArgs, server.ServerArgs, memplan.PlanArgs):
     verbose: bool = arg(False, "show vLLM's warnings (most are hints the user cannot act on)")
     min_group_size: ClassVar[int] = 1  # scripts with a group baseline raise it to 2
     trains: ClassVar[bool] = True  # eval.py's options sample only: --dtype float16 is allowed there
+    # what the generic tests (tests/test_siblings.py, tests/test_docs.py) need of a script: its page
+    # ("" = docs/<name>.md for train_<name>.py) and the flags one step on the built-in model needs
+    docs_page: ClassVar[str] = ""
+    smoke_flags: ClassVar[tuple] = ()
 
     def __post_init__(self):
         validate(self)

@@ -15,6 +15,7 @@ steps (eval/* metrics and runs/<run>/eval.json).
 """
 import argparse
 import collections
+import dataclasses
 import json
 import math
 import os
@@ -26,11 +27,12 @@ import torch
 
 import common
 import rewards
-from rlmini import data, dist, engine, models, options, runlog, tools
+from rlmini import data, dist, engine, models, options, runlog, server, tools
 
 TOOL_OPTIONS = ("tools", "tool_format", "max_turns", "tool_timeout", "tool_memory_mb", "tool_output_chars",
                 "tool_workers", "tool_sandbox", "env")  # the trainers' (common.Args), taken as they are
 TASK_OPTIONS = ("task_config", "rg_size", "rg_allow_slow")  # rg: tasks, likewise
+SERVER_OPTIONS = ("server_url", "server_timeout", "server_concurrency")  # --engine server, as in training
 
 # ---------------------------------------------------------------------------------------------- metrics
 
@@ -309,8 +311,11 @@ def _model_name(model: str) -> str:
     return parts[-2] if parts[-1] == "final" and len(parts) > 1 else parts[-1]
 
 
+@dataclasses.dataclass
 class SampleArgs(common.Args):
-    """The trainers' options as evaluation uses them: nothing trains, so --dtype float16 is allowed."""
+    """The trainers' options as evaluation uses them: nothing trains, so --dtype float16 and greedy decoding
+    (--temperature 0) are allowed."""
+    temperature: float = common.arg(1.0, "sampling temperature; 0: greedy (one completion a question)", ge=0)
     trains = False
 
 
@@ -325,30 +330,39 @@ def cmd_evaluate(argv) -> dict:
     p.add_argument("--prompt_column", default="prompt", help="jsonl:/hf: the prompt's column")
     p.add_argument("--answer_column", default="answer", help="jsonl:/hf: the answer's column")
     p.add_argument("--system_prompt", default="", help="a system message opening every prompt (chat models)")
-    p.add_argument("--n", type=int, default=16, help="samples per question")
-    p.add_argument("--k", default="1,4,16", help="comma-separated k for pass@k, maj@k, mean@k (each <= n)")
+    p.add_argument("--n", type=int, default=None, help="samples per question (default 16; greedy: 1)")
+    p.add_argument("--k", default=None, help="comma-separated k for pass@k, maj@k, mean@k (each <= n; "
+                                             "default 1,4,16; greedy: 1)")
     p.add_argument("--split", default="test", choices=["test", "train"])
     p.add_argument("--limit", type=int, default=0, help="questions (0 = all)")
-    p.add_argument("--engine", default="vllm", choices=["vllm", "hf"])
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--engine", default="vllm", choices=["vllm", "hf", "server"],
+                   help="vLLM in-process, a sampling loop (hf), or a `vllm serve` of --model (server)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature; 0: greedy decoding, one completion per question (pass@1)")
     p.add_argument("--max_new_tokens", type=int, default=0, help="0 = the task's default")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="compute dtype (auto: CUDA bf16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="output folder (default runs/eval-<model>-<task>)")
-    for name in TOOL_OPTIONS + TASK_OPTIONS:  # the trainers' tool and task options, with defaults and help
+    for name in TOOL_OPTIONS + TASK_OPTIONS + SERVER_OPTIONS:  # the trainers' options, defaults and help
         f = common.Args.__dataclass_fields__[name]
         choices = typing.get_args(f.type) if typing.get_origin(f.type) is typing.Literal else None
         kind = options.boolean if f.type is bool else str if choices else type(f.default)
         p.add_argument(f"--{name}", type=kind, default=f.default, help=f.metadata.get("help", ""),
                        choices=choices)
     a = p.parse_args(argv)
+    greedy = a.temperature == 0
+    if greedy and (a.n not in (None, 1) or a.k not in (None, "1")):
+        given = " ".join(f"--{f} {v}" for f, v in (("n", a.n), ("k", a.k)) if v not in (None, 1, "1"))
+        raise SystemExit(f"--temperature 0 {given}: greedy decoding gives one completion per question "
+                         f"(n = 1, pass@1 only); drop {given}, or sample at a temperature > 0")
+    a.n, a.k = a.n or (1 if greedy else 16), a.k or ("1" if greedy else "1,4,16")
     for flag, value, low in (("--n", a.n, 1), ("--limit", a.limit, 0),
                              ("--max_new_tokens", a.max_new_tokens, 0)):
         if value < low:
             raise SystemExit(f"{flag} {value}: must be >= {low}")
-    if not a.temperature > 0:
-        raise SystemExit(f"--temperature {a.temperature}: must be > 0")
+    if not a.temperature >= 0:
+        raise SystemExit(f"--temperature {a.temperature}: must be >= 0 (0: greedy decoding)")
     try:
         ks = sorted({int(k) for k in a.k.split(",")})
     except ValueError:
@@ -357,7 +371,7 @@ def cmd_evaluate(argv) -> dict:
         raise SystemExit(f"--k {a.k}: every k must lie in 1..--n ({a.n})")
     if a.engine == "vllm":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    tool_options = {k: getattr(a, k) for k in TOOL_OPTIONS}
+    tool_options = {k: getattr(a, k) for k in TOOL_OPTIONS + SERVER_OPTIONS}
     args = SampleArgs(model=a.model, task=a.task, engine=a.engine, temperature=a.temperature, seed=a.seed,
                       max_new_tokens=a.max_new_tokens, dtype=a.dtype, **tool_options)
     style = models.prompt_style(a.model)
@@ -374,35 +388,46 @@ def cmd_evaluate(argv) -> dict:
     examples = (task.test if a.split == "test" else task.train)[: a.limit or None]
     longest = max(len(x) for x in data.encode_prompts(tok, [e["prompt"] for e in examples], style == "chat"))
     max_len = min(getattr(model.config, "max_position_embeddings", 4096), longest + max_new + 8)
-    rollouts = engine.make_engine(args, path, model, tok, device, dtype, max_len)
+    if a.engine == "server":  # a server down, or serving another model than --model: one line
+        served = server.check_server(a.server_url, args, tok, dtype, max_len, args.server_timeout)
+        rollouts = server.ServerEngine(args, model, tok, device, dtype, served, push=False)
+        probe = data.encode_prompts(tok, [examples[0]["prompt"]], style == "chat")[0]
+        server.check_serves(rollouts, probe, min(16, max_new), a.model)
+    else:
+        rollouts = engine.make_engine(args, path, model, tok, device, dtype, max_len)
     run = argparse.Namespace(args=args, tokenizer=tok, style=style, engine=rollouts, model=model,
                              max_new_tokens=max_new, device=device, dtype=dtype, task=task, step=0,
                              toolbox=tools.make_toolbox(args, "", style, tok))
     scores = sample_and_score(run, examples, a.n, seed=data.rollout_seed(a.seed, -1, dist.rank()))
     getattr(run.toolbox, "close", lambda: None)()  # --env's instances
     result = {"model": a.model, "task": a.task, "split": a.split, "temperature": a.temperature,
+              "decoding": "greedy" if greedy else "sampled",
               **summarize(task, examples, scores, a.n, ks, boot=True)}
+    if greedy:  # one completion: maj@1 and mean@1 are pass@1 again
+        result = {k: v for k, v in result.items() if not k.startswith(("maj@", "mean@"))}
     # torchrun: every rank holds the same result (scores were gathered); rank 0 writes it
     if dist.rank() != 0:
         return result
     out = a.out or os.path.join("runs", f"eval-{_model_name(a.model)}-{a.task.split(':')[0]}")
     write_out(out, "eval.json", result)
     interval = lambda m, k: "[{:.3f}, {:.3f}]".format(*result[f"{m}@{k}_ci95"])
-    rows = [{"k": k, **{m: result[f"{m}@{k}"] for m in ("pass", "maj", "mean")},
-             **{f"{m} 95% CI": interval(m, k) for m in ("pass", "maj")}} for k in ks]
-    table = _markdown(rows, ["k", "pass", "pass 95% CI", "maj", "maj 95% CI", "mean"])
+    shown = ("pass",) if greedy else ("pass", "maj", "mean")
+    rows = [{"k": k, **{m: result[f"{m}@{k}"] for m in shown},
+             **{f"{m} 95% CI": interval(m, k) for m in shown if m != "mean"}} for k in ks]
+    table = _markdown(rows, ["k", "pass", "pass 95% CI"] + ([] if greedy else ["maj", "maj 95% CI", "mean"]))
     names = ("format_fail", "reward", "pass_rate", "ece", "auroc", "brier", "accuracy", "tool_calls",
              "tool_call_frac", "tool_error_rate", "scorer_errors")
     extra = {k: result[k] for k in names if k in result}
     table += "\n" + _markdown([extra], list(extra))
-    title = f"# {a.model} on {a.task} ({a.split}, {len(examples)} questions, n={a.n})\n\n"
+    how = "greedy (temperature 0): n=1, pass@1 only" if greedy else f"n={a.n}, temperature {a.temperature:g}"
+    title = f"# {a.model} on {a.task} ({a.split}, {len(examples)} questions, {how})\n\n"
     write_out(out, "eval.md", title + table)
     _plot_pass_at_k(result, ks, os.path.join(out, "pass_at_k.png"))
     if task.kind == "probability":
         pred = result["predictions"]
         reliability_diagram({_model_name(a.model): (pred["probs"], pred["labels"])},
                             os.path.join(out, "reliability.png"))
-    print(table, end="")
+    print(title + table, end="")
     figure = ", reliability.png" if task.kind == "probability" else ""
     print(f"wrote {out}/eval.json, eval.md, pass_at_k.png{figure}")
     return result
@@ -413,7 +438,7 @@ def _plot_pass_at_k(result, ks, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(4, 3))
-    for m in ("pass", "maj", "mean"):
+    for m in [m for m in ("pass", "maj", "mean") if f"{m}@{ks[0]}" in result]:  # greedy: pass only
         ax.plot(ks, [result[f"{m}@{k}"] for k in ks], "o-", label=f"{m}@k")
     ax.set_xscale("log", base=2), ax.set_xlabel("k (samples)"), ax.set_ylabel("accuracy")
     ax.legend(fontsize=8)
@@ -758,7 +783,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
+    with common.user_errors():  # bad data, a server that does not serve --model: one line, not a traceback
         main()
-    except rewards.DataError as e:
-        raise SystemExit(f"error: {e}") from None

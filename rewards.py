@@ -124,14 +124,16 @@ def _split(examples: list, n_test: int) -> tuple[list, list]:
     return examples[n_test:], examples[:n_test]
 
 
-def addition_task(style: str, seed: int, max_operand: int = 9, n_test: int = 20) -> Task:
+def addition_task(style: str, seed: int, max_operand: int = 9, n_test: int | None = None) -> Task:
     """a+b= with a, b in [0, max_operand]; the answer is the decimal sum followed by EOS.
 
     Binary reward. Built so that a random-initialised model finds a few correct answers by chance
     (1-2 digit answers over a 15-token vocabulary, ~2% at the start) and RL takes it from there.
-    Of the 100 pairs, n_test are held out: the test split measures generalisation to unseen sums.
+    Of the (max_operand + 1)^2 pairs, n_test (default: a fifth) are held out: the test split measures
+    generalisation to unseen sums.
     """
     pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    n_test = len(pairs) // 5 if n_test is None else n_test
     random.Random(seed).shuffle(pairs)
     examples = []
     for a, b in pairs:
@@ -518,8 +520,10 @@ def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False
         return rg_task(local, style, seed, rg_size, task_config, rg_allow_slow, rg_curriculum)
     if task_config:
         raise DataError(f"--task_config {task_config}: configures rg: tasks only (--task {spec})")
-    if name == "addition":
-        return addition_task(style, seed)
+    if name == "addition":  # addition[:MAX_OPERAND]
+        if local and not (local.isdigit() and int(local) >= 1):
+            raise DataError(f"--task {spec!r}: addition takes the largest operand >= 1, e.g. addition:19")
+        return addition_task(style, seed, int(local) if local else 9)
     if name == "calibration":
         return calibration_task(style, seed, brier=brier)
     if name == "ordinal":
@@ -569,7 +573,7 @@ def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False
             rows, test = rows[:-n_test] or rows, rows[-n_test:]
         return Task(name, "binary", rows, test, JSONL_REWARDS[jsonl_reward], pass_threshold=1.0,
                     alphabet=list(string.printable), max_new_tokens=512)
-    raise DataError(f"--task {spec!r}: unknown task; choose addition, calibration, ordinal, "
+    raise DataError(f"--task {spec!r}: unknown task; choose addition[:N], calibration, ordinal, "
                     f"mixed[:HARD_FRAC], modmul, gsm8k, math, jsonl:PATH, hf:DATASET or rg:NAME[,NAME...]")
 
 

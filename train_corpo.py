@@ -28,6 +28,7 @@ class Args(common.Args):
     dynamic_sampling: bool = arg(False, "DAPO: drop groups whose completions share one outcome, sample more")
     max_sampling_rounds: int = arg(20, "dynamic sampling: rounds per step at most, then topped up", ge=1)
     min_group_size: ClassVar[int] = 2  # the group baseline needs two completions of a prompt
+    smoke_flags: ClassVar[tuple] = ("--task", "ordinal")  # CoRPO's threshold needs a graded reward
 
 
 # ---------------------------------------------------------------------------------------------- advantages

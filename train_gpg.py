@@ -30,6 +30,7 @@ class Args(common.Args):
     hadw_anchor: Literal["kalman", "mean"] = arg("kalman", "HA-DW anchor: sec. 3 Kalman | app. F moving mean")
     max_sampling_rounds: int = arg(20, "the beta_th rule: rounds per step at most (authors' code: 20)", ge=1)
     min_group_size: ClassVar[int] = 2  # the group baseline needs two completions of a prompt
+    smoke_flags: ClassVar[tuple] = ("--beta_th", "0")  # one step: no resampling rounds on an untrained model
 
 
 # ---------------------------------------------------------------------------------------------- advantages

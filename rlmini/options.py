@@ -22,7 +22,7 @@ def arg(default, help: str, ge=None, gt=None, le=None, lt=None):
 def validate(args) -> None:
     """Choices and ranges of every option (from each field's arg(...)) and the options that must agree; raises
     ValueError naming the flag."""
-    if getattr(args, "temperature", 1) == 0:  # before the range check, whose message gives no reason
+    if getattr(args, "temperature", 1) == 0 and args.trains:  # before the range check, which gives no reason
         raise ValueError("--temperature 0: greedy decoding is no distribution to train on (a prompt's "
                          "completions are one, every group advantage 0, and its log-probs are not those of "
                          "what sampled them, so the ratio pi / pi_sampler is meaningless); train at a "

@@ -81,6 +81,8 @@ class RunLog:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+        if self.rank0 and os.path.exists(self.path):
+            print(summary_line(read_metrics(self.path)), flush=True)
         if self.wandb is not None:
             self.wandb.finish()
 
@@ -130,6 +132,21 @@ def progress_line(step: int, total: int, row: dict, seconds_per_step: float) -> 
     parts = [f"{name} {row[k]:.3g}" for k, name in keys if k in row and math.isfinite(row[k])]
     eta = datetime.timedelta(seconds=round(seconds_per_step * (total - step)))
     return f"step {step}/{total} | " + " | ".join(parts) + f" | {seconds_per_step:.2f} s/step | ETA {eta}"
+
+
+def summary_line(rows: list, last: int = 10) -> str:
+    """The run in one line: the training reward (mean of the first and last `last` steps) beside the latest
+    held-out pass@1 (--eval_every): a rise on the training prompts alone may be memorisation."""
+    reward = [r["reward/mean"] for r in rows if math.isfinite(r.get("reward/mean", math.nan))]
+    if not reward:
+        return "no step logged"
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    text = (f"training reward {mean(reward[:last]):.3f} -> {mean(reward[-last:]):.3f} (first, last {last} "
+            f"steps)")
+    held = [r for r in rows if "eval/pass@1" in r]
+    if not held:
+        return text + " | held-out pass@1: not evaluated (--eval_every N)"
+    return text + f" | held-out pass@1 {held[-1]['eval/pass@1']:.3f} at step {held[-1]['step']}"
 
 
 def truncate_metrics(path: str, start_step: int) -> None:

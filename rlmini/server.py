@@ -60,8 +60,9 @@ class ServerEngine:
     batches them); push() loads the trainer's weights into it; sleep() only marks the step's order (the
     server has GPUs of its own, nothing to free)."""
 
-    def __init__(self, args, model, tokenizer, device, dtype, served: tuple):
-        """served: check_server's answer, (the served model's name, the server's device type)."""
+    def __init__(self, args, model, tokenizer, device, dtype, served: tuple, push: bool = True):
+        """served: check_server's answer, (the served model's name, the server's device type). push: False
+        for eval.py, which samples from the weights the server holds and changes nothing on it."""
         self.url, self.timeout = args.server_url.rstrip("/"), float(args.server_timeout)
         self.model, self.tokenizer, self.device, self.dtype = model, tokenizer, device, dtype
         self.eos_ids, self.pad_id = stop_ids(tokenizer, model), tokenizer.pad_token_id
@@ -81,7 +82,10 @@ class ServerEngine:
             from rlmini.transfer import NCCLTransfer
             self.transfer = NCCLTransfer(self.url, model, dtype, self.timeout, device)
             self.transfer.start()
-        self.push()  # the trainer's weights, whatever a server reused from an earlier run holds
+        if push:
+            self.push()  # the trainer's weights, whatever a server reused from an earlier run holds
+        else:  # its version now: a trainer pushing into it meanwhile fails the next generate
+            self.nonce, self.pushes = self._call("/weight_info", method="GET").get("weight_version"), None
 
     # ---------------------------------------------------------------------------------------------- HTTP
 
@@ -89,7 +93,7 @@ class ServerEngine:
         return request(self.url, path, body, method, self.timeout if timeout is None else timeout)
 
     def version(self) -> str:
-        return f"{self.nonce}-{self.pushes}"
+        return self.nonce if self.pushes is None else f"{self.nonce}-{self.pushes}"
 
     # ---------------------------------------------------------------------------------------------- sampling
 
@@ -370,6 +374,19 @@ def check_trainer_memory(args, device, plan: dict) -> None:
                          f"free of {total / GiB:.1f} GiB but the trainer's memory plan needs "
                          f"{need / GiB:.1f} GiB: is `vllm serve` on the trainer's GPUs? start it with "
                          f"CUDA_VISIBLE_DEVICES naming other GPUs, torchrun on the rest (docs/scale.md)")
+
+
+def check_serves(sampler: ServerEngine, prompt: list, max_new_tokens: int, model: str) -> None:
+    """eval.py: the server holds --model's weights. Its log-probs of a completion it samples after `prompt`
+    must be the local model's within the dtype's push tolerance (rlmini/engine.py::default_push_tol); a
+    server of another model, or of weights a trainer pushed, is refused in one line naming both."""
+    from rlmini.engine import default_push_tol
+    _, diff, _ = sampler.calibrate(prompt, max_new_tokens, 0, 1.0)
+    if not diff <= default_push_tol(sampler.dtype):
+        raise ServerError(f"--server_url {sampler.url} serves {sampler.served} (weight version "
+                          f"{sampler.nonce}), not --model {model}: mean |logprob diff| {diff:.3g} > "
+                          f"{default_push_tol(sampler.dtype):.3g} on a probe; serve --model, or evaluate the "
+                          f"model it serves")
 
 
 def write_safetensors(weights, root: str, version: int) -> str:

@@ -1,3 +1,4 @@
+import importlib
 import json
 import os
 import subprocess
@@ -66,9 +67,16 @@ def assert_grad_close(actual, expected, rel: float = 1e-5, name: str = "", floor
     assert err <= rel * scale, f"{name}: |actual - expected| {err:.3g} > {rel:g} x {scale:.3g}"
 
 
-def undocumented(keys, algo: str) -> list:
-    """The logged metric names that neither docs/metrics.md nor the algorithm's page names (in backticks)."""
-    pages = "".join(open(os.path.join(ROOT, "docs", page)).read() for page in ("metrics.md", f"{algo}.md"))
+def docs_page(script: str) -> str:
+    """A train_<name>.py's page: its Args.docs_page (common.Args), else docs/<name>.md."""
+    return importlib.import_module(script).Args.docs_page or f"docs/{script[len('train_'):]}.md"
+
+
+def undocumented(keys, algo: str, page: str = "") -> list:
+    """The logged metric names that neither docs/metrics.md nor the algorithm's page (default
+    docs/<algo>.md) names (in backticks)."""
+    paths = ("docs/metrics.md", page or f"docs/{algo}.md")
+    pages = "".join(open(os.path.join(ROOT, p)).read() for p in paths)
     return sorted(k for k in keys if k != "step" and f"`{k}`" not in pages)
 
 
@@ -77,4 +85,4 @@ def mean_of(rows, key, lo, hi):
     return sum(vals) / len(vals)
 
 
-__all__ = ["read_metrics", "run_script", "mean_of", "assert_grad_close", "undocumented", "json"]
+__all__ = ["read_metrics", "run_script", "mean_of", "assert_grad_close", "undocumented", "docs_page", "json"]

@@ -8,7 +8,7 @@ import re
 import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import ROOT, docs_page
 
 CITE = re.compile(r"`([\w./]+\.py)::([\w.]+)`(?:: `([^`]+)`)?")
 PAGES = sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))) + [os.path.join(ROOT, "README.md")]
@@ -49,12 +49,21 @@ def test_every_relative_link_resolves():
                 assert os.path.exists(path), f"{os.path.relpath(page, ROOT)}: link to {target}"
 
 
+def page_problems(script: str) -> list:
+    """What a train_*.py lacks, one line each: its page (Args.docs_page, default docs/<name>.md), the
+    README's link to it."""
+    page = docs_page(script)
+    if not os.path.exists(os.path.join(ROOT, page)):
+        return [f"{script}.py: no docs page {page}; add it, or set Args.docs_page in {script}.py"]
+    if f"({page})" not in open(os.path.join(ROOT, "README.md")).read():
+        return [f"{script}.py: README.md does not link {page}; add a row to its table of algorithms"]
+    return []
+
+
 def test_every_script_has_a_page_and_the_readme_links_it():
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    for script in glob.glob(os.path.join(ROOT, "train_*.py")):
-        name = os.path.basename(script)[len("train_"):-3]
-        assert os.path.exists(os.path.join(ROOT, "docs", f"{name}.md")), name
-        assert f"docs/{name}.md" in readme, name
+    problems = [p for path in glob.glob(os.path.join(ROOT, "train_*.py"))
+                for p in page_problems(os.path.basename(path)[:-3])]
+    assert not problems, "\n".join(problems)
 
 
 def test_the_options_page_is_generated_from_the_args():
@@ -63,9 +72,9 @@ def test_the_options_page_is_generated_from_the_args():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_a_new_scripts_options_are_found_and_checked(tmp_path, monkeypatch):
+def test_a_new_scripts_options_and_page_are_found_and_checked(tmp_path, monkeypatch):
     """scripts/options_table.py finds every train_*.py by itself; a new script whose options the page lacks
-    fails --check, which names it."""
+    fails --check, which names it; one without a page is told where to add it, or to declare it."""
     import importlib.util
     spec = importlib.util.spec_from_file_location("options_table", os.path.join(ROOT, "scripts",
                                                                                 "options_table.py"))
@@ -81,10 +90,14 @@ def test_a_new_scripts_options_are_found_and_checked(tmp_path, monkeypatch):
     assert table.scripts(str(tmp_path)) == ["train_remax"]
     text = table.page(table.scripts() + table.scripts(str(tmp_path)))
     assert "## `train_remax.py`" in text and "| `--baseline_n` | `1` | int >= 1 | greedy completions" in text
-    current = open(table.PAGE).read()
-    assert table.check(current, table.page()) == (True, "docs/options.md is current")
-    assert table.check(current, text) == (False, "docs/options.md is stale (no section for train_remax.py): "
-                                                 "python scripts/options_table.py")
+    ok, why = table.check(open(table.PAGE).read(), text)  # whether the page is current: the test above
+    assert not ok and why.startswith("docs/options.md is stale (no section for train_remax.py)"), why
+    assert page_problems("train_remax") == ["train_remax.py: no docs page docs/remax.md; add it, or set "
+                                            "Args.docs_page in train_remax.py"]
+    (tmp_path / "train_remax.py").write_text("from typing import ClassVar\n" + (tmp_path / "train_remax.py")
+                                             .read_text() + "    docs_page: ClassVar[str] = 'docs/rloo.md'\n")
+    monkeypatch.delitem(sys.modules, "train_remax")
+    assert page_problems("train_remax") == []  # the declared page, which the README links
 
 
 def test_the_readme_file_map_counts_the_lines():

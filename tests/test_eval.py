@@ -236,6 +236,8 @@ def test_cli_audit_and_contamination(tmp_path):
     (["--n", "2", "--k", "1,4"], "every k must lie in 1..--n"),
     (["--k", "1,x"], "--k 1,x: a comma-separated list of integers"),  # was: a ValueError traceback
     (["--limit", "-25"], "--limit -25: must be >= 0"),
+    (["--temperature", "0", "--n", "4"], r"--temperature 0 --n 4: greedy decoding gives one completion per "),
+    (["--temperature", "-1"], r"--temperature -1.0: must be >= 0 \(0: greedy decoding\)"),
     (["compare", os.path.join(FIX, "nostep")], "row 1 has no 'step': not a metrics.jsonl"),  # was: KeyError
     # was: 100% contaminated
     (["contamination", "--task", "addition", "--ngram", "0"], "--ngram 0: must be >= 1"),
@@ -260,3 +262,64 @@ def test_evaluation_samples_in_float16_which_training_refuses(tmp_path, monkeypa
     result = ev.cmd_evaluate(["--task", "addition", "--n", "2", "--k", "1,2", "--limit", "3", "--engine",
                               "hf", "--max_new_tokens", "4", "--dtype", "float16", "--out", str(tmp_path)])
     assert seen == [torch.float16] and result["questions"] == 3
+
+
+RECORD = """import json, runpy, sys
+import common
+generate, seen = common.generate, []
+def record(*a, **k):
+    scored = generate(*a, **k)
+    seen.extend(scored.rollouts.completion_ids)
+    return scored
+common.generate = record
+sys.argv = ["eval.py", *sys.argv[2:]]
+runpy.run_path("eval.py", run_name="__main__")
+json.dump(seen, open(OUT, "w"))
+"""
+
+
+def greedy_eval(tmp_path, model_dir: str, task: str, *flags) -> tuple:
+    """eval.py --temperature 0 in its own process (a vLLM engine is one per process): (eval.json, the
+    completions it scored, stdout), next to transformers' generate(do_sample=False) of the same prompts."""
+    import subprocess
+    import sys
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from conftest import ROOT
+    from rlmini import data, engine
+    out = tmp_path / "eval"
+    code = RECORD.replace("OUT", repr(str(tmp_path / "seen.json")))
+    argv = ["--model", model_dir, "--task", task, "--temperature", "0", "--limit", "12", "--max_new_tokens",
+            "8", "--dtype", "float32", "--out", str(out), *flags]
+    proc = subprocess.run([sys.executable, "-c", code, "eval.py", *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "WANDB_MODE": "disabled"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    examples = rewards.load_task(task).test[:12]
+    ids = torch.tensor(data.encode_prompts(tok, [e["prompt"] for e in examples], False))  # one length
+    eos = engine.stop_ids(tok, model)
+    seqs = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                          max_new_tokens=8, eos_token_id=sorted(eos), pad_token_id=tok.pad_token_id)
+    seqs = seqs[:, ids.shape[1]:].tolist()
+    expected = [s[:next((k + 1 for k, t in enumerate(s) if t in eos), len(s))] for s in seqs]
+    return json.load(open(out / "eval.json")), json.load(open(tmp_path / "seen.json")), expected, proc.stdout
+
+
+@pytest.mark.parametrize("engine_name", ["hf", "vllm"])
+def test_greedy_evaluation_is_transformers_greedy_generate(tmp_path, tiny_addition, engine_name):
+    """--temperature 0 on both in-process engines: one completion per question, token for token transformers'
+    generate(do_sample=False) in fp32 (a perturbed tiny model, whose greedy completions vary), pass@1 only,
+    and the output says it was greedy."""
+    from test_common import perturbed
+    from rlmini import checkpoint as ckpt
+    _, tok, _ = tiny_addition
+    final = str(tmp_path / "final")
+    ckpt.save_final(perturbed(tiny_addition[0]), tok, final, "tiny")
+    result, seen, expected, stdout = greedy_eval(tmp_path, final, "addition", "--engine", engine_name)
+    assert seen == expected and len({tuple(c) for c in seen}) > 3
+    task = rewards.load_task("addition")
+    correct = [task.score(tok.decode(c, skip_special_tokens=True), e, c[-1:] == [tok.eos_token_id]).correct
+               for c, e in zip(expected, task.test)]
+    assert result["pass@1"] == np.mean(correct) and result["n"] == 1 and result["decoding"] == "greedy"
+    assert "maj@1" not in result and "mean@1" not in result and result["temperature"] == 0
+    assert "greedy (temperature 0): n=1, pass@1 only" in stdout and "| maj |" not in stdout

@@ -20,6 +20,12 @@ def test_addition_needs_eos_and_exact_sum():
     assert len(task.train) == 80 and len(task.test) == 20
     train_pairs = {e["prompt"] for e in task.train}
     assert not train_pairs & {e["prompt"] for e in task.test}   # held out
+    wide = rewards.load_task("addition:49")  # operands 0..49: 2,500 pairs, a fifth held out
+    assert len(wide.train) == 2000 and len(wide.test) == 500 and task.alphabet == wide.alphabet
+    assert len({e["prompt"] for e in wide.train + wide.test}) == 2500 and wide.test[0]["prompt"] == "10+16="
+    assert wide.score("26", wide.test[0], True).correct == 1.0
+    with pytest.raises(rewards.DataError, match="addition takes the largest operand >= 1, e.g. addition:19"):
+        rewards.load_task("addition:x")
 
 
 def test_calibration_task_follows_seed_000():

@@ -61,3 +61,17 @@ def test_config_names_the_algorithm_and_wandb_gets_group_and_tags(tmp_path, fake
     assert call["config"]["lr"] == 3e-4 and call["name"] == run.args.run_name
     saved = json.load(open(tmp_path / run.args.run_name / "config.json"))
     assert saved["algo"] == "rloo" and saved["run_id"] == call["id"]
+
+
+def test_a_run_ends_with_its_training_reward_beside_its_held_out_accuracy(tmp_path, fake_wandb, capsys):
+    """The last line a run prints: the training reward's first and last 10 steps' means (hand-computed) and
+    the latest held-out pass@1, or that none was measured."""
+    log = _log(tmp_path, "a")
+    for step in range(1, 13):  # rewards 0.1 .. 1.2; held-out at steps 6 and 12
+        log.log(step, {"reward/mean": step / 10, **({"eval/pass@1": step / 24} if step % 6 == 0 else {})})
+    log.close()
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == "training reward 0.550 -> 0.750 (first, last 10 steps) | held-out pass@1 0.500 at step 12"
+    rows = [{"step": 1, "reward/mean": 0.25}]
+    assert runlog.summary_line(rows).endswith("0.250 -> 0.250 (first, last 10 steps) | held-out pass@1: not "
+                                              "evaluated (--eval_every N)")

@@ -334,3 +334,28 @@ def test_the_plan_counts_the_nccl_push_buffers_in_the_push_only():
     assert buffers == 3 * (2**30 + 2 * 152064 * 3584)  # Qwen2.5-7B's largest tensor: an embedding, in bf16
     assert nccl["push"] - disk["push"] == buffers
     assert (nccl["update"], nccl["rollout"]) == (disk["update"], disk["rollout"])
+
+
+def test_greedy_evaluation_through_the_server_is_transformers_greedy_and_of_the_model_asked(served, tmp_path):
+    """eval.py --engine server --temperature 0 samples from the weights the server holds (it pushes nothing):
+    greedy completions token for token transformers' generate(do_sample=False) of --model, which holds those
+    weights; a server holding other weights than --model's is refused in one line naming both."""
+    from test_common import perturbed
+    from test_eval import greedy_eval
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from rlmini import checkpoint as ckpt
+    url, path, _ = served
+    tok = AutoTokenizer.from_pretrained(path)
+    model = perturbed(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))  # varied completions
+    ckpt.save_final(model, tok, str(tmp_path / "final"), "tiny")
+    args = common.parse_args(train_grpo.Args, _args(tmp_path, url))
+    args.server_push_dir = str(tmp_path / "push")
+    held = server.check_server(url, args, tok, torch.float32, 512, 30)
+    server.ServerEngine(args, model, tok, torch.device("cpu"), torch.float32, held).close()  # training's push
+    result, seen, expected, _ = greedy_eval(tmp_path, str(tmp_path / "final"), TASK, "--engine", "server",
+                                            "--server_url", url)
+    assert seen == expected and len({tuple(c) for c in seen}) > 3 and result["decoding"] == "greedy"
+    with pytest.raises(AssertionError, match=rf"--server_url {url} serves .* not --model {path}: mean") as e:
+        run_script("eval.py", ["--model", path, "--task", TASK, "--engine", "server", "--server_url", url,
+                               "--temperature", "0", "--limit", "2"])
+    assert "Traceback" not in str(e.value)

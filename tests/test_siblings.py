@@ -15,7 +15,7 @@ import train_gpg
 import train_grpo
 import train_ppo
 import train_rloo
-from conftest import ROOT, mean_of, read_metrics, undocumented
+from conftest import ROOT, docs_page, mean_of, read_metrics, undocumented
 from rlmini import data, packing
 from test_train_grpo import SHARED_METRICS, _rows_without_timing, _same
 
@@ -251,13 +251,20 @@ SCRIPTS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_script_runs_a_step(tmp_path, script):
-    """Every train_*.py found (a new one too): a step on the HF engine, every logged metric named in
-    docs/metrics.md or the script's own page."""
+    """Every train_*.py found (a new one too): a step on the HF engine with the flags its Args.smoke_flags
+    declares, every logged metric named in docs/metrics.md or the script's own page (Args.docs_page)."""
     module = importlib.import_module(script)
-    own = {"train_corpo": ["--task", "ordinal"], "train_gpg": ["--beta_th", "0"]}.get(script, [])
-    run = train(module, tmp_path, "--steps", "1", "--prompts_per_step", "4", "--group_size", "2", *own)
+    try:
+        run = train(module, tmp_path, "--steps", "1", "--prompts_per_step", "4", "--group_size", "2",
+                    *module.Args.smoke_flags)
+    except (Exception, SystemExit) as e:
+        raise AssertionError(f"{script}.py: one step failed ({e}); if it needs flags, set Args.smoke_flags "
+                             f"in {script}.py") from e
     rows = read_metrics(run.run_dir)
-    assert len(rows) == 1 and SHARED_METRICS <= set(rows[0]) and not undocumented(rows[0], run.algo)
+    assert len(rows) == 1 and SHARED_METRICS <= set(rows[0])
+    missing = undocumented(rows[0], run.algo, docs_page(script))
+    assert not missing, f"{script}.py: metrics {missing} are named neither in docs/metrics.md nor in " \
+                        f"{docs_page(script)}; add them there"
 
 
 # (a line of train_rloo.py, what train_remax.py has instead): ReMax (Li et al. 2024), docs/algorithms.md
