@@ -26,10 +26,14 @@ import torch
 
 import common
 import rewards
-from rlmini import data, dist, engine, models, runlog, tools
+from rlmini import data, dist, engine, models, reward_model, runlog, tools
 
 TOOL_OPTIONS = ("tools", "tool_format", "max_turns", "tool_timeout", "tool_memory_mb", "tool_output_chars",
                 "tool_workers", "tool_sandbox", "env")  # the trainers' (common.Args), taken as they are
+# rewards beyond a function (rlmini/reward_model.py::RewardArgs, the judge's): a task evaluated as trained
+REWARD_OPTIONS = tuple(f for f in common.Args.__dataclass_fields__
+                       if f.startswith(("reward_model", "reward_norm", "reward_concurrency", "reward_timeout",
+                                        "judge_")))
 
 # ---------------------------------------------------------------------------------------------- metrics
 
@@ -328,10 +332,11 @@ def cmd_evaluate(argv) -> dict:
                    help="compute dtype (auto: CUDA bf16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="output folder (default runs/eval-<model>-<task>)")
-    for name in TOOL_OPTIONS:  # the trainers' tool options, with their defaults and help
+    for name in TOOL_OPTIONS + REWARD_OPTIONS:  # the trainers' options, with their defaults and help
         f = common.Args.__dataclass_fields__[name]
         choices = typing.get_args(f.type) if typing.get_origin(f.type) is typing.Literal else None
-        p.add_argument(f"--{name}", type=str if choices else type(f.default), default=f.default,
+        kind = type(f.default) if not isinstance(f.default, bool) else (lambda v: v.lower() in ("1", "true"))
+        p.add_argument(f"--{name}", type=str if choices else kind, default=f.default,
                        help=f.metadata.get("help", ""), choices=choices)
     a = p.parse_args(argv)
     for flag, value, low in (("--n", a.n, 1), ("--limit", a.limit, 0),
@@ -348,18 +353,20 @@ def cmd_evaluate(argv) -> dict:
         raise SystemExit(f"--k {a.k}: every k must lie in 1..--n ({a.n})")
     if a.engine == "vllm":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    tool_options = {k: getattr(a, k) for k in TOOL_OPTIONS}
+    tool_options = {k: getattr(a, k) for k in TOOL_OPTIONS + REWARD_OPTIONS}
     args = SampleArgs(model=a.model, task=a.task, engine=a.engine, temperature=a.temperature, seed=a.seed,
                       max_new_tokens=a.max_new_tokens, dtype=a.dtype, **tool_options)
     style = models.prompt_style(a.model)
     task = rewards.load_task(a.task, style=style, seed=a.seed, jsonl_reward=a.jsonl_reward,
                              prompt_column=a.prompt_column, answer_column=a.answer_column)
     task = rewards.with_system_prompt(task, a.system_prompt)
-    task = rewards.with_reward_functions(task, "", "", env=a.env)  # --env's get_reward, as in training
+    task = rewards.with_reward_functions(task, "", "", env=a.env, sources=reward_model.sources(args),
+                                         concurrency=a.reward_concurrency, timeout=a.reward_timeout)
     models.model_path(a.model, task)  # builds the tiny model on first use, before torch.distributed starts
     device, dtype = dist.setup_device(args)
     model, tok, path = models.load_model(args, task, device, dtype)
     model.eval()
+    reward_model.load(task, args, tok, device, dtype)  # --reward_model, --judge_url: as in training
     max_new = a.max_new_tokens or task.max_new_tokens
     examples = (task.test if a.split == "test" else task.train)[: a.limit or None]
     longest = max(len(x) for x in data.encode_prompts(tok, [e["prompt"] for e in examples], style == "chat"))

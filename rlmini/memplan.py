@@ -106,14 +106,15 @@ def layer_activation_bytes(c: dict, compute_bytes: int) -> float:
 def plan(c: dict, *, ranks: int = 1, compute_bytes: int = 2, tokens: int = 8192, checkpointing: bool = False,
          reference: bool = False, critic: bool = False, lora_rank: int = 0, vllm: dict | None = None,
          gpu_bytes: float = 80 * GiB, share: float = 0.0, context: float = CONTEXT,
-         push_buffers: float = 0.0) -> dict:
+         push_buffers: float = 0.0, reward_model: float = 0.0) -> dict:
     """Bytes per rank of each part and each phase for counts `c` (count()). `ranks`: FSDP2 shards over them
     (1: a plain module under autocast). `tokens`: one micro-batch's tokens (--micro_batch_tokens), all of them
     scored. `vllm`: None (the HF engine), else dict(max_num_seqs, max_len, dtype_bytes, sleep, tp,
     cudagraph): the engine each rank (or each group of tp ranks, max_num_seqs the group's) holds, a tp
     rank its 1/tp of the weights, the KV cache and the activations. `share`: --vllm_gpu_memory_utilization
     (0: the plan's own, what the trainer leaves free). `context`: the CUDA context (0 on CPU).
-    `push_buffers`: --server_push nccl's packed buffers in the push (rank 0's, counted on each). Returns the
+    `push_buffers`: --server_push nccl's packed buffers in the push (rank 0's, counted on each).
+    `reward_model`: its bytes per rank (reward_model.py::reward_model_bytes), held in every phase. Returns the
     parts, the phases, vLLM's share and, when
     something does not fit `gpu_bytes`, `why` (one line with the flags that would make it fit)."""
     n, cb, h = ranks, compute_bytes, c["hidden"]
@@ -153,7 +154,7 @@ def plan(c: dict, *, ranks: int = 1, compute_bytes: int = 2, tokens: int = 8192,
         working = ((L if lora_rank else P) + critic * (0 if lora_rank else V)) * cb * (cb < 4)
         transient = logits + head * (cb < 4)
     activations = saved + transient  # PPO's critic runs its backward after the policy's: no more at once
-    persistent = weights + adam + ref
+    persistent = weights + adam + ref + reward_model
     asleep = 0.0
     if vllm:
         tp = vllm.get("tp", 1)
@@ -184,7 +185,8 @@ def plan(c: dict, *, ranks: int = 1, compute_bytes: int = 2, tokens: int = 8192,
     update = context + persistent + grads + working + activations + asleep
     rollout = context + persistent + v_bytes
     push = context + persistent + (v_weights if vllm else 0) + push_extra + push_buffers
-    out = {"weights": weights, "grads": grads, "adam": adam, "reference": ref, "working": working,
+    out = {"weights": weights, "grads": grads, "adam": adam, "reference": ref, "reward_model": reward_model,
+           "working": working,
            "activations": activations, "logits": logits, "persistent": persistent, "update": update,
            "rollout": rollout, "push": push, "peak": max(update, rollout, push), "vllm": v_bytes,
            "share": share, "given": given, "gpu": gpu_bytes, "margin": margin(gpu_bytes), "why": None}
@@ -214,7 +216,8 @@ def _why_not(p: dict, tokens: int, checkpointing: bool, lora_rank: int, ranks: i
                 f"GiB margin): weights+grads+AdamW {g(p['weights'] + p['grads'] + p['adam'])}, activations "
                 f"{g(p['activations'])} at {tokens} tokens per micro-batch, working copies "
                 f"{g(p['working'])}, "
-                f"reference {g(p['reference'])}; try " + ", ".join(hints))
+                f"reference {g(p['reference'])}, reward model {g(p['reward_model'])}; try "
+                + ", ".join(hints + ["--reward_model_offload true"] * bool(p["reward_model"])))
     if "vllm_min" in p and p["vllm"] < p["vllm_min"]:
         what = "--vllm_gpu_memory_utilization gives" if p["given"] else "the trainer leaves"
         return (f"vLLM needs at least {g(p['vllm_min'])} GiB (its weights and one sequence's KV cache) but "
@@ -236,7 +239,8 @@ def describe(p: dict, tokens: int, checkpointing: bool, where: str = "") -> str:
             f"{g(p['weights'] + p['grads'] + p['adam'])} + activations {g(p['activations'])} "
             f"({tokens} tokens, "
             f"checkpointing {'on' if checkpointing else 'off'}) + working {g(p['working'])}"
-            + (f" + reference {g(p['reference'])}" if p["reference"] else ""))
+            + (f" + reference {g(p['reference'])}" if p["reference"] else "")
+            + (f" + reward model {g(p['reward_model'])}" if p.get("reward_model") else ""))
     if "vllm_min" in p:
         line += (f"; rollout {g(p['rollout'])} with vLLM {g(p['vllm'])} (share {p['share']:.2f}: KV cache "
                  f"for {min(p['seqs'], p['max_num_seqs'])} of {p['max_num_seqs']} sequences at full length); "
@@ -289,7 +293,7 @@ def plan_run(args, algo: str, path: str, device, dtype, max_len: int, run_dir: s
     """The trainer's plan (common.setup, before the model loads): this run's options on this rank's device.
     Prints it as one line (rank 0) and writes memory_plan.json; on CUDA a plan that does not fit stops the run
     in one line with the numbers and the flags that would make it fit. vLLM's share is the plan's `share`."""
-    from rlmini import dist
+    from rlmini import dist, reward_model
     c = count_cached(path, args.lora_rank, args.lora_targets)
     ranks = dist.world_size() if dist.distributed() else 1
     cuda = device.type == "cuda"
@@ -306,7 +310,10 @@ def plan_run(args, algo: str, path: str, device, dtype, max_len: int, run_dir: s
              checkpointing=args.gradient_checkpointing,
              reference=getattr(args, "beta", 0.0) > 0, critic=algo == "ppo", lora_rank=args.lora_rank,
              vllm=vllm if cuda else None, gpu_bytes=gpu, share=args.vllm_gpu_memory_utilization,
-             context=CONTEXT if cuda else 0.0, push_buffers=NCCL_BUFFERS if nccl and cuda else 0.0)
+             context=CONTEXT if cuda else 0.0, push_buffers=NCCL_BUFFERS if nccl and cuda else 0.0,
+             reward_model=reward_model.reward_model_bytes(reward_model.check(args.reward_model), ranks,
+                                                          dtype.itemsize, args.reward_model_offload)
+             if getattr(args, "reward_model", "") else 0.0)
     if dist.rank() == 0:
         print(describe(p, tokens, args.gradient_checkpointing, "" if cuda else "CPU, GiB; no GPU to fit"),
               flush=True)
