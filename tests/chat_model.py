@@ -84,7 +84,8 @@ def build_reward_model(path: str, known: bool = False, seed: int = 0) -> str:
     if known:
         tok.chat_template = None
     config = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                         max_position_embeddings=512,
                          num_labels=1, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + 1)

@@ -84,8 +84,8 @@ def test_async_calls_are_bounded_and_a_slow_function_is_stopped_by_the_deadline(
         await asyncio.sleep(5)
         return 1.0
 
-    with pytest.raises(rewards.DataError, match=r"--reward slow on a batch of 4 \(first prompt '1\+2='\): no answer within "
-                                                r"--reward_timeout 0.2 s"):
+    with pytest.raises(rewards.DataError, match=r"--reward slow on a batch of 4 \(first prompt '1\+2='\): no "
+                                                r"answer within --reward_timeout 0.2 s"):
         score_all(bind(slow, "slow", timeout=0.2))
 
 
@@ -177,7 +177,8 @@ def test_the_random_reward_model_reads_its_own_chat_template_and_padding_changes
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(RANDOM)
     ids = reward_model.render(tok, "What is 2 + 3?", "5")
-    assert tok.decode(ids) == "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n5<|im_end|>\n"
+    assert tok.decode(ids) == ("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n5"
+                               "<|im_end|>\n")
     ref = AutoModelForSequenceClassification.from_pretrained(RANDOM).eval()
     prompts, completions = ["What is 2 + 3?", "hi"], ["5", "a much longer completion than the other one"]
     expected = [ref(input_ids=torch.tensor([reward_model.render(tok, p, c)])).logits[0, 0].item()
@@ -202,12 +203,12 @@ def test_normalisation_by_group_and_running_by_hand():
 
 def test_the_plan_counts_the_reward_model(models_built):
     config = reward_model.check(RANDOM)
-    n = 2 * sum(p.numel() for p in
-                __import__("transformers").AutoModelForSequenceClassification.from_config(config).parameters())
+    from transformers import AutoModelForSequenceClassification
+    n = 2 * sum(p.numel() for p in AutoModelForSequenceClassification.from_config(config).parameters())
     assert reward_model.reward_model_bytes(config, 1, 2) == n
     assert reward_model.reward_model_bytes(config, 2, 2) == n / 2
     assert reward_model.reward_model_bytes(config, 1, 2, offload=True) == 0.0
-    c = memplan.count(memplan.load_config(build_chat_model(os.path.join(TMP, "rlmini-test-rm-random-tokenizer"))))
+    c = memplan.count(memplan.load_config(RANDOM + "-tokenizer"))  # the chat model built beside it
     with_rm, without = memplan.plan(c, reward_model=1e9), memplan.plan(c)
     assert with_rm["persistent"] - without["persistent"] == 1e9
     assert with_rm["update"] - without["update"] == 1e9
@@ -216,8 +217,8 @@ def test_the_plan_counts_the_reward_model(models_built):
 def test_a_policy_trained_against_the_known_reward_model_moves_toward_what_it_prefers(models_built, tmp_path):
     """GRPO on the tiny model, the known reward model as the reward (no --reward): reward/rm rises."""
     run_script("train_grpo.py", ["--engine", "hf", "--steps", "20", "--prompts_per_step", "8", "--group_size",
-                                 "8", "--micro_batch_size", "64", "--save_every", "0", "--reward_model", KNOWN,
-                                 "--out_dir", str(tmp_path), "--run_name", "rm"])
+                                 "8", "--micro_batch_size", "64", "--save_every", "0", "--reward_model",
+                                 KNOWN, "--out_dir", str(tmp_path), "--run_name", "rm"])
     rows = read_metrics(tmp_path / "rm")
     first, last = [sum(r["reward/rm"] for r in part) / 5 for part in (rows[:5], rows[-5:])]
     assert all(r["reward/rm"] == pytest.approx(r["reward/mean"]) for r in rows)
