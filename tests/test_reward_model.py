@@ -4,6 +4,7 @@ random one with its own chat tokenizer, and one whose score is known by construc
 import asyncio
 import math
 import os
+import sys
 import tempfile
 import types
 
@@ -52,7 +53,6 @@ def score_all(t, texts=TEXTS):
 def bind(fn, name="fn", spec=None, weights="1,0.5", **kw):
     module = types.ModuleType(f"rm_test_{name}")
     setattr(module, name, fn)
-    import sys
     sys.modules[module.__name__] = module
     return rewards.with_reward_functions(task(), spec or f"task,{module.__name__}:{name}", weights, **kw)
 
@@ -224,3 +224,23 @@ def test_a_policy_trained_against_the_known_reward_model_moves_toward_what_it_pr
     assert all(r["reward/rm"] == pytest.approx(r["reward/mean"]) for r in rows)
     assert all(r["reward/rm_raw_mean"] == pytest.approx(r["reward/rm"]) for r in rows)
     assert last > first + 0.3, (first, last)
+
+
+def test_the_judge_is_bound_lazily_and_its_step_metrics_are_logged(monkeypatch):
+    """--judge_url: rlmini/judge.py::make_judge (here a double) is imported only then; an async batched judge
+    runs on the shared loop and its step_metrics() sums are logged."""
+    calls = []
+
+    async def judge(prompts, completions, examples, finished):
+        calls.append(len(completions))
+        return [0.1 * len(c) for c in completions]
+
+    judge.step_metrics = lambda: {"judge/failures": 2.0, "judge/latency_s": 0.5}
+    monkeypatch.setitem(sys.modules, "rlmini.judge", types.SimpleNamespace(make_judge=lambda a, tok: judge))
+    args = types.SimpleNamespace(judge_url="http://127.0.0.1:1/v1", reward_model="", reward_timeout=5.0)
+    t = rewards.with_reward_functions(task(), "task,judge", "1,2", sources=reward_model.sources(args))
+    reward_model.load(t, args, None, torch.device("cpu"), torch.float32)
+    got = score_all(t)
+    assert calls == [4] and [s.parts[1] for s in got] == pytest.approx([0.1, 0.1, 0.2, 0.1])
+    assert got[0].reward == pytest.approx(1.0 + 0.2)  # "3" is 1+2's answer
+    assert reward_model.source_metrics(t) == {"judge/failures": 2.0, "judge/latency_s": 0.5}
