@@ -28,8 +28,8 @@ class RewardArgs:
         "none", "--reward_model's score: raw, z-scored by a running mean/std (all ranks, all steps), or per "
                 "prompt group")
     reward_concurrency: int = arg(32, "async reward functions: calls in flight per rank", ge=1)
-    reward_timeout: float = arg(300.0, "batched or async reward functions, reward model, judge: seconds a "
-                                       "batch's scoring may take", gt=0)
+    reward_timeout: float = arg(300.0, "async reward functions and the judge: seconds a batch's calls may "
+                                       "take (then the run stops, naming the function)", gt=0)
 
 
 def check(path: str):
