@@ -257,7 +257,9 @@ def evaluate(run) -> dict:
     weights (the training loop pushed them just before); it is never put to sleep here."""
     args = run.args
     examples = run.task.test[: args.eval_limit or None]
-    scores = sample_and_score(run, examples, args.eval_n, seed=data.rollout_seed(args.seed, -1, dist.rank()))
+    with reward_model.evaluating(run.task):  # --reward_norm running: not moved by held-out scores
+        scores = sample_and_score(run, examples, args.eval_n,
+                                  seed=data.rollout_seed(args.seed, -1, dist.rank()))
     full = summarize(run.task, examples, scores, args.eval_n, sorted({1, args.eval_n}))
     k = args.eval_n
     metrics = {"eval/pass@1": full["pass@1"], "eval/pass@k": full[f"pass@{k}"],

@@ -3,6 +3,7 @@ and the LLM judge (rlmini/judge.py, --judge_url), bound to --reward's reserved n
 (rewards.py::with_reward_functions); their options (RewardArgs, a mixin of common.Args), their memory term,
 and their logged sums. A reward model scores the policy's decoded text with its own tokenizer and chat
 template, never the policy's ids."""
+import contextlib
 import math
 import sys
 from dataclasses import dataclass
@@ -103,17 +104,17 @@ def forward_scores(model, ids: list, pad_id: int, device) -> torch.Tensor:
     return seen[0][torch.arange(len(ids), device=device), last, 0].float().cpu()
 
 
-def normalise(raw: torch.Tensor, groups: list, how: str, state: dict) -> torch.Tensor:
+def normalise(raw: torch.Tensor, groups: list, how: str, state: dict, update: bool = True) -> torch.Tensor:
     """--reward_norm: `group`, each prompt group's z-score (std 0: 0); `running`, the z-score by the mean and
     std of every score so far, all ranks (Chan et al.'s merge of (count, mean, M2), this batch included);
-    `state` holds them (saved in checkpoints)."""
+    `state` holds them (saved in checkpoints); `update` False: used as they are (evaluation)."""
     if how == "group":
         out = torch.empty_like(raw)
         for g in groups:
             x = raw[g]
             out[g] = (x - x.mean()) / (x.std(unbiased=False) + 1e-6)
         return out
-    if how == "running":
+    if how == "running" and update:
         s = dist.all_sum({"n": float(len(raw)), "sum": raw.double().sum().item(),
                           "sq": (raw.double() ** 2).sum().item()})
         if s["n"]:
@@ -122,6 +123,7 @@ def normalise(raw: torch.Tensor, groups: list, how: str, state: dict) -> torch.T
             c, mu, M2 = state.get("n", 0.0), state.get("mean", 0.0), state.get("m2", 0.0)
             delta, total = mean - mu, c + n
             state.update(n=total, mean=mu + delta * n / total, m2=M2 + m2 + delta * delta * c * n / total)
+    if how == "running":
         std = math.sqrt(state["m2"] / state["n"]) if state.get("n") else 1.0
         return (raw - state.get("mean", 0.0)) / (std + 1e-6)
     return raw
@@ -133,7 +135,7 @@ def make_reward_model(args):
     normalisation's `state`."""
     path, how = args.reward_model, args.reward_norm
     check(path)
-    held = {"sums": {"reward/rm_raw_sum": 0.0, "reward/rm_raw_count": 0.0}, "state": {}}
+    held = {"sums": {"reward/rm_raw_sum": 0.0, "reward/rm_raw_count": 0.0}, "state": {}, "update": True}
 
     def load(device, dtype):
         from transformers import AutoTokenizer
@@ -176,13 +178,13 @@ def make_reward_model(args):
             if k == len(examples) or examples[k] is not examples[start]:
                 groups.append(slice(start, k))
                 start = k
-        return normalise(raw, groups, how, held["state"]).tolist()  # NaN: rewards.py's --on_nonfinite
+        return normalise(raw, groups, how, held["state"], held["update"]).tolist()  # NaN: --on_nonfinite
 
     def step_metrics() -> dict:
         out, held["sums"] = held["sums"], dict.fromkeys(held["sums"], 0.0)
         return out
 
-    score.load, score.step_metrics, score.state = load, step_metrics, held["state"]
+    score.load, score.step_metrics, score.state, score.held = load, step_metrics, held["state"], held
     return score
 
 
@@ -221,7 +223,8 @@ def load(task, args, tokenizer, device, dtype) -> None:
 
 def source_metrics(task) -> dict:
     """The step's logged sums of the reward model and the judge, over all ranks (one all-reduce): X_sum and
-    X_count become X_mean (reward/rm_raw_mean: the reward model's score before --reward_norm)."""
+    X_count become X_mean (reward/rm_raw_mean: the reward model's score before --reward_norm). A
+    step_metrics() returns the same keys on every rank at every call (they are summed in one all-reduce)."""
     sums = {}
     for fn in task.sources.values():
         sums.update(getattr(fn, "step_metrics", dict)())
@@ -234,6 +237,21 @@ def source_metrics(task) -> dict:
             n = sums[k[:-4] + "_count"]
             out[k[:-4] + "_mean"] = sums[k] / n if n else float("nan")
     return out
+
+
+@contextlib.contextmanager
+def evaluating(task):
+    """Held-out scoring in a training run (eval.py::evaluate): the running normalisation is used, not
+    updated, and the logged sums stay the training steps'."""
+    held = getattr(task.sources.get("rm"), "held", None)
+    if held is None:
+        yield
+        return
+    sums, held["update"] = dict(held["sums"]), False
+    try:
+        yield
+    finally:
+        held["sums"], held["update"] = sums, True
 
 
 def norm_state(task) -> dict:

@@ -244,3 +244,15 @@ def test_the_judge_is_bound_lazily_and_its_step_metrics_are_logged(monkeypatch):
     assert calls == [4] and [s.parts[1] for s in got] == pytest.approx([0.1, 0.1, 0.2, 0.1])
     assert got[0].reward == pytest.approx(1.0 + 0.2)  # "3" is 1+2's answer
     assert reward_model.source_metrics(t) == {"judge/failures": 2.0, "judge/latency_s": 0.5}
+
+
+def test_held_out_scoring_neither_moves_the_running_norm_nor_the_logged_sums(models_built):
+    fn = load(KNOWN, reward_norm="running")
+    kw = dict(prompts=["1+2=", "2+2="], completions=["3", "4"], examples=EXAMPLES, finished=[True, True])
+    assert fn(**kw) == pytest.approx([-1.0, 1.0], abs=1e-5)  # raw -1, +1: mean 0, std 1
+    state = dict(fn.state)
+    t = types.SimpleNamespace(sources={"rm": fn})
+    with reward_model.evaluating(t):
+        assert fn(prompts=["1+2="], completions=["3"], examples=EXAMPLES[:1], finished=[True]) == \
+            pytest.approx([-1.0], abs=1e-5)  # the running mean and std as they were
+    assert fn.state == state and fn.step_metrics() == {"reward/rm_raw_sum": 0.0, "reward/rm_raw_count": 2.0}
