@@ -23,7 +23,7 @@ from typing import ClassVar, Literal
 import numpy as np
 import torch
 
-from rlmini import checkpoint as ckpt, memstats
+from rlmini import checkpoint as ckpt, memstats, reward_model
 from rlmini import data, dist, engine, faults, memplan, models, optim, runlog, server, tools
 from rlmini.batches import (Batch, Keep, Micro, Minibatch, PreUpdate, Scored, batch_logprobs,
                             group_permutation, ragged_pass)
@@ -43,9 +43,9 @@ from rlmini.rollouts import overlong_penalty, resample, sample, score  # noqa: F
 
 
 @dataclass
-class Args(data.TaskArgs, tools.ToolArgs, server.ServerArgs, memplan.PlanArgs):
+class Args(data.TaskArgs, tools.ToolArgs, server.ServerArgs, memplan.PlanArgs, reward_model.RewardArgs):
     """Options shared by every algorithm (and, from its base classes, those of the task, the tools, the server
-    engine and --plan_only). Each script subclasses this with its own."""
+    engine, --plan_only and the reward model). Each script subclasses this with its own."""
     model: str = arg("tiny", "'tiny' (built-in random-init Qwen3), a hub id or a local path")
     task: str = arg("addition", "addition | calibration | ordinal | mixed | gsm8k | math | jsonl:PATH | rg:")
     steps: int = arg(200, "training steps (one rollout batch each)", ge=1)
@@ -209,6 +209,7 @@ def setup(args, algo: str) -> Run:
     plan = memplan.plan_run(args, algo, path, device, dtype, max_len, run_dir)
     server.check_trainer_memory(args, device, plan)  # --engine server: `vllm serve` on these GPUs?
     model, tokenizer, path = models.load_model(args, task, device, dtype, tokenizer)  # torchrun: sharded
+    reward_model.load(task, args, tokenizer, device, dtype)  # --reward_model, --judge_url: before vLLM sizes
     runlog.startup("model", f" (task, memory plan, {args.model} built or loaded)")
     optimizer = optim.adamw(trainable_parameters(model), args.lr, args.weight_decay)  # LoRA: the adapters
     memplan.materialize_adamw(optimizer)  # its state exists before vLLM sizes itself (bit-identical training)

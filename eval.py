@@ -27,12 +27,16 @@ import torch
 
 import common
 import rewards
-from rlmini import data, dist, engine, models, options, runlog, server, tools
+from rlmini import data, dist, engine, models, options, reward_model, runlog, server, tools
 
 TOOL_OPTIONS = ("tools", "tool_format", "max_turns", "tool_timeout", "tool_memory_mb", "tool_output_chars",
                 "tool_workers", "tool_sandbox", "env")  # the trainers' (common.Args), taken as they are
 TASK_OPTIONS = ("task_config", "rg_size", "rg_allow_slow")  # rg: tasks, likewise
 SERVER_OPTIONS = ("server_url", "server_timeout", "server_concurrency")  # --engine server, as in training
+# rewards beyond a function (rlmini/reward_model.py::RewardArgs, the judge's): a task evaluated as trained
+REWARD_OPTIONS = tuple(f for f in common.Args.__dataclass_fields__
+                       if f.startswith(("reward_model", "reward_norm", "reward_concurrency", "reward_timeout",
+                                        "judge_")))
 
 # ---------------------------------------------------------------------------------------------- metrics
 
@@ -259,7 +263,9 @@ def evaluate(run) -> dict:
     args = run.args
     examples = run.task.test[: args.eval_limit or None]
     counts = dict(run.task.stats)  # the step's counters: evaluation's own are reported as eval/*
-    scores = sample_and_score(run, examples, args.eval_n, seed=data.rollout_seed(args.seed, -1, dist.rank()))
+    with reward_model.evaluating(run.task):  # --reward_norm running: not moved by held-out scores
+        scores = sample_and_score(run, examples, args.eval_n,
+                                  seed=data.rollout_seed(args.seed, -1, dist.rank()))
     run.task.stats.update(counts)
     full = summarize(run.task, examples, scores, args.eval_n, sorted({1, args.eval_n}))
     k = args.eval_n
@@ -344,7 +350,7 @@ def cmd_evaluate(argv) -> dict:
                    help="compute dtype (auto: CUDA bf16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="output folder (default runs/eval-<model>-<task>)")
-    for name in TOOL_OPTIONS + TASK_OPTIONS + SERVER_OPTIONS:  # the trainers' options, defaults and help
+    for name in TOOL_OPTIONS + TASK_OPTIONS + SERVER_OPTIONS + REWARD_OPTIONS:  # the trainers' options
         f = common.Args.__dataclass_fields__[name]
         choices = typing.get_args(f.type) if typing.get_origin(f.type) is typing.Literal else None
         kind = options.boolean if f.type is bool else str if choices else type(f.default)
@@ -371,7 +377,7 @@ def cmd_evaluate(argv) -> dict:
         raise SystemExit(f"--k {a.k}: every k must lie in 1..--n ({a.n})")
     if a.engine == "vllm":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    tool_options = {k: getattr(a, k) for k in TOOL_OPTIONS + SERVER_OPTIONS}
+    tool_options = {k: getattr(a, k) for k in TOOL_OPTIONS + SERVER_OPTIONS + REWARD_OPTIONS}
     args = SampleArgs(model=a.model, task=a.task, engine=a.engine, temperature=a.temperature, seed=a.seed,
                       max_new_tokens=a.max_new_tokens, dtype=a.dtype, **tool_options)
     style = models.prompt_style(a.model)
@@ -379,11 +385,13 @@ def cmd_evaluate(argv) -> dict:
                              prompt_column=a.prompt_column, answer_column=a.answer_column,
                              **{k: getattr(a, k) for k in TASK_OPTIONS})
     task = rewards.with_system_prompt(task, a.system_prompt)
-    task = rewards.with_reward_functions(task, "", "", env=a.env)  # --env's get_reward, as in training
+    task = rewards.with_reward_functions(task, "", "", env=a.env, sources=reward_model.sources(args),
+                                         concurrency=a.reward_concurrency, timeout=a.reward_timeout)
     models.model_path(a.model, task)  # builds the tiny model on first use, before torch.distributed starts
     device, dtype = dist.setup_device(args)
     model, tok, path = models.load_model(args, task, device, dtype)
     model.eval()
+    reward_model.load(task, args, tok, device, dtype)  # --reward_model, --judge_url: as in training
     max_new = a.max_new_tokens or task.max_new_tokens
     examples = (task.test if a.split == "test" else task.train)[: a.limit or None]
     longest = max(len(x) for x in data.encode_prompts(tok, [e["prompt"] for e in examples], style == "chat"))

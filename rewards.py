@@ -9,10 +9,12 @@ Prompt styles: "tiny" is the terse format the built-in random-initialised model 
 character-level tokenizer covering the task's alphabet); "chat" is the natural-language instruction a
 pretrained model gets (wrapped in its chat template by common.py).
 """
+import asyncio
 import difflib
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -59,6 +61,10 @@ class Task:
     stats: dict = field(default_factory=dict)
     # called by eval.py::evaluate with (task, the evaluation's metrics): more metrics (rg: --rg_curriculum)
     on_eval: Callable | None = None
+    # with a batched or async --reward function, a reward model or a judge: (texts, examples, finished, envs)
+    # -> [Score], the whole rank's batch at once (data.score_rollouts); None: `score` per completion
+    score_batch: Callable | None = None
+    sources: dict = field(default_factory=dict)  # "rm" / "judge": their batched callables (reward_model.py)
 
 
 class DataError(ValueError):
@@ -819,13 +825,17 @@ def import_function(item: str, flag: str = "--reward"):
 
 
 ENV_REWARD = "env"  # --reward's name for the --env class's get_reward (rlmini/envs.py)
+SOURCES = {"rm": "--reward_model", "judge": "--judge_url"}  # reserved names bound by their own flags
 
 
-def reward_functions(spec: str, weights: str, env_reward: bool = False) -> list:
+def reward_functions(spec: str, weights: str, env_reward: bool = False, sources: dict | None = None) -> list:
     """[(name, function, None for the task's verifier or ENV_REWARD for --env's get_reward, weight)] from
     --reward and --reward_weights; with `env_reward` (an --env class with get_reward), `env` is added with
     weight 1 (beside 'task' when --reward is empty) unless --reward lists it, as TRL adds the environment's
-    reward to its reward functions (trl/trainer/grpo_trainer.py::GRPOTrainer.__init__)."""
+    reward to its reward functions (trl/trainer/grpo_trainer.py::GRPOTrainer.__init__). `sources`: "rm" and
+    "judge" bound to their batched callables (None: not given); with an empty --reward, those given replace
+    the task's verifier as the reward (RLHF's setting), weight 1 each."""
+    sources = {k: v for k, v in (sources or {}).items() if v is not None}
     items = [x.strip() for x in spec.split(",") if x.strip()]
     try:
         ws = [float(w) for w in weights.split(",")] if weights.strip() else [1.0] * len(items)
@@ -840,68 +850,169 @@ def reward_functions(spec: str, weights: str, env_reward: bool = False) -> list:
     if ENV_REWARD in items and not env_reward:
         raise DataError(f"--reward {spec!r}: '{ENV_REWARD}' is the reward of an --env class with a "
                         f"get_reward method; there is none")
+    for name, flag in SOURCES.items():
+        if name in items and name not in sources:
+            raise DataError(f"--reward {spec!r}: '{name}' is the score of {flag}; there is none (give "
+                            f"{flag})")
+    if not items and sources:
+        items, ws = [n for n in SOURCES if n in sources], [1.0] * len(sources)
     if env_reward and ENV_REWARD not in items:
         items, ws = (items or ["task"]) + [ENV_REWARD], (ws or [1.0]) + [1.0]
-    out = []
+    out, bound = [], ("task", ENV_REWARD, *SOURCES)
     for item, w in zip(items, ws):
-        name = item if item in ("task", ENV_REWARD) else item.rpartition(":")[2]
+        name = item if item in bound else item.rpartition(":")[2]
         if (name in RESERVED_REWARD_NAMES or name in [n for n, _, _ in out]
-                or name == ENV_REWARD != item):
+                or (name in bound and name != item)):
             raise DataError(f"--reward {spec!r}: the name {name!r} is taken (logged as reward/{name}); "
-                            f"rename the function (reserved: {', '.join(RESERVED_REWARD_NAMES)}, env, and "
-                            f"each name once)")
-        fn = None if item == "task" else ENV_REWARD if item == ENV_REWARD else import_function(item)
+                            f"rename the function (reserved: {', '.join(RESERVED_REWARD_NAMES)}, env, rm, "
+                            f"judge, and each name once)")
+        fn = (None if item == "task" else ENV_REWARD if item == ENV_REWARD else sources[item]
+              if item in SOURCES else import_function(item))
         out.append((name, fn, w))
     return out
 
 
-def with_reward_functions(task: Task, spec: str, weights: str, on_nonfinite: str = "stop",
-                          env: str = "") -> Task:
-    """The task, rewarded by sum_i w_i r_i over the --reward functions ('task' = the task's own verifier).
-    Each function is called as f(prompt=, completion=, example=, finished=) and returns a float or a Score
-    (the first Score's correct/format_ok replace the verifier's: reward/correct and pass@k read them).
-    A function that raises or returns NaN/inf stops the run naming it, the prompt and the value; with
-    --on_nonfinite skip the reward becomes NaN and the step's update is skipped (common.check_rewards).
-    `env`: --env module:Class; one with get_reward adds its value, passed to the score as `env=` (data.py::
-    score_rollouts; None for a discarded instance: 0)."""
-    env_reward = bool(env) and callable(getattr(import_function(env, flag="--env"), "get_reward", None))
-    if not spec.strip() and not env_reward:
-        return task
-    fns, verifier = reward_functions(spec, weights, env_reward), task.score
+def batched(fn) -> bool:
+    """A batched reward function takes lists (f(prompts=, completions=, examples=, finished=), TRL's
+    convention): told apart from the per-completion form by its parameters' plural names."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: the per-completion form
+        return False
+    return "completions" in params
 
-    def score(completion: str, example: dict, finished: bool, env: float | None = None) -> Score:
+
+_LOOP = None  # one event loop for every async reward function (a client made in it stays usable)
+
+
+def run_async(coroutines: list, concurrency: int, timeout: float, what: str) -> list:
+    """The coroutines' results, at most `concurrency` in flight, all within `timeout` seconds (else a
+    DataError naming `what`); an exception is returned in place of its result."""
+    global _LOOP
+    _LOOP = _LOOP or asyncio.new_event_loop()
+    gate = asyncio.Semaphore(concurrency) if coroutines else None
+
+    async def bounded(c):
+        async with gate:
+            return await c
+
+    async def every():
+        return await asyncio.gather(*[bounded(c) for c in coroutines], return_exceptions=True)
+
+    try:
+        return _LOOP.run_until_complete(asyncio.wait_for(every(), timeout))
+    except asyncio.TimeoutError:
+        raise DataError(f"{what}: no answer within --reward_timeout {timeout:g} s") from None
+
+
+def _call_batch(name: str, fn, texts: list, examples: list, finished: list, concurrency: int,
+                timeout: float) -> list:
+    """One reward function's raw values over a batch (an exception in place of a value that raised), in
+    whichever form it takes: per completion or batched, sync or async."""
+    at = f"--reward {name} on a batch of {len(texts)} (first prompt {str(examples[0]['prompt'])[:60]!r})"
+    if batched(fn):
+        kw = dict(prompts=[e["prompt"] for e in examples], completions=texts, examples=examples,
+                  finished=finished)
+        try:
+            out = (run_async([fn(**kw)], 1, timeout, at)[0] if inspect.iscoroutinefunction(fn)
+                   else fn(**kw))
+        except DataError:
+            raise
+        except Exception as e:
+            out = e
+        if isinstance(out, Exception):
+            return [out] * len(texts)
+        if isinstance(out, (str, bytes)) or not hasattr(out, "__len__") or len(out) != len(texts):
+            got = f"{len(out)} values" if hasattr(out, "__len__") else f"{type(out).__name__} {out!r}"
+            raise DataError(f"{at} returned {got}: a batched reward function returns one value "
+                            f"per completion ({len(texts)})")
+        return list(out)
+    calls = [dict(prompt=e["prompt"], completion=t, example=e, finished=f)
+             for t, e, f in zip(texts, examples, finished)]
+    if inspect.iscoroutinefunction(fn):
+        return run_async([fn(**kw) for kw in calls], concurrency, timeout, at)
+    out = []
+    for kw in calls:
+        try:
+            out.append(fn(**kw))
+        except Exception as e:
+            out.append(e)
+    return out
+
+
+def with_reward_functions(task: Task, spec: str, weights: str, on_nonfinite: str = "stop",
+                          env: str = "", sources: dict | None = None, concurrency: int = 32,
+                          timeout: float = 300.0) -> Task:
+    """The task, rewarded by sum_i w_i r_i over the --reward functions ('task' = the task's own verifier).
+    A function is called per completion as f(prompt=, completion=, example=, finished=), or, batched, once
+    per rank's batch as f(prompts=, completions=, examples=, finished=) -> list (batched()); either may be
+    `async def`, run concurrently (at most `concurrency` calls in flight, all within `timeout` seconds). A
+    value is a float or a Score (the first Score's correct/format_ok replace the verifier's: reward/correct
+    and pass@k read them). A function that raises or returns NaN/inf stops the run naming it, the prompt and
+    the value; with --on_nonfinite skip the reward becomes NaN and the step's update is skipped
+    (common.check_rewards). `env`: --env module:Class; one with get_reward adds its value, passed to the
+    score as `env=` (data.py::score_rollouts; None for a discarded instance: 0). `sources`: {"rm": ...,
+    "judge": ...}, batched callables (None: absent), listed in --reward as rm and judge (reward_functions);
+    a callable's optional step_metrics() is logged (reward_model.source_metrics)."""
+    env_reward = bool(env) and callable(getattr(import_function(env, flag="--env"), "get_reward", None))
+    sources = {k: v for k, v in (sources or {}).items() if v is not None}
+    if not spec.strip() and not env_reward and not sources:
+        return task
+    fns, verifier = reward_functions(spec, weights, env_reward, sources), task.score
+
+    def value(name: str, out, completion: str, example: dict) -> tuple:
+        """(float, Score or None) of one raw value; a raised exception or NaN/inf is stopped or NaN."""
+        at = f"prompt {str(example['prompt'])[:60]!r}, completion {completion[:60]!r}"
+        if isinstance(out, Exception):
+            tb = traceback.extract_tb(out.__traceback__)
+            where_ = f" ({os.path.basename(tb[-1].filename)}:{tb[-1].lineno})" if tb else ""
+            msg = f"--reward {name} raised {type(out).__name__}: {out}{where_} on {at}"
+            if on_nonfinite == "stop":
+                raise DataError(f"{msg} (--on_nonfinite skip would skip such updates)") from None
+            print(f"warning: {msg}; the reward is NaN and this update is skipped", file=sys.stderr)
+            out = float("nan")
+        outcome = out if isinstance(out, Score) else None
+        out = out.reward if outcome is not None else out
+        if isinstance(out, (str, bytes)) or not hasattr(out, "__float__"):
+            raise DataError(f"--reward {name} returned {type(out).__name__} {out!r} on {at}: expected a "
+                            f"float or a rewards.Score")
+        v = float(out)
+        if not math.isfinite(v) and on_nonfinite == "stop":
+            raise DataError(f"--reward {name} returned {v} on {at} (--on_nonfinite skip would skip "
+                            f"such updates)")
+        return v, outcome
+
+    def combine(completion, example, finished, env, raw: dict) -> Score:
+        """One completion's Score: its parts, unweighted, and their weighted sum, in --reward's order."""
         base, parts, outcome = verifier(completion, example, finished), [], None
         for name, fn, w in fns:
             if fn is None or fn is ENV_REWARD:
                 parts.append(base.reward if fn is None else 0.0 if env is None else env)
                 continue
-            at = f"prompt {str(example['prompt'])[:60]!r}, completion {completion[:60]!r}"
-            try:
-                out = fn(prompt=example["prompt"], completion=completion, example=example, finished=finished)
-            except Exception as e:
-                frame = traceback.extract_tb(e.__traceback__)[-1]
-                msg = (f"--reward {name} raised {type(e).__name__}: {e} "
-                       f"({os.path.basename(frame.filename)}:{frame.lineno}) on {at}")
-                if on_nonfinite == "stop":
-                    raise DataError(f"{msg} (--on_nonfinite skip would skip such updates)") from None
-                print(f"warning: {msg}; the reward is NaN and this update is skipped", file=sys.stderr)
-                out = float("nan")
-            if isinstance(out, Score):
-                outcome = outcome or out
-                out = out.reward
-            if isinstance(out, (str, bytes)) or not hasattr(out, "__float__"):
-                raise DataError(f"--reward {name} returned {type(out).__name__} {out!r} on {at}: expected a "
-                                f"float or a rewards.Score")
-            value = float(out)
-            if not math.isfinite(value) and on_nonfinite == "stop":
-                raise DataError(f"--reward {name} returned {value} on {at} (--on_nonfinite skip would skip "
-                                f"such updates)")
-            parts.append(value)
+            out = raw[name] if name in raw else _call_batch(name, fn, [completion], [example], [finished],
+                                                            concurrency, timeout)[0]
+            v, got = value(name, out, completion, example)
+            outcome = outcome or got
+            parts.append(v)
         outcome = outcome or base
         return Score(sum(w * v for (_, _, w), v in zip(fns, parts)), outcome.correct, outcome.format_ok,
                      base.prob, outcome.pred, tuple(parts), error=base.error)
 
-    return replace(task, score=score, reward_names=[n for n, _, _ in fns])
+    def score(completion: str, example: dict, finished: bool, env: float | None = None) -> Score:
+        return combine(completion, example, finished, env, {})
+
+    # batched, async, rm and judge: evaluated once over the rank's batch; the rest per completion, as above
+    at_once = [(name, fn) for name, fn, _ in fns if fn is not None and fn is not ENV_REWARD
+               and (name in sources or batched(fn) or inspect.iscoroutinefunction(fn))]
+
+    def score_batch(texts: list, examples: list, finished: list, envs: list) -> list:
+        raw = {name: _call_batch(name, fn, texts, examples, finished, concurrency, timeout)
+               for name, fn in at_once if texts or name in sources}  # rm: every rank joins its forwards
+        return [combine(t, e, f, v, {name: r[k] for name, r in raw.items()})
+                for k, (t, e, f, v) in enumerate(zip(texts, examples, finished, envs))]
+
+    return replace(task, score=score, reward_names=[n for n, _, _ in fns],
+                   score_batch=score_batch if at_once else None, sources=sources)
 
 
 # ----------------------------------------------------------------------------------------------

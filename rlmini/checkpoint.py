@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from rlmini import dist
+from rlmini import dist, reward_model
 from rlmini.data import rng_state, set_rng_state
 from rlmini.engine import adapter_state, named_weights, save_adapter
 from rlmini.faults import NonFiniteError
@@ -219,7 +219,8 @@ def save(run) -> None:
     meta = {"scheduler": run.scheduler.state_dict(), "rng": rng_state(), "step": run.step,
             # --async_steps: the batches in flight are not saved; --resume draws their prompts again
             "data_pos": run.data_pos, "redraw": [pos for pos, _, _ in run.ahead],
-            "algo_state": {"hadw": run.hadw} if run.hadw else {},
+            "algo_state": {**({"hadw": run.hadw} if run.hadw else {}),
+                           **({"reward_norm": norm} if (norm := reward_model.norm_state(run.task)) else {})},
             "args": dataclasses.asdict(run.args), "algo": run.algo}
     shards = [p.to_local() if hasattr(p, "to_local") else p for p in run.model.parameters()]  # FSDP2: mine
     bad = dist.all_sum(sum(int((~torch.isfinite(p.detach())).sum()) for p in shards))  # every rank's shards
@@ -301,6 +302,7 @@ def resume(run) -> None:
     if run.redraw and not run.args.async_steps:  # resumed lock-step: the stream continues from the first
         run.data_pos, run.redraw = run.redraw[0], []
     run.hadw = run.resumed["algo_state"].get("hadw", {})
+    reward_model.restore_norm_state(run.task, run.resumed["algo_state"].get("reward_norm", {}))
     set_rng_state(run.resumed["rng"])
     run.engine.push()
 

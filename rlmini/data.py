@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 import rewards
+from rlmini import reward_model
 from rlmini.options import arg
 
 
@@ -84,7 +85,8 @@ def load_task(args, style: str):
                          "(--model)")
     task = rewards.with_system_prompt(task, args.system_prompt)
     task = rewards.with_reward_functions(task, args.reward, args.reward_weights, args.on_nonfinite,
-                                         args.env)
+                                         args.env, reward_model.sources(args), args.reward_concurrency,
+                                         args.reward_timeout)
     if args.decontaminate:
         task.train, dropped = rewards.decontaminate(task.train, task.test, args.decontaminate)
         if not task.train:
@@ -211,10 +213,15 @@ def join_groups(groups: list) -> tuple:
 def score_rollouts(task, tokenizer, examples: list, rollouts: Rollouts, group_size: int):
     """(reward, correct, format score, Score objects), one per completion (examples are repeated group_size
     times). The task's reward only: any bonus is the training loop's business."""
-    scores, masks = [], rollouts.policy_mask
+    scores, masks, texts = [], rollouts.policy_mask, []
     for k, toks in enumerate(rollouts.completion_ids):
-        text = (tokenizer.decode(toks, skip_special_tokens=True) if masks is None
-                else policy_text(tokenizer, toks, masks[k]))  # a tool cannot write the answer
+        texts.append(tokenizer.decode(toks, skip_special_tokens=True) if masks is None
+                     else policy_text(tokenizer, toks, masks[k]))  # a tool cannot write the answer
+    if task.score_batch is not None:  # batched/async functions, a reward model, a judge: once for the batch
+        envs = rollouts.env_rewards or [None] * len(texts)
+        scores = task.score_batch(texts, [examples[k // group_size] for k in range(len(texts))],
+                                  list(rollouts.finished), envs)
+    for k, text in enumerate(texts if task.score_batch is None else ()):
         env = {"env": rollouts.env_rewards[k]} if rollouts.env_rewards is not None else {}  # --env's reward
         scores.append(task.score(text, examples[k // group_size], rollouts.finished[k], **env))
     reward = torch.tensor([s.reward for s in scores], dtype=torch.float32)

@@ -190,7 +190,8 @@ def plan(c: dict, *, ranks: int = 1, compute_bytes: int = 2, tokens: int = 8192,
          reference: bool = False, frozen: list | None = None, critic: bool = False, lora_rank: int = 0,
          vllm: dict | None = None, hf: dict | None = None, gpu_bytes: float = 80 * GiB,
          share: float = 0.0, context: float = CONTEXT, communicators: int = 0, server: bool = False,
-         push_buffers: float = 0.0, workspace: float = WORKSPACE) -> dict:
+         push_buffers: float = 0.0, workspace: float = WORKSPACE,
+         reward_model: float = 0.0) -> dict:
     """Bytes per rank of each part and each phase for counts `c` (count()). `ranks`: FSDP2 shards over them
     (1: a plain module under autocast). `tokens`: one micro-batch's tokens (--micro_batch_tokens), all of them
     scored. `frozen`: the counts (count()) of the frozen models beside the policy, each in the compute dtype
@@ -202,7 +203,8 @@ def plan(c: dict, *, ranks: int = 1, compute_bytes: int = 2, tokens: int = 8192,
     the trainer leaves free). `context`: the CUDA context (0 on CPU). `communicators`: NCCL communicators on a
     rank (each NCCL_COMM, created before vLLM sizes itself). `server`: --engine server (a push gathers every
     parameter). `push_buffers`: --server_push nccl's packed buffers in the push (nccl_buffers; rank 0's,
-    counted on each). Returns the parts, the phases, `outside`
+    counted on each). `reward_model`: its bytes per rank (reward_model.py::reward_model_bytes), held
+    in every phase. Returns the parts, the phases, `outside`
     (the part of each phase outside torch's allocator), vLLM's share, the load peaks (load_peak) and, when
     something does not fit `gpu_bytes`, `why` (one line with the flags that would make it fit)."""
     n, cb, h, V = ranks, compute_bytes, c["hidden"], c["vocab"]
@@ -249,7 +251,7 @@ def plan(c: dict, *, ranks: int = 1, compute_bytes: int = 2, tokens: int = 8192,
         saved = tokens * c["layers"] * per_layer + outside_layers + cast
         transient = max(chunk_fwd, chunk_bwd)
     activations = saved + transient  # PPO's critic runs its backward after the policy's: no more at once
-    persistent = weights + adam + ref + workspace
+    persistent = weights + adam + ref + reward_model + workspace
     outside = context + communicators * NCCL_COMM  # not in torch's allocator
     asleep = 0.0
     if vllm:
@@ -288,7 +290,8 @@ def plan(c: dict, *, ranks: int = 1, compute_bytes: int = 2, tokens: int = 8192,
     push = outside + persistent + (v_weights + gathered if vllm else 0) + push_extra + push_buffers
     load = load_peak(c, ranks=n, compute_bytes=cb, lora_rank=lora_rank, frozen=frozen)
     out = {"weights": weights, "grads": grads, "adam": adam, "reference": ref, "working": working,
-           "activations": activations, "persistent": persistent, "update": update, "rollout": rollout,
+           "activations": activations, "reward_model": reward_model, "persistent": persistent,
+           "update": update, "rollout": rollout,
            "push": push, "peak": max(update, rollout, push), "vllm": v_bytes, "hf": hf_bytes, "share": share,
            "given": given, "gpu": gpu_bytes, "margin": margin(gpu_bytes), "outside": outside,
            "nccl": communicators * NCCL_COMM, "load_device": outside + load["device"],
@@ -345,8 +348,9 @@ def _why_not(p: dict, tokens: int, checkpointing: bool, lora_rank: int, ranks: i
         return (f"the update needs {g(p['update'])} GiB per rank of {g(p['gpu'])} GiB (less a "
                 f"{g(p['margin'])} GiB margin): {fixed}weights+grads+AdamW "
                 f"{g(p['weights'] + p['grads'] + p['adam'])}, activations {g(p['activations'])} at {tokens} "
-                f"tokens per micro-batch, working copies {g(p['working'])}, reference {g(p['reference'])}; "
-                f"try " + ", ".join(hints))
+                f"tokens per micro-batch, working copies {g(p['working'])}, reference {g(p['reference'])}, "
+                f"reward model {g(p['reward_model'])}; try "
+                + ", ".join(hints + ["--reward_model_offload true"] * bool(p["reward_model"])))
     if "vllm_min" in p and p["vllm"] < p["vllm_min"]:
         what = "--vllm_gpu_memory_utilization gives" if p["given"] else "the trainer leaves"
         return (f"vLLM needs at least {g(p['vllm_min'])} GiB (its weights and one sequence's KV cache) but "
@@ -373,6 +377,7 @@ def describe(p: dict, tokens: int, checkpointing: bool, where: str = "") -> str:
             f"{g(p['weights'] + p['grads'] + p['adam'])} + activations {g(p['activations'])} "
             f"({tokens} tokens, checkpointing {'on' if checkpointing else 'off'}) + working {g(p['working'])}"
             + (f" + frozen {g(p['reference'])}" if p["reference"] else "")
+            + (f" + reward model {g(p['reward_model'])}" if p.get("reward_model") else "")
             + (f" + CUDA context and NCCL {g(p['outside'])}" if p["outside"] else ""))
     if "vllm_min" in p:
         line += (f"; rollout {g(p['rollout'])} with vLLM {g(p['vllm'])} (share {p['share']:.2f}: KV cache "
@@ -456,15 +461,24 @@ def plan_for(args, algo: str, c: dict, *, ranks: int, dtype, max_len: int, gpu_b
              share=args.vllm_gpu_memory_utilization, context=CONTEXT if cuda else 0.0,
              communicators=communicators, server=args.engine == "server",
              push_buffers=nccl_buffers(c, dtype.itemsize) if nccl else 0.0,
-             workspace=WORKSPACE if cuda else 0.0)
+             workspace=WORKSPACE if cuda else 0.0, reward_model=reward_model_bytes(args, ranks, dtype))
     return p, tokens
+
+
+def reward_model_bytes(args, ranks: int, dtype) -> float:
+    """--reward_model's bytes per rank (rlmini/reward_model.py::reward_model_bytes), 0 without one."""
+    if not getattr(args, "reward_model", ""):
+        return 0.0
+    from rlmini import reward_model
+    return reward_model.reward_model_bytes(reward_model.check(args.reward_model), ranks, dtype.itemsize,
+                                           args.reward_model_offload)
 
 
 def plan_run(args, algo: str, path: str, device, dtype, max_len: int, run_dir: str) -> dict:
     """The trainer's plan (common.setup, before the model loads): this run's options on this rank's device.
     Prints it as one line (rank 0) and writes memory_plan.json; on CUDA a plan that does not fit stops the run
     in one line with the numbers and the flags that would make it fit. vLLM's share is the plan's `share`."""
-    from rlmini import dist
+    from rlmini import dist, reward_model
     c = count_cached(path, args.lora_rank, args.lora_targets)
     ranks = dist.world_size() if dist.distributed() else 1
     cuda = device.type == "cuda"

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from rlmini import faults, memstats, runlog, tools
+from rlmini import faults, memstats, reward_model, runlog, tools
 from rlmini.batches import Batch, Micro, PreUpdate
 from rlmini.dist import all_gather, all_sum, local_slice, world_size
 
@@ -103,6 +103,7 @@ def step_metrics(run, batch: Batch, pre: PreUpdate, stats: StepStats, advantages
     if batch.rollouts.tool_stats is not None:  # --tools
         metrics.update(tool_metrics(batch.rollouts))
     metrics.update(task_counts(run.task))  # rg: task/scorer_errors
+    metrics.update(reward_model.source_metrics(run.task))  # reward/rm_raw_mean, judge/* (all ranks)
     metrics.update(global_means(extra or {}))
     faults.warn_on_collapse(run, metrics)  # no gradient or no entropy for several steps in a row
     runlog.log_completions(run, batch.examples, batch.rollouts, batch.rewards, batch.correct, batch.fmt,

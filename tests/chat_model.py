@@ -66,6 +66,44 @@ def build_chat_model(path: str, vocab_size: int = 512, seed: int = 0, template: 
     return path
 
 
+EVEN = "02468"  # the known reward model prefers text ending in an even digit
+
+
+def build_reward_model(path: str, known: bool = False, seed: int = 0) -> str:
+    """A reward model (Qwen3ForSequenceClassification, one label) with the chat model's BPE tokenizer, not
+    the tiny policy's. `known`: no chat template (it reads rlmini/reward_model.py::PLAIN) and a fixed head,
+    so its score is known by hand: every layer's output projections are zero (the residual stream stays the
+    embedding), token t embeds as s_t * ones (s_t = +1 when its text ends in an even digit, else -1), the
+    final RMSNorm's weight is 1 and the head is ones / hidden: the score is s_t / sqrt(1 + eps) of the last
+    token t. Otherwise random, with the chat template."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForSequenceClassification
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    chat = build_chat_model(path + "-tokenizer", seed=seed)
+    tok = AutoTokenizer.from_pretrained(chat)
+    if known:
+        tok.chat_template = None
+    config = Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                         max_position_embeddings=512,
+                         num_labels=1, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)
+        model = Qwen3ForSequenceClassification(config)
+    if known:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
+            signs = torch.tensor([1.0 if tok.decode([t])[-1:] in EVEN else -1.0 for t in range(len(tok))])
+            model.model.embed_tokens.weight.copy_(signs[:, None].expand(-1, config.hidden_size))
+            model.model.norm.weight.fill_(1.0)
+            model.score.weight.fill_(1.0 / config.hidden_size)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
 # python tests/chat_model.py FOLDER: build it there (docs/own-experiment.md)
 if __name__ == "__main__":
     import sys

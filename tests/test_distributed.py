@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import types
 
 import pytest
@@ -16,11 +17,13 @@ import torch
 import common
 import train_grpo
 import train_ppo
+from chat_model import build_reward_model
 from conftest import ROOT, tool_sandbox
 from rlmini import dist, engine, runlog
 from test_train_grpo import _rows_without_timing, _same
 
 BATCH = ["--steps", "2", "--prompts_per_step", "4", "--group_size", "4", "--micro_batch_size", "4"]
+RM = os.path.join(tempfile.gettempdir(), "rlmini-test-rm-random")  # tests/chat_model.py::build_reward_model
 OWN_REWARD = ["--reward", "task,docs/examples/my_rewards.py:starts_with_answer_digit", "--reward_weights",
               "1,0.5"]
 RUNS = [  # each exercises a statistic defined over the batch, or a path that synchronises ranks
@@ -35,9 +38,11 @@ RUNS = [  # each exercises a statistic defined over the batch, or a path that sy
      BATCH + ["--task", "ordinal", "--top_entropy_quantile", "0.3", "--entropy_coef", "0.01"]),
     # alpha = B / (B - M) over the global batch
     ("gpg", "train_gpg", BATCH + ["--beta_th", "0", *OWN_REWARD]),
+    # --reward_model beside a function (rank-sharded forwards, unequal micro-batches: dummy forwards)
     ("ppo", "train_ppo",
      BATCH + ["--whiten_advantages", "true", "--updates_per_rollout", "2", "--group_size", "2",
-                                  "--gradient_checkpointing", "true", *OWN_REWARD]),
+              "--gradient_checkpointing", "true", "--reward", OWN_REWARD[1] + ",rm", "--reward_weights",
+              "1,0.5,0.5", "--reward_model", RM, "--reward_model_tokens", "40", "--reward_norm", "running"]),
     # multi-turn: tool tokens masked, turns synchronised across ranks, tools/* over the global batch
     ("grpo-tools", "train_grpo",
      BATCH + ["--task", "modmul", "--tools", "python", "--loss_agg", "token-mean", "--tool_sandbox",
@@ -75,6 +80,7 @@ def launch(out, runs, ranks, timeout=600):
 
 @pytest.fixture(scope="module")
 def one_and_two_ranks(tmp_path_factory):
+    build_reward_model(RM)
     one, two = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("two")
     launch(str(one), RUNS, 1)
     launch(str(two), RUNS + RESUME, 2)
@@ -108,6 +114,8 @@ def test_two_ranks_log_the_one_rank_metrics(one_and_two_ranks, name):
     assert len(rows1) == len(rows2) == 2 and rows1[0].keys() == rows2[0].keys()
     if name in ("gpg", "ppo"):  # --reward: each function's mean over the global batch
         assert {"reward/task", "reward/starts_with_answer_digit"} <= rows2[0].keys()
+    if name == "ppo":  # the reward model's scores: those of 1 rank
+        assert {"reward/rm", "reward/rm_raw_mean"} <= rows2[0].keys()
     for r1, r2 in zip(rows1, rows2):
         for k in r1:
             same = r2[k] == pytest.approx(r1[k], rel=1e-5, abs=1e-6)

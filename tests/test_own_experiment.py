@@ -58,10 +58,10 @@ def _module(tmp_path, body):
 
 
 def test_a_score_from_the_function_sets_the_outcome(tmp_path):
-    path = _module(tmp_path, "from rewards import Score\ndef judge(prompt, completion, example, finished):\n "
-                             "   ok = float(completion.strip() in (str(example['answer']), 'twelve'))\n    "
-                             "return Score(2 * ok, ok, 1.0, pred=completion.strip())\n")
-    task = rewards.with_reward_functions(rewards.load_task("addition"), f"task,{path}:judge", "1,3")
+    path = _module(tmp_path, "from rewards import Score\ndef grader(prompt, completion, example, finished):"
+                             "\n    ok = float(completion.strip() in (str(example['answer']), 'twelve'))"
+                             "\n    return Score(2 * ok, ok, 1.0, pred=completion.strip())\n")
+    task = rewards.with_reward_functions(rewards.load_task("addition"), f"task,{path}:grader", "1,3")
     s = task.score("twelve", {"prompt": "5+7=", "answer": 12}, True)  # the task's verifier wants digits: 0
     assert (s.reward, s.correct, s.format_ok, s.pred, s.parts) == (6.0, 1.0, 1.0, "twelve", (0.0, 2.0))
 

@@ -1,0 +1,258 @@
+"""Rewards beyond a per-completion function (docs/rewards.md): batched and async --reward functions, the
+reserved names rm and judge, and --reward_model (rlmini/reward_model.py), with reward models built here: a
+random one with its own chat tokenizer, and one whose score is known by construction."""
+import asyncio
+import math
+import os
+import sys
+import tempfile
+import types
+
+import pytest
+import torch
+
+import rewards
+from chat_model import EVEN, build_reward_model, build_chat_model
+from conftest import read_metrics, run_script
+from rlmini import memplan, reward_model
+
+TMP = tempfile.gettempdir()
+KNOWN, RANDOM = os.path.join(TMP, "rlmini-test-rm-known"), os.path.join(TMP, "rlmini-test-rm-random")
+EXAMPLES = [{"prompt": "1+2=", "answer": 3}, {"prompt": "2+2=", "answer": 4}]
+TEXTS = ["3", "4", "12", "5"]
+
+
+def task():
+    return rewards.load_task("addition", style="tiny", seed=0)
+
+
+def per(prompt, completion, example, finished):
+    return float(len(completion))
+
+
+def many(prompts, completions, examples, finished):
+    return [float(len(c)) for c in completions]
+
+
+async def one_async(prompt, completion, example, finished):
+    await asyncio.sleep(0.01)
+    return float(len(completion))
+
+
+async def many_async(prompts, completions, examples, finished):
+    return [float(len(c)) for c in completions]
+
+
+def score_all(t, texts=TEXTS):
+    examples = [EXAMPLES[k // 2 % 2] for k in range(len(texts))]
+    if t.score_batch is None:
+        return [t.score(x, e, True) for x, e in zip(texts, examples)]
+    return t.score_batch(texts, examples, [True] * len(texts), [None] * len(texts))
+
+
+def bind(fn, name="fn", spec=None, weights="1,0.5", **kw):
+    module = types.ModuleType(f"rm_test_{name}")
+    setattr(module, name, fn)
+    sys.modules[module.__name__] = module
+    return rewards.with_reward_functions(task(), spec or f"task,{module.__name__}:{name}", weights, **kw)
+
+
+@pytest.mark.parametrize("fn", [many, one_async, many_async])
+def test_batched_and_async_forms_give_the_per_completion_values(fn):
+    """Every form of a function gives the per-completion form's parts and weighted sums, bit for bit."""
+    expected, got = score_all(bind(per)), score_all(bind(fn))
+    assert rewards.batched(fn) == fn.__name__.startswith("many") and not rewards.batched(per)
+    assert [s.parts for s in got] == [s.parts for s in expected] and [s.reward for s in got] == \
+        [s.reward for s in expected]
+    assert got[2].parts[1] == 2.0 and got[2].reward == got[2].parts[0] + 0.5 * 2.0
+
+
+def test_async_calls_are_bounded_and_a_slow_function_is_stopped_by_the_deadline():
+    live, peak = [0], [0]
+
+    async def counted(prompt, completion, example, finished):
+        live[0] += 1
+        peak[0] = max(peak[0], live[0])
+        await asyncio.sleep(0.02)
+        live[0] -= 1
+        return 1.0
+
+    score_all(bind(counted, concurrency=2), TEXTS * 3)
+    assert peak[0] == 2
+
+    async def slow(prompt, completion, example, finished):
+        await asyncio.sleep(5)
+        return 1.0
+
+    with pytest.raises(rewards.DataError, match=r"--reward slow on a batch of 4 \(first prompt '1\+2='\): no "
+                                                r"answer within --reward_timeout 0.2 s"):
+        score_all(bind(slow, "slow", timeout=0.2))
+
+
+def test_bad_batched_output_and_errors_are_one_line_naming_the_function_and_prompt():
+    def short(prompts, completions, examples, finished):
+        return [1.0]
+
+    with pytest.raises(rewards.DataError, match=r"--reward short on a batch of 4 .* returned 1 values: a "
+                                                r"batched reward function returns one value per completion"):
+        score_all(bind(short, "short"))
+
+    def nan_third(prompts, completions, examples, finished):
+        return [1.0, 1.0, math.nan, 1.0]
+
+    with pytest.raises(rewards.DataError, match=r"--reward nan_third returned nan on prompt '2\+2=', "
+                                                r"completion '12'"):
+        score_all(bind(nan_third, "nan_third"))
+    skipped = score_all(bind(nan_third, "nan_third", on_nonfinite="skip"))
+    assert math.isnan(skipped[2].reward) and skipped[0].reward == skipped[0].parts[0] + 0.5
+
+    async def boom(prompt, completion, example, finished):
+        raise KeyError("col")
+
+    with pytest.raises(rewards.DataError, match=r"--reward boom raised KeyError: 'col' \(test_reward_model"):
+        score_all(bind(boom, "boom"))
+
+
+def test_rm_and_judge_are_reserved_and_bound_by_their_flags():
+    def rm(prompts, completions, examples, finished):
+        return [10.0 * len(c) for c in completions]
+
+    for spec, message in (("task,rm", "'rm' is the score of --reward_model; there is none"),
+                          ("judge", "'judge' is the score of --judge_url")):
+        with pytest.raises(rewards.DataError, match=message):
+            rewards.with_reward_functions(task(), spec, "")
+    t = rewards.with_reward_functions(task(), "", "", sources={"rm": rm, "judge": None})
+    assert t.reward_names == ["rm"]  # no --reward: the reward model replaces the verifier
+    got = score_all(t)
+    assert [s.reward for s in got] == [10.0, 10.0, 20.0, 10.0]
+    assert [s.correct for s in got] == [1.0, 0.0, 0.0, 0.0]  # the verifier still gives reward/correct
+    t = rewards.with_reward_functions(task(), "task,rm", "1,0.5", sources={"rm": rm})
+    assert [s.reward for s in score_all(t)][:2] == [t.score("3", EXAMPLES[0], True).parts[0] + 5.0, 5.0]
+
+
+@pytest.fixture(scope="module")
+def models_built():
+    return build_reward_model(KNOWN, known=True), build_reward_model(RANDOM)
+
+
+def load(path, **options):
+    args = reward_model.RewardArgs(reward_model=path, **options)
+    fn = reward_model.make_reward_model(args)
+    fn.load(torch.device("cpu"), torch.float32)
+    return fn
+
+
+def test_a_folder_that_is_no_one_label_sequence_classifier_is_refused(models_built, tmp_path):
+    chat = build_chat_model(str(tmp_path / "chat"))
+    with pytest.raises(SystemExit, match=r"--reward_model .*chat: a Qwen3ForCausalLM, not a sequence "
+                                         r"classifier"):
+        reward_model.check(chat)
+    import transformers
+    config = transformers.AutoConfig.from_pretrained(RANDOM)
+    config.num_labels = 2
+    config.save_pretrained(tmp_path / "two")
+    with pytest.raises(SystemExit, match=r"two: 2 labels; a reward model has one"):
+        reward_model.check(str(tmp_path / "two"))
+    with pytest.raises(SystemExit, match=r"--reward_model .*nowhere: cannot read its config"):
+        reward_model.check(str(tmp_path / "nowhere"))
+
+
+def test_the_known_reward_model_scores_by_hand(models_built):
+    """Score = s_t / sqrt(1 + eps) of the last token t of "{prompt}\\n{completion}" in the reward model's own
+    tokenizer (tests/chat_model.py::build_reward_model), in every micro-batch size."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(KNOWN)
+    eps = reward_model.check(KNOWN).rms_norm_eps
+    prompts, completions = ["1+2=", "2+2=", "3+3=", "5+4="], ["3", "42", "6 is it", "8"]
+    last = [tok.decode(tok(f"{p}\n{c}")["input_ids"][-1])[-1] for p, c in zip(prompts, completions)]
+    expected = [(1.0 if ch in EVEN else -1.0) / math.sqrt(1 + eps) for ch in last]
+    assert sorted(set(expected)) == [-1 / math.sqrt(1 + eps), 1 / math.sqrt(1 + eps)]
+    for tokens in (1, 10_000):  # one sequence per forward, all in one (padded)
+        got = load(KNOWN, reward_model_tokens=tokens)(prompts=prompts, completions=completions,
+                                                      examples=EXAMPLES * 2, finished=[True] * 4)
+        assert got == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_random_reward_model_reads_its_own_chat_template_and_padding_changes_nothing(models_built):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(RANDOM)
+    ids = reward_model.render(tok, "What is 2 + 3?", "5")
+    assert tok.decode(ids) == ("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n5"
+                               "<|im_end|>\n")
+    ref = AutoModelForSequenceClassification.from_pretrained(RANDOM).eval()
+    prompts, completions = ["What is 2 + 3?", "hi"], ["5", "a much longer completion than the other one"]
+    expected = [ref(input_ids=torch.tensor([reward_model.render(tok, p, c)])).logits[0, 0].item()
+                for p, c in zip(prompts, completions)]
+    got = load(RANDOM, reward_model_tokens=10_000)(prompts=prompts, completions=completions,
+                                                   examples=EXAMPLES, finished=[True, True])
+    assert got == pytest.approx(expected, rel=1e-4, abs=1e-5 * max(map(abs, expected)))
+
+
+def test_normalisation_by_group_and_running_by_hand():
+    raw = torch.tensor([1.0, 3.0, 2.0, 2.0])
+    got = reward_model.normalise(raw, [slice(0, 2), slice(2, 4)], "group", {})
+    assert got.tolist() == pytest.approx([-1.0, 1.0, 0.0, 0.0], abs=1e-5)
+    state = {}
+    reward_model.normalise(raw, [], "running", state)
+    second = reward_model.normalise(torch.tensor([6.0, 10.0]), [], "running", state)
+    every = torch.tensor([1.0, 3.0, 2.0, 2.0, 6.0, 10.0], dtype=torch.float64)
+    assert state["n"] == 6 and state["mean"] == pytest.approx(every.mean().item())
+    std = every.std(unbiased=False).item()
+    assert second.tolist() == pytest.approx([(6 - 4) / std, (10 - 4) / std], rel=1e-5)
+
+
+def test_the_plan_counts_the_reward_model(models_built):
+    config = reward_model.check(RANDOM)
+    from transformers import AutoModelForSequenceClassification
+    n = 2 * sum(p.numel() for p in AutoModelForSequenceClassification.from_config(config).parameters())
+    assert reward_model.reward_model_bytes(config, 1, 2) == n
+    assert reward_model.reward_model_bytes(config, 2, 2) == n / 2
+    assert reward_model.reward_model_bytes(config, 1, 2, offload=True) == 0.0
+    c = memplan.count(memplan.load_config(RANDOM + "-tokenizer"))  # the chat model built beside it
+    with_rm, without = memplan.plan(c, reward_model=1e9), memplan.plan(c)
+    assert with_rm["persistent"] - without["persistent"] == 1e9
+    assert with_rm["update"] - without["update"] == 1e9
+
+
+def test_a_policy_trained_against_the_known_reward_model_moves_toward_what_it_prefers(models_built, tmp_path):
+    """GRPO on the tiny model, the known reward model as the reward (no --reward): reward/rm rises."""
+    run_script("train_grpo.py", ["--engine", "hf", "--steps", "20", "--prompts_per_step", "8", "--group_size",
+                                 "8", "--micro_batch_size", "64", "--save_every", "0", "--reward_model",
+                                 KNOWN, "--out_dir", str(tmp_path), "--run_name", "rm"])
+    rows = read_metrics(tmp_path / "rm")
+    first, last = [sum(r["reward/rm"] for r in part) / 5 for part in (rows[:5], rows[-5:])]
+    assert all(r["reward/rm"] == pytest.approx(r["reward/mean"]) for r in rows)
+    assert all(r["reward/rm_raw_mean"] == pytest.approx(r["reward/rm"]) for r in rows)
+    assert last > first + 0.3, (first, last)
+
+
+def test_the_judge_is_bound_lazily_and_its_step_metrics_are_logged(monkeypatch):
+    """--judge_url: rlmini/judge.py::make_judge (here a double) is imported only then; an async batched judge
+    runs on the shared loop and its step_metrics() sums are logged."""
+    calls = []
+
+    async def judge(prompts, completions, examples, finished):
+        calls.append(len(completions))
+        return [0.1 * len(c) for c in completions]
+
+    judge.step_metrics = lambda: {"judge/failures": 2.0, "judge/latency_s": 0.5}
+    monkeypatch.setitem(sys.modules, "rlmini.judge", types.SimpleNamespace(make_judge=lambda a, tok: judge))
+    args = types.SimpleNamespace(judge_url="http://127.0.0.1:1/v1", reward_model="", reward_timeout=5.0)
+    t = rewards.with_reward_functions(task(), "task,judge", "1,2", sources=reward_model.sources(args))
+    reward_model.load(t, args, None, torch.device("cpu"), torch.float32)
+    got = score_all(t)
+    assert calls == [4] and [s.parts[1] for s in got] == pytest.approx([0.1, 0.1, 0.2, 0.1])
+    assert got[0].reward == pytest.approx(1.0 + 0.2)  # "3" is 1+2's answer
+    assert reward_model.source_metrics(t) == {"judge/failures": 2.0, "judge/latency_s": 0.5}
+
+
+def test_held_out_scoring_neither_moves_the_running_norm_nor_the_logged_sums(models_built):
+    fn = load(KNOWN, reward_norm="running")
+    kw = dict(prompts=["1+2=", "2+2="], completions=["3", "4"], examples=EXAMPLES, finished=[True, True])
+    assert fn(**kw) == pytest.approx([-1.0, 1.0], abs=1e-5)  # raw -1, +1: mean 0, std 1
+    state = dict(fn.state)
+    t = types.SimpleNamespace(sources={"rm": fn})
+    with reward_model.evaluating(t):
+        assert fn(prompts=["1+2="], completions=["3"], examples=EXAMPLES[:1], finished=[True]) == \
+            pytest.approx([-1.0], abs=1e-5)  # the running mean and std as they were
+    assert fn.state == state and fn.step_metrics() == {"reward/rm_raw_sum": 0.0, "reward/rm_raw_count": 2.0}
