@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 import rewards
+from rlmini import judge
 
 
 def seed_everything(seed: int) -> None:
@@ -67,6 +68,8 @@ def load_task(args, style: str):
     task = rewards.with_system_prompt(task, args.system_prompt)
     task = rewards.with_reward_functions(task, args.reward, args.reward_weights, args.on_nonfinite,
                                          args.env)
+    if args.judge_url and not args.reward:  # issue 39, this branch's binding: the judge replaces the verifier
+        task = judge.judged_task(task, judge.make_judge(args, None, columns=task.train[0].keys()))
     if args.decontaminate:
         task.train, dropped = rewards.decontaminate(task.train, task.test, args.decontaminate)
         if not task.train:
@@ -193,12 +196,16 @@ def join_groups(groups: list) -> tuple:
 def score_rollouts(task, tokenizer, examples: list, rollouts: Rollouts, group_size: int):
     """(reward, correct, format score, Score objects), one per completion (examples are repeated group_size
     times). The task's reward only: any bonus is the training loop's business."""
-    scores, masks = [], rollouts.policy_mask
+    masks, texts = rollouts.policy_mask, []
     for k, toks in enumerate(rollouts.completion_ids):
-        text = (tokenizer.decode(toks, skip_special_tokens=True) if masks is None
-                else policy_text(tokenizer, toks, masks[k]))  # a tool cannot write the answer
+        texts.append(tokenizer.decode(toks, skip_special_tokens=True) if masks is None
+                     else policy_text(tokenizer, toks, masks[k]))  # a tool cannot write the answer
+    judged = judge.judge_batch(task, texts, [examples[k // group_size] for k in range(len(texts))],
+                               rollouts.finished)  # issue 39, this branch's binding of a --judge_url judge
+    scores = []
+    for k, text in enumerate(texts):
         env = {"env": rollouts.env_rewards[k]} if rollouts.env_rewards is not None else {}  # --env's reward
-        scores.append(task.score(text, examples[k // group_size], rollouts.finished[k], **env))
+        scores.append(task.score(text, examples[k // group_size], rollouts.finished[k], **env, **judged[k]))
     reward = torch.tensor([s.reward for s in scores], dtype=torch.float32)
     correct = torch.tensor([s.correct for s in scores], dtype=torch.float32)
     fmt = torch.tensor([s.format_ok for s in scores], dtype=torch.float32)

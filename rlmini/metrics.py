@@ -71,6 +71,7 @@ def step_metrics(run, batch: Batch, pre: PreUpdate, stats: StepStats, advantages
         "reward/std": first[0].std().item() if len(first[0]) > 1 else 0.0,
         "reward/correct": first[1].mean().item(), "reward/format": first[2].mean().item(),
         **{f"reward/{name}": first[3][:, j].mean().item() for j, name in enumerate(run.task.reward_names)},
+        **(all_sum(run.task.judge.step_metrics()) if hasattr(run.task, "judge") else {}),  # issue 39 binding
         "frac_reward_zero_std": (first_groups.amax(1) == first_groups.amin(1)).float().mean().item(),  # TRL's
         "sampling/rounds": batch.rounds, "sampling/extra_rollouts": all_sum(batch.generated - len(batch)),
         "sampling/kept_zero_std": (trained.amax(1) == trained.amin(1)).float().mean().item(),
