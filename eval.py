@@ -15,6 +15,7 @@ steps (eval/* metrics and runs/<run>/eval.json).
 """
 import argparse
 import collections
+import dataclasses
 import json
 import math
 import os
@@ -26,10 +27,11 @@ import torch
 
 import common
 import rewards
-from rlmini import data, dist, engine, models, runlog, tools
+from rlmini import data, dist, engine, judge, models, runlog, tools
 
 TOOL_OPTIONS = ("tools", "tool_format", "max_turns", "tool_timeout", "tool_memory_mb", "tool_output_chars",
                 "tool_workers", "tool_sandbox", "env")  # the trainers' (common.Args), taken as they are
+JUDGE_OPTIONS = tuple(f.name for f in dataclasses.fields(judge.JudgeArgs))  # a judged task, judged as trained
 
 # ---------------------------------------------------------------------------------------------- metrics
 
@@ -328,7 +330,7 @@ def cmd_evaluate(argv) -> dict:
                    help="compute dtype (auto: CUDA bf16)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="output folder (default runs/eval-<model>-<task>)")
-    for name in TOOL_OPTIONS:  # the trainers' tool options, with their defaults and help
+    for name in TOOL_OPTIONS + JUDGE_OPTIONS:  # the trainers' options, with their defaults and help
         f = common.Args.__dataclass_fields__[name]
         choices = typing.get_args(f.type) if typing.get_origin(f.type) is typing.Literal else None
         p.add_argument(f"--{name}", type=str if choices else type(f.default), default=f.default,
@@ -348,14 +350,19 @@ def cmd_evaluate(argv) -> dict:
         raise SystemExit(f"--k {a.k}: every k must lie in 1..--n ({a.n})")
     if a.engine == "vllm":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    tool_options = {k: getattr(a, k) for k in TOOL_OPTIONS}
-    args = SampleArgs(model=a.model, task=a.task, engine=a.engine, temperature=a.temperature, seed=a.seed,
-                      max_new_tokens=a.max_new_tokens, dtype=a.dtype, **tool_options)
+    tool_options = {k: getattr(a, k) for k in TOOL_OPTIONS + JUDGE_OPTIONS}
+    try:
+        args = SampleArgs(model=a.model, task=a.task, engine=a.engine, temperature=a.temperature, seed=a.seed,
+                          max_new_tokens=a.max_new_tokens, dtype=a.dtype, **tool_options)
+    except ValueError as e:  # a range (options.validate)
+        raise SystemExit(f"bad option: {e}") from None
     style = models.prompt_style(a.model)
     task = rewards.load_task(a.task, style=style, seed=a.seed, jsonl_reward=a.jsonl_reward,
                              prompt_column=a.prompt_column, answer_column=a.answer_column)
     task = rewards.with_system_prompt(task, a.system_prompt)
     task = rewards.with_reward_functions(task, "", "", env=a.env)  # --env's get_reward, as in training
+    if args.judge_url:  # issue 39, this branch's binding (as data.load_task): the judge is the reward
+        task = judge.judged_task(task, judge.make_judge(args, None, columns=task.test[0].keys()))
     models.model_path(a.model, task)  # builds the tiny model on first use, before torch.distributed starts
     device, dtype = dist.setup_device(args)
     model, tok, path = models.load_model(args, task, device, dtype)
