@@ -169,9 +169,9 @@ def test_a_judge_served_by_vllm(served):
     fields = {f.name: f.default for f in dataclasses.fields(judge.JudgeArgs)}
     n, rates = 24, {}
     for concurrency in (1, 8):
-        args = argparse.Namespace(**{**fields, "judge_url": f"{url}/v1", "judge_model": path, "judge_cache": 0,
-                                     "judge_api": "completions", "judge_concurrency": concurrency,
-                                     "judge_max_tokens": 8})
+        args = argparse.Namespace(**{**fields, "judge_url": f"{url}/v1", "judge_model": path,
+                                     "judge_cache": 0, "judge_api": "completions",
+                                     "judge_concurrency": concurrency, "judge_max_tokens": 8})
         fn = judge.make_judge(args, None, columns=["prompt", "answer"])
         fn.template = "{completion}*"  # the tiny tokenizer's alphabet only
         completions = [f"{i}*{i + 3}%7" for i in range(n)]
@@ -186,7 +186,8 @@ def test_a_judge_served_by_vllm(served):
         m = fn.step_metrics()
         assert m["judge/calls"] == n and m["judge/failures"] == 0 and m["judge/cache_hits"] == 0
         print(f"judge: {rates[concurrency]:.1f} requests/s at concurrency {concurrency}, "
-              f"{m['judge/parse_failures']:g} of {n} unparseable, mean latency {m['judge/latency_s'] / n:.3f} s")
+              f"{m['judge/parse_failures']:g} of {n} unparseable, mean latency "
+              f"{m['judge/latency_s'] / n:.3f} s")
 
 
 def test_an_unreachable_server_is_one_line_at_start(tmp_path, capsys):
