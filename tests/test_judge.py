@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import re
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -64,7 +65,10 @@ class Double:
                 self._send(200, {"choices": [{"index": 0, "message": {"role": "assistant",
                                                                       "content": text}}]})
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            request_queue_size = 64  # socketserver's 5 would drop the SYNs of a burst (a 1 s retransmit)
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.server.handle_error = lambda *a: None  # a client gone after its timeout (SLOW): not an error
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
@@ -153,6 +157,14 @@ def test_template_and_probe_are_refused_in_one_line(double, tmp_path, monkeypatc
     assert judge.make_judge(_args(double.url, judge_model=""), None).model == MODEL  # its one model
     closed = double.url.replace(str(double.server.server_address[1]), "9")  # port 9: nothing listens
     assert "no answer to GET" in refused(judge_url=closed)
+    listener = socket.socket()  # accepts, never answers: refused at the probe's deadline
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    monkeypatch.setattr(judge, "PROBE_S", 1.0)
+    start = time.perf_counter()
+    assert "within 1 s" in refused(judge_url=f"http://127.0.0.1:{listener.getsockname()[1]}/v1")
+    assert time.perf_counter() - start < 5
+    listener.close()
 
 
 def test_scripted_answers_counts_retries_cache_and_bound(double, tmp_path, monkeypatch, capsys):
@@ -202,7 +214,7 @@ def test_two_steps_trained_on_the_judge_key_never_in_the_run_folder(double, tmp_
                            "--out_dir", str(tmp_path), "--run_name", "judged", "--wandb", "false",
                            "--judge_url", double.url, "--judge_model", MODEL,
                            "--judge_prompt", str(tmp_path / "t.txt"), "--eval_every", "2", "--eval_n", "1",
-                           "--eval_limit", "4"])
+                           "--eval_limit", "4", "--save_every", "2"])
     rows = [json.loads(x) for x in open(os.path.join(run.run_dir, "metrics.jsonl"))]
     train = [r for r in rows if "judge/calls" in r]
     assert len(train) == 2 and all(r["reward/judge"] == r["reward/mean"] for r in train)
