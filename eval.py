@@ -757,5 +757,5 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except rewards.DataError as e:
+    except (rewards.DataError, judge.JudgeError) as e:  # bad data; judgements failed past --judge_on_error
         raise SystemExit(f"error: {e}") from None

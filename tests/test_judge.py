@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+import common
 import eval as ev
 import train_grpo
 from rlmini import judge
@@ -232,3 +233,14 @@ def test_eval_scores_with_the_judge(double, tmp_path, monkeypatch):
                               "hf", "--out", str(tmp_path / "ev"), "--judge_url", double.url, "--judge_model",
                               MODEL, "--judge_prompt", str(tmp_path / "t.txt")])
     assert result["reward"] == pytest.approx(0.7)  # the judge's score, not the verifier's 0/1
+
+
+def test_a_run_whose_judge_fails_stops_in_one_line(double, tmp_path, capsys):
+    (tmp_path / "t.txt").write_text("Grade <C>NONUM</C>, not {completion}")  # every answer unparseable
+    with pytest.raises(SystemExit) as e:
+        with common.user_errors():
+            train_grpo.main(["--engine", "hf", "--steps", "2", "--prompts_per_step", "2", "--group_size", "2",
+                             "--out_dir", str(tmp_path), "--wandb", "false", "--judge_url", double.url,
+                             "--judge_model", MODEL, "--judge_prompt", str(tmp_path / "t.txt")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and "JudgeError: judge: 4 of 4 judgements of this step failed" in err[-1], err
