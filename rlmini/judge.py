@@ -6,10 +6,11 @@ make_judge(args, tokenizer) gives a batched reward function, fn(prompts=, comple
 concurrency: one asyncio loop per call (asyncio.run; in a worker thread if the caller already runs a loop),
 so no client outlives the loop it was made in. fn.step_metrics() returns this rank's sums since its last call.
 
-Client: httpx (0.28 here; a dependency of vLLM and of the `openai` package). The `openai` client retries by
-its own rule (408, 409, 429, >= 500, hidden from the caller); ours is the documented one (timeouts,
-connection errors, 429 and 5xx, each retry counted), and the judge needs two endpoints' JSON
-(/models, /chat/completions or /completions), so the openai package would add its models and nothing used.
+Client: httpx (0.28 here, pinned in requirements-common.txt; openenv-core already pulls it in). The `openai`
+client (3.x, on httpx2) retries by its own rule (x-should-retry, 408, 409, 429, >= 500: openai/_base_client.py::
+BaseClient._should_retry), out of the caller's sight; ours is the documented one (timeouts, connection errors,
+429 and 5xx, each retry counted), and the judge reads two endpoints' JSON (/models, /chat/completions or
+/completions): the openai package would add its models and nothing used.
 """
 import asyncio
 import collections
