@@ -8,9 +8,9 @@ so no client outlives the loop it was made in. fn.step_metrics() returns this ra
 
 Client: httpx (0.28 here, pinned in requirements-common.txt; openenv-core already pulls it in). The `openai`
 client (3.x, on httpx2) retries by its own rule (x-should-retry, 408, 409, 429, >= 500:
-openai/_base_client.py::BaseClient._should_retry), out of the caller's sight; ours is the documented one (timeouts, connection errors,
-429 and 5xx, each retry counted), and the judge reads two endpoints' JSON (/models, /chat/completions or
-/completions): the openai package would add its models and nothing used.
+openai/_base_client.py::BaseClient._should_retry), out of the caller's sight; ours is the documented one
+(timeouts, connection errors, 429 and 5xx, each retry counted), and the judge reads two endpoints' JSON
+(/models, /chat/completions or /completions): the openai package would add its models and nothing used.
 """
 import asyncio
 import collections
