@@ -197,9 +197,10 @@ def test_scripted_answers_counts_retries_cache_and_bound(double, tmp_path, monke
 
 def test_more_than_half_failed_or_on_error_stop_stops(double, tmp_path, monkeypatch):
     fn = _judge(double.url, tmp_path, monkeypatch)
+    assert _call(fn, ["NONUM", "A401", "GOOD5", "GOOD6"]) == [0, 0, 0.5, 0.6]  # half: scored, not stopped
     with pytest.raises(JudgeError, match=r"2 of 3 judgements of this step failed \(more than half"):
         _call(fn, ["NONUM", "A401", "GOOD5"])
-    assert fn.step_metrics()["judge/failures"] == 1
+    assert fn.step_metrics()["judge/failures"] == 2
     fn = _judge(double.url, tmp_path, monkeypatch, judge_on_error="stop")
     with pytest.raises(JudgeError, match=r"HTTP 401 .*--judge_on_error stop"):
         _call(fn, ["GOOD1", "A401", "GOOD2"])
