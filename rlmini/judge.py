@@ -1,0 +1,328 @@
+"""LLM judges: a reward read from an OpenAI-compatible server's answer to a grading prompt (docs/rewards.md,
+"LLM judges").
+
+make_judge(args, tokenizer) gives a batched reward function, fn(prompts=, completions=, examples=, finished=)
+-> list[float] in [0, 1], or None without --judge_url. It is a plain (sync) function that runs its own
+concurrency: one asyncio loop per call (asyncio.run; in a worker thread if the caller already runs a loop),
+so no client outlives the loop it was made in. fn.step_metrics() returns this rank's sums since its last call.
+
+Client: httpx (0.28 here, pinned in requirements-common.txt; openenv-core already pulls it in). The `openai`
+client (3.x, on httpx2) retries by its own rule (x-should-retry, 408, 409, 429, >= 500:
+openai/_base_client.py::BaseClient._should_retry), out of the caller's sight; ours is the documented one
+(timeouts, connection errors, 429 and 5xx, each retry counted), and the judge reads two endpoints' JSON
+(/models, /chat/completions or /completions): the openai package would add its models and nothing used.
+"""
+import asyncio
+import collections
+import concurrent.futures
+import math
+import os
+import random
+import re
+import string
+import sys
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import httpx
+
+from rlmini.faults import JudgeError
+from rlmini.options import arg
+
+PROBE_S = 30.0     # the start-up probe's deadline
+BACKOFF_S = 0.5    # the first retry's wait; doubled per retry, times a jitter in [0.5, 1.5], capped at:
+BACKOFF_CAP_S = 8.0
+SLACK_S = 10.0     # the batch bound's slack beyond its requests' own deadlines
+FIELDS = ("prompt", "completion", "answer", "scale")  # the template's own fields; an example's columns too
+
+DEFAULT_TEMPLATE = """You are grading a response to a task.
+
+Task:
+{prompt}
+
+Reference answer (may be empty):
+{answer}
+
+Response:
+{completion}
+
+Rate the response from 0 (wrong or useless) to {scale} (correct and complete). Give a one-sentence reason,
+then the score alone as a number on the last line."""
+
+
+@dataclass
+class JudgeArgs:
+    """The LLM judge's options (a mixin of common.Args; eval.py takes them as they are)."""
+    judge_url: str = arg("", "an OpenAI-compatible server http://HOST:PORT/v1 that judges completions")
+    judge_model: str = arg("", "the judge's model name on --judge_url ('' = the one model it serves)")
+    judge_prompt: str = arg("", "template file: {prompt} {completion} {answer} {scale}, example columns")
+    judge_api: Literal["chat", "completions"] = arg("chat", "endpoint: /chat/completions or /completions")
+    judge_scale: float = arg(10.0, "--judge_parse last-number: the score's scale, 0..scale -> [0, 1]", gt=0)
+    judge_parse: Literal["last-number", "rubric"] = arg(
+        "last-number", "score: the last number / scale, or the share of numbered yes/no lines saying yes")
+    judge_concurrency: int = arg(16, "judge requests in flight per rank", ge=1)
+    judge_timeout: float = arg(60.0, "seconds one judge request may take", gt=0)
+    judge_retries: int = arg(3, "retries of a request (timeout, connection error, 429, 5xx), backoff", ge=0)
+    judge_on_error: Literal["worst", "stop"] = arg(
+        "worst", "failed or unparseable judgement: score 0 and warn (stop if > half of a step), or stop")
+    judge_api_key_env: str = arg("OPENAI_API_KEY", "the NAME of the environment variable holding the key")
+    judge_max_tokens: int = arg(256, "the judge's answer budget in tokens", ge=1)
+    judge_temperature: float = arg(0.0, "the judge's sampling temperature", ge=0)
+    judge_cache: int = arg(100_000, "judgements kept in memory by their inputs (LRU; 0 = no cache)", ge=0)
+
+
+def template_fields(template: str, where: str) -> set:
+    """The {fields} of a judge template; SystemExit naming `where` if it does not parse or a field is not a
+    plain name ({example.x}, {0})."""
+    try:
+        names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    except ValueError as e:
+        raise SystemExit(f"{where}: cannot parse the template ({e}; write a literal brace as {{{{ or }}}})")
+    bad = sorted(n for n in names if not n.isidentifier())
+    if bad:
+        raise SystemExit(f"{where}: field {{{bad[0]}}} is not a name: use {{prompt}}, {{completion}}, "
+                         f"{{answer}}, {{scale}} or an example column")
+    return names
+
+
+def check_fields(names: set, columns, where: str) -> None:
+    """Every field is the template's own or a column of the task's examples; SystemExit naming the field."""
+    unknown = sorted(names - set(FIELDS) - set(columns))
+    if unknown:
+        raise SystemExit(f"{where}: unknown field {{{unknown[0]}}} (known: {', '.join(FIELDS)}, and the "
+                         f"examples' columns {', '.join(sorted(set(columns) - set(FIELDS))) or '(none)'})")
+
+
+NUMBER = re.compile(r"(-?\d+(?:\.\d+)?)(?:\s*(?:/|out of)\s*\d+(?:\.\d+)?)?", re.IGNORECASE)
+RUBRIC_ITEM = re.compile(r"^\s*\d+\s*[.):]\s*\**\s*(yes|no)\b", re.IGNORECASE | re.MULTILINE)
+
+
+def parse_score(text: str, rule: str, scale: float) -> float | None:
+    """The judge's answer as a score in [0, 1], None if it gives none. Text up to a closing </think> is the
+    judge's reasoning and is skipped. last-number: the last number; "7/10" and "7 out of 10" read as 7; a
+    value outside [0, scale] is no score (the judge used another scale: clamping would hide that). rubric:
+    lines "1. yes" / "2) no" (case-insensitive), the share that say yes; no such line is no score."""
+    text = text.rpartition("</think>")[2]
+    if rule == "rubric":
+        items = [x.lower() for x in RUBRIC_ITEM.findall(text)]
+        return items.count("yes") / len(items) if items else None
+    found = NUMBER.findall(text)
+    if not found:
+        return None
+    value = float(found[-1])
+    return value / scale if 0 <= value <= scale else None
+
+
+class _Failed(Exception):
+    """A request with no usable answer after its retries (its text says why)."""
+
+
+def _run(coro):
+    """asyncio.run, in a worker thread when this thread already runs a loop (an async caller)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def _headers(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+async def _probe(url: str, headers: dict) -> httpx.Response:
+    async with httpx.AsyncClient(headers=headers, timeout=PROBE_S) as client:
+        return await asyncio.wait_for(client.get(f"{url}/models"), PROBE_S)
+
+
+def probe(url: str, model: str, key: str, key_env: str) -> str:
+    """The judge's model name, once the server at `url` answers GET /models within PROBE_S seconds and serves
+    it ('' = the one model it serves); else SystemExit in one line."""
+    try:
+        r = _run(_probe(url, _headers(key)))
+    except (httpx.HTTPError, asyncio.TimeoutError, OSError) as e:
+        raise SystemExit(f"--judge_url {url}: no answer to GET {url}/models within {PROBE_S:g} s "
+                         f"({type(e).__name__}{': ' + str(e) if str(e) else ''})") from None
+    if r.status_code != 200:
+        hint = f" (check the key in ${key_env})" if r.status_code in (401, 403) else ""
+        raise SystemExit(f"--judge_url {url}: GET /models answered HTTP {r.status_code} "
+                         f"{' '.join(r.text[:120].split())}{hint}")
+    try:
+        served = [m["id"] for m in r.json()["data"]]
+    except (ValueError, KeyError, TypeError):
+        raise SystemExit(f"--judge_url {url}: GET /models did not answer an OpenAI model list: "
+                         f"{' '.join(r.text[:120].split())}") from None
+    if model in served or (not model and len(served) == 1):
+        return model or served[0]
+    raise SystemExit(f"--judge_model {model!r}: {url} serves {', '.join(served) or 'no model'}"
+                     f"{'' if model else ' (name one)'}")
+
+
+class Judge:
+    """The batched reward function (make_judge). State: the cache (an LRU dict of inputs -> the judge's
+    answer text) and this rank's counts since the last step_metrics()."""
+
+    def __init__(self, args, model: str, template: str, key: str):
+        self.a, self.model, self.template, self.key = args, model, template, key
+        self.cache = collections.OrderedDict()
+        self.jitter = random.Random()  # its own: the run's RNG streams (checkpointed) stay as they are
+        self.counts = dict.fromkeys(("judge/calls", "judge/cache_hits", "judge/failures",
+                                     "judge/parse_failures", "judge/retries", "judge/latency_s"), 0.0)
+
+    def step_metrics(self) -> dict:
+        """This rank's sums since the last call (summed over ranks by the caller). The mean latency of a
+        request (its retries and waits included) is judge/latency_s / judge/calls of the sums."""
+        out, self.counts = self.counts, dict.fromkeys(self.counts, 0.0)
+        return out
+
+    def render(self, prompt, completion: str, example: dict) -> str:
+        from rewards import DataError, prompt_text
+        values = {**example, "prompt": prompt_text(prompt), "completion": completion,
+                  "answer": example.get("answer") or "", "scale": f"{self.a.judge_scale:g}"}
+        try:
+            return self.template.format_map(values)
+        except KeyError as e:
+            raise DataError(f"--judge_prompt: field {{{e.args[0]}}} is not a column of the example with "
+                            f"prompt {prompt_text(prompt)[:60]!r}") from None
+
+    def __call__(self, prompts: list, completions: list, examples: list, finished: list) -> list:
+        a = self.a
+        texts = [self.render(p, c, e) for p, c, e in zip(prompts, completions, examples)]
+        keys = [(self.model, a.judge_api, t, a.judge_max_tokens, a.judge_temperature) for t in texts]
+        answers = _run(self._batch(keys))
+        scores, worst, first = [], {"failures": 0, "parse_failures": 0}, None
+        for key in keys:
+            answer = answers[key]
+            value = None if isinstance(answer, _Failed) else parse_score(answer, a.judge_parse, a.judge_scale)
+            if value is None:
+                kind = "failures" if isinstance(answer, _Failed) else "parse_failures"
+                worst[kind] += 1
+                first = first or (f"request failed: {answer}" if kind == "failures" else
+                                  f"no score in the answer {' '.join(answer[:80].split())!r} "
+                                  f"(--judge_parse {a.judge_parse})")
+            scores.append(0.0 if value is None else value)
+        for kind, n in worst.items():
+            self.counts[f"judge/{kind}"] += n
+        bad = sum(worst.values())
+        if bad and a.judge_on_error == "stop":
+            raise JudgeError(f"judge: {first}; stopped (--judge_on_error stop)")
+        if bad * 2 > len(keys):
+            raise JudgeError(f"judge: {bad} of {len(keys)} judgements of this step failed (more than half; "
+                             f"{worst['failures']} failed requests, {worst['parse_failures']} unparseable "
+                             f"answers); the first: {first}; stopped (check --judge_url, --judge_prompt, "
+                             f"--judge_parse)")
+        if bad:
+            print(f"warning: judge: {bad} of {len(keys)} judgements scored 0, the worst value "
+                  f"(--judge_on_error worst; {worst['failures']} failed requests, {worst['parse_failures']} "
+                  f"unparseable answers); the first: {first}", file=sys.stderr)
+        return scores
+
+    async def _batch(self, keys: list) -> dict:
+        """{key: answer text or _Failed} for the distinct keys; cached ones are not sent. With
+        --judge_on_error stop the first failed request stops the batch (JudgeError), cancelling the others."""
+        a, out = self.a, {}
+        for key in dict.fromkeys(keys):
+            if key in self.cache:
+                self.cache.move_to_end(key)
+                out[key] = self.cache[key]
+        todo = [k for k in dict.fromkeys(keys) if k not in out]
+        self.counts["judge/calls"] += len(todo)
+        self.counts["judge/cache_hits"] += len(keys) - len(todo)
+        if not todo:
+            return out
+        gate = asyncio.Semaphore(a.judge_concurrency)
+        path = "/chat/completions" if a.judge_api == "chat" else "/completions"
+        limits = httpx.Limits(max_connections=a.judge_concurrency)
+        async with httpx.AsyncClient(base_url=a.judge_url, headers=_headers(self.key),
+                                     timeout=a.judge_timeout, limits=limits) as client:
+            async def one(key):
+                async with gate:
+                    start = time.perf_counter()
+                    try:
+                        out[key] = await self._request(client, path, key)
+                    except _Failed as e:
+                        out[key] = e
+                        if a.judge_on_error == "stop":
+                            raise JudgeError(f"judge: request failed: {e}; stopped (--judge_on_error stop)")
+                    finally:
+                        self.counts["judge/latency_s"] += time.perf_counter() - start
+            # every request has its deadline; this bounds the batch even so (waves of `concurrency` requests)
+            per_request = a.judge_timeout * (a.judge_retries + 1) + BACKOFF_CAP_S * a.judge_retries
+            bound = per_request * math.ceil(len(todo) / a.judge_concurrency) + SLACK_S
+            tasks = [asyncio.create_task(one(k)) for k in todo]
+            try:
+                await asyncio.wait_for(asyncio.gather(*tasks), bound)
+            except asyncio.TimeoutError:
+                raise JudgeError(f"judge: {len(todo)} requests took more than {bound:g} s together") from None
+            finally:
+                for t in tasks:
+                    t.cancel()
+        for key in todo:
+            if a.judge_cache and not isinstance(out[key], _Failed):  # a failure is asked again next time
+                self.cache[key] = out[key]
+                if len(self.cache) > a.judge_cache:
+                    self.cache.popitem(last=False)
+        return out
+
+    async def _request(self, client: httpx.AsyncClient, path: str, key: tuple) -> str:
+        """The judge's answer text; retries timeouts, connection errors, 429 and 5xx with exponential backoff
+        and jitter; _Failed after the last try or at once on another HTTP error or a malformed answer."""
+        model, api, text, max_tokens, temperature = key
+        body = {"model": model, "max_tokens": max_tokens, "temperature": temperature,
+                **({"messages": [{"role": "user", "content": text}]} if api == "chat" else {"prompt": text})}
+        tries = self.a.judge_retries + 1
+        for attempt in range(tries):
+            try:
+                r = await asyncio.wait_for(client.post(path, json=body), self.a.judge_timeout)
+                if r.status_code == 200:
+                    return _answer_text(r, api)
+                why = f"HTTP {r.status_code} {' '.join(r.text[:100].split())}"
+                if r.status_code != 429 and r.status_code < 500:
+                    raise _Failed(why)
+            except asyncio.TimeoutError:
+                why = f"no answer within --judge_timeout {self.a.judge_timeout:g} s"
+            except httpx.TransportError as e:
+                why = f"{type(e).__name__}{': ' + str(e) if str(e) else ''}"
+            if attempt + 1 < tries:
+                self.counts["judge/retries"] += 1
+                wait = min(BACKOFF_CAP_S, BACKOFF_S * 2 ** attempt)
+                await asyncio.sleep(wait * self.jitter.uniform(0.5, 1.5))
+        raise _Failed(f"{why} ({tries} tries)")
+
+
+def _answer_text(r: httpx.Response, api: str) -> str:
+    try:
+        choice = r.json()["choices"][0]
+        text = choice["message"]["content"] if api == "chat" else choice["text"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise _Failed(f"not an OpenAI completion: {' '.join(r.text[:100].split())}") from None
+    if not isinstance(text, str):
+        raise _Failed(f"no text in the answer: {' '.join(r.text[:100].split())}")
+    return text
+
+
+def make_judge(args, tokenizer=None, columns=None) -> Judge | None:
+    """The judge of --judge_url (None without it), probed at start-up; its template's fields checked against
+    the examples' `columns` when given (a field missing from an example is named when it is scored).
+    tokenizer: unused (the judge reads text; the policy's chat template is never the judge's)."""
+    if not args.judge_url:
+        return None
+    if args.judge_prompt:
+        if not os.path.isfile(args.judge_prompt):
+            raise SystemExit(f"--judge_prompt {args.judge_prompt}: file not found")
+        with open(args.judge_prompt) as f:
+            template = f.read()
+    else:
+        template = DEFAULT_TEMPLATE
+    where = f"--judge_prompt {args.judge_prompt or '(built-in)'}"
+    names = template_fields(template, where)
+    if "completion" not in names:
+        raise SystemExit(f"{where}: the template has no {{completion}}: the judge would not see what it "
+                         f"judges")
+    if columns is not None:
+        check_fields(names, columns, where)
+    key = os.environ.get(args.judge_api_key_env, "")  # read here, kept on the judge only: never on args
+    model = probe(args.judge_url.rstrip("/"), args.judge_model, key, args.judge_api_key_env)
+    return Judge(args, model, template, key)
