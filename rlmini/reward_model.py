@@ -217,8 +217,9 @@ def load(task, args, tokenizer, device, dtype) -> None:
     if "rm" in task.sources:
         task.sources["rm"].load(device, dtype)
     if "judge" in task.sources:
-        from rlmini import judge  # only with --judge_url: the module is optional
-        task.sources["judge"].held["fn"] = judge.make_judge(args, tokenizer)
+        from rlmini import judge
+        columns = (task.train or task.test)[0].keys()  # a template field no example has is named at start-up
+        task.sources["judge"].held["fn"] = judge.make_judge(args, tokenizer, columns=columns)
 
 
 def source_metrics(task) -> dict:
@@ -235,7 +236,8 @@ def source_metrics(task) -> dict:
     for k in sums:
         if k.endswith("_sum") and k[:-4] + "_count" in sums:
             n = sums[k[:-4] + "_count"]
-            out[k[:-4] + "_mean"] = sums[k] / n if n else float("nan")
+            if n:  # a mean over nothing is absent, not NaN
+                out[k[:-4] + "_mean"] = sums[k] / n
     return out
 
 

@@ -14,6 +14,7 @@ import torch
 import rewards
 from chat_model import EVEN, build_reward_model, build_chat_model
 from conftest import read_metrics, run_script
+from rlmini import judge as judge_module
 from rlmini import memplan, reward_model
 
 TMP = tempfile.gettempdir()
@@ -227,8 +228,8 @@ def test_a_policy_trained_against_the_known_reward_model_moves_toward_what_it_pr
 
 
 def test_the_judge_is_bound_lazily_and_its_step_metrics_are_logged(monkeypatch):
-    """--judge_url: rlmini/judge.py::make_judge (here a double) is imported only then; an async batched judge
-    runs on the shared loop and its step_metrics() sums are logged."""
+    """--judge_url: rlmini/judge.py::make_judge (here a double) binds the judge; an async batched judge runs
+    on the shared loop and its step_metrics() sums are logged."""
     calls = []
 
     async def judge(prompts, completions, examples, finished):
@@ -236,7 +237,7 @@ def test_the_judge_is_bound_lazily_and_its_step_metrics_are_logged(monkeypatch):
         return [0.1 * len(c) for c in completions]
 
     judge.step_metrics = lambda: {"judge/failures": 2.0, "judge/latency_s": 0.5}
-    monkeypatch.setitem(sys.modules, "rlmini.judge", types.SimpleNamespace(make_judge=lambda a, tok: judge))
+    monkeypatch.setattr(judge_module, "make_judge", lambda a, tok, columns=None: judge)
     args = types.SimpleNamespace(judge_url="http://127.0.0.1:1/v1", reward_model="", reward_timeout=5.0)
     t = rewards.with_reward_functions(task(), "task,judge", "1,2", sources=reward_model.sources(args))
     reward_model.load(t, args, None, torch.device("cpu"), torch.float32)
