@@ -413,7 +413,8 @@ def check_frozen(path: str, tokenizer, policy: str) -> None:
     """`path` is a causal LM folder whose tokenizer is the policy's (`tokenizer`, of model `policy`): the same
     vocabulary, the same ids of a probe text and the same special ids; else one line naming both models."""
     from transformers import AutoConfig
-    for what in (path, os.path.join(path, "config.json")):
+    hub_id = not os.path.exists(path) and not path.startswith((".", "/", "~")) and path.count("/") == 1
+    for what in () if hub_id else (path, os.path.join(path, "config.json")):  # hub ids: transformers
         if not os.path.exists(what):
             raise SystemExit(f"frozen model {path}: no such file or folder: {what} (the policy is {policy})")
     arch = getattr(AutoConfig.from_pretrained(path), "architectures", None) or []
