@@ -453,7 +453,8 @@ def plan_for(args, algo: str, c: dict, *, ranks: int, dtype, max_len: int, gpu_b
     communicators = cuda * ((ranks > 1) + 2 * (args.engine == "vllm" and args.vllm_tp > 1) + nccl)
     p = plan(c, ranks=ranks, compute_bytes=dtype.itemsize, tokens=tokens,
              checkpointing=args.gradient_checkpointing, reference=getattr(args, "beta", 0.0) > 0,
-             frozen=[frozen_counts(args, f) for f in getattr(args, "frozen_models", ()) if getattr(args, f)],
+             frozen=[frozen_counts(args, f) for f in getattr(args, "frozen_models", ())
+                     if getattr(args, f, 1)],  # a path left empty: no model
              critic=algo == "ppo", lora_rank=args.lora_rank, vllm=vllm, hf=hf, gpu_bytes=gpu_bytes,
              share=args.vllm_gpu_memory_utilization, context=CONTEXT if cuda else 0.0,
              communicators=communicators, server=args.engine == "server",
@@ -465,6 +466,8 @@ def plan_for(args, algo: str, c: dict, *, ranks: int, dtype, max_len: int, gpu_b
 def frozen_counts(args, field: str) -> dict:
     """The counts of the frozen model a script names in `field` (Args.frozen_models: a folder, or a
     config.json for --plan_only), or a one-line error naming the flag."""
+    if not hasattr(args, field):
+        raise SystemExit(f"{type(args).__name__}.frozen_models names {field!r}, not one of its fields")
     path = getattr(args, field)
     try:
         return count(load_config(path), 0, args.lora_targets)
