@@ -142,6 +142,7 @@ class Args(data.TaskArgs, tools.ToolArgs, server.ServerArgs, memplan.PlanArgs, r
     # ("" = docs/<name>.md for train_<name>.py) and the flags one step on the built-in model needs
     docs_page: ClassVar[str] = ""
     smoke_flags: ClassVar[tuple] = ()
+    frozen_models: ClassVar[tuple] = ()  # fields naming frozen models (a teacher): the plan counts them
 
     def __post_init__(self):
         validate(self)
@@ -236,6 +237,13 @@ def setup(args, algo: str) -> Run:
 def load_reference(run):
     """The frozen initial policy of a KL term (after --resume too); LoRA: the policy with its adapters off."""
     return models.load_reference(run.args, run.task, run.device, run.dtype, run.model)
+
+
+def load_frozen(run, path: str):
+    """A frozen causal LM (a teacher) that shares the policy's tokenizer (else refused in one line), loaded as
+    the reference is (rlmini/models.py::load_frozen); declare its field in Args.frozen_models for the plan."""
+    return models.load_frozen(path, run.device, run.dtype, packing=run.args.packing, tokenizer=run.tokenizer,
+                              policy=run.args.model)
 
 
 def add_critic(run, critic, lr: float) -> None:

@@ -258,6 +258,7 @@ def track(name: str, ranks: int = 1, lora_rank: int = 0, reference: bool = False
                 with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
                     if ref is not None:  # common.pre_update: the reference's log-probs
                         logprobs.token_logprobs(ref, batch, 1.0)
+                        dist.reshard_frozen(ref)  # as rlmini/batches.py::batch_logprobs does
                 for model in (policy, value):  # gradients already accumulated, as from the 2nd micro-batch on
                     for param in trainable_parameters(model) if model is not None else []:
                         param.grad = torch.zeros_like(param)
@@ -353,8 +354,7 @@ def planned(name: str, ranks: int = 1, lora_rank: int = 0, reference: bool = Fal
     c = memplan.count(config(name), lora_rank)
     p = memplan.plan(c, ranks=ranks, compute_bytes=compute_bytes, tokens=tokens, checkpointing=checkpointing,
                      reference=reference, critic=critic, lora_rank=lora_rank, context=0.0, workspace=0.0)
-    gathered = 2 * c["root"] if ranks > 1 and reference and not lora_rank else 0  # after its first forward
-    return {"persistent": p["persistent"] - gathered, "update": p["update"]}
+    return {"persistent": p["persistent"], "update": p["update"]}
 
 
 CASES = [  # (model, ranks, LoRA rank, reference, critic, checkpointing)

@@ -5,7 +5,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from rlmini.data import Rollouts
-from rlmini.dist import all_gather, local_slice, world_size
+from rlmini.dist import all_gather, local_slice, reshard_frozen, world_size
 from rlmini.logprobs import to_padded, to_ragged, token_logprobs
 from rlmini.models import autocast
 from rlmini.packing import make_batch, padded_tokens
@@ -148,7 +148,9 @@ def batch_logprobs(batch: Batch, model, temperature: float, max_seqs: int, max_t
     def forward(micro):
         with autocast(device, dtype):
             return {"logp": token_logprobs(model, micro.layout, temperature)[0]}
-    return ragged_pass(batch, forward, max_seqs, max_tokens, model, device).get("logp", [])
+    out = ragged_pass(batch, forward, max_seqs, max_tokens, model, device).get("logp", [])
+    reshard_frozen(model)  # a frozen model's root is not left gathered until its next pass
+    return out
 
 
 @dataclass

@@ -199,6 +199,15 @@ def shard_model(model, dtype):
     return model
 
 
+def reshard_frozen(model) -> None:
+    """A frozen FSDP2 model's root unit reshards after a no-grad pass (FSDPModule.reshard: torch/distributed/
+    fsdp/_fully_shard/_fully_shard.py): shard_model keeps it gathered for a backward that never comes. A
+    trained model (the policy) and a plain module are left as they are."""
+    from torch.distributed.fsdp import FSDPModule
+    if isinstance(model, FSDPModule) and not any(p.requires_grad for p in model.parameters()):
+        model.reshard()
+
+
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a sharded (DTensor) parameter or value, gathered from every rank (a collective:
     every rank calls it, in the same order); a plain tensor as it is."""

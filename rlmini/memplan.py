@@ -12,9 +12,11 @@ figure is the device memory it needs: what torch's allocator holds (max_memory_a
 `outside`, the CUDA context and the NCCL communicators, which are not in the allocator.
 - persistent: policy weights (fp32 masters; LoRA: the base in the compute dtype plus fp32 adapters), AdamW's
   two fp32 moments and its step counters, the frozen models (a reference, later a teacher or a reward model:
-  `frozen`, in the compute dtype), PPO's critic and its AdamW, all sharded over the ranks under FSDP2 (a
-  frozen model keeps its root unit gathered after its first forward: there is no backward to reshard it), and
-  WORKSPACE. The trainer materialises AdamW's state before vLLM starts (materialize_adamw).
+  `frozen`, in the compute dtype: --beta's reference, the models a script declares in Args.frozen_models),
+  PPO's critic and its AdamW, all sharded over the ranks under FSDP2 (a frozen model's root reshards after
+  each pass: rlmini/dist.py::reshard_frozen), and WORKSPACE. A frozen model stays on the GPU from its load
+  to the run's end (no offload between its uses). The trainer materialises AdamW's state before vLLM starts
+  (materialize_adamw).
 - update: persistent + gradients + the activations of one micro-batch (--micro_batch_tokens) at the larger of
   its forward's end (the checkpoint inputs, autocast's cached compute-dtype weights, the entropy's three fp32
   [chunk, vocab] buffers) and its backward (the vocabulary chunk's five, the head's gradient; or one layer
@@ -218,9 +220,7 @@ def plan(c: dict, *, ranks: int = 1, compute_bytes: int = 2, tokens: int = 8192,
     tensors = c["lora_tensors"] if lora_rank else c["tensors"]
     tensors += critic * (tensors + 2 - (not c["tied"] and not lora_rank))  # its head's two, no LM head
     adam = 8 * trained / n + 512 * tensors  # + one step counter per tensor (a 512-byte CUDA block each)
-    # a frozen model under FSDP2 keeps its root gathered after its first forward (reshard_after_forward=False,
-    # rlmini/dist.py::shard_model, and no backward to reshard it)
-    ref = sum(cb * f["total"] / n + (cb * f["root"] if n > 1 else 0) for f in frozen)
+    ref = sum(cb * f["total"] / n for f in frozen)  # its root resharded after a pass (dist.reshard_frozen)
     fp32_stream = n == 1 and not lora_rank and cb < 4  # autocast over fp32 masters: the residual is fp32
     stream = 4 if fp32_stream else cb
     per_layer = layer_activation_bytes(c, cb)
@@ -438,10 +438,11 @@ def plan_for(args, algo: str, c: dict, *, ranks: int, dtype, max_len: int, gpu_b
              cuda: bool = True) -> tuple[dict, int]:
     """(plan(), tokens per micro-batch) for a run's options on `ranks` ranks: the trainer's (plan_run) and
     --plan_only's one model of a run. The engine each rank holds (vLLM's batch, the HF engine's rollout batch
-    and, with --eval_every and --eval_limit, its evaluation batch), the frozen reference of --beta, PPO's
-    critic, and the NCCL communicators: the trainer's process group (torchrun), vLLM's tensor-parallel group
-    (--vllm_tp > 1: its torch group and its own PyNccl communicator, made before vLLM's memory snapshot,
-    vllm/v1/worker/gpu_worker.py::init_device, so outside its share) and --server_push nccl's."""
+    and, with --eval_every and --eval_limit, its evaluation batch), the frozen reference of --beta and the
+    models of Args.frozen_models, PPO's critic, and the NCCL communicators: the trainer's process group
+    (torchrun), vLLM's tensor-parallel group (--vllm_tp > 1: its torch group and its own PyNccl communicator,
+    made before vLLM's memory snapshot, vllm/v1/worker/gpu_worker.py::init_device, so outside its share) and
+    --server_push nccl's."""
     tokens = args.micro_batch_tokens or args.micro_batch_size * max_len
     prompts = max(1, args.prompts_per_step // ranks)
     vllm = hf = None
@@ -457,6 +458,8 @@ def plan_for(args, algo: str, c: dict, *, ranks: int, dtype, max_len: int, gpu_b
     communicators = cuda * ((ranks > 1) + 2 * (args.engine == "vllm" and args.vllm_tp > 1) + nccl)
     p = plan(c, ranks=ranks, compute_bytes=dtype.itemsize, tokens=tokens,
              checkpointing=args.gradient_checkpointing, reference=getattr(args, "beta", 0.0) > 0,
+             frozen=[frozen_counts(args, f) for f in getattr(args, "frozen_models", ())
+                     if getattr(args, f, 1)],  # a path left empty: no model
              critic=algo == "ppo", lora_rank=args.lora_rank, vllm=vllm, hf=hf, gpu_bytes=gpu_bytes,
              share=args.vllm_gpu_memory_utilization, context=CONTEXT if cuda else 0.0,
              communicators=communicators, server=args.engine == "server",
@@ -472,6 +475,19 @@ def reward_model_bytes(args, ranks: int, dtype) -> float:
     from rlmini import reward_model
     return reward_model.reward_model_bytes(reward_model.check(args.reward_model), ranks, dtype.itemsize,
                                            args.reward_model_offload)
+
+
+def frozen_counts(args, field: str) -> dict:
+    """The counts of the frozen model a script names in `field` (Args.frozen_models: a folder, or a
+    config.json for --plan_only), or a one-line error naming the flag."""
+    if not hasattr(args, field):
+        raise SystemExit(f"{type(args).__name__}.frozen_models names {field!r}, not one of its fields")
+    path = getattr(args, field)
+    try:
+        return count(load_config(path), 0, args.lora_targets)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--{field} {path}: cannot read its config for the memory plan "
+                         f"({type(e).__name__})") from None
 
 
 def plan_run(args, algo: str, path: str, device, dtype, max_len: int, run_dir: str) -> dict:

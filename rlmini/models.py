@@ -382,14 +382,18 @@ def load_reference(args, task, device, dtype, policy=None):
 FROZEN = {"causal": "AutoModelForCausalLM", "sequence-classification": "AutoModelForSequenceClassification"}
 
 
-def load_frozen(path, device, dtype, kind: str = "causal", packing: bool = True):
+def load_frozen(path, device, dtype, kind: str = "causal", packing: bool = True, tokenizer=None,
+                policy: str = "the policy"):
     """A frozen model (the KL reference; a teacher; a reward model: kind "sequence-classification", one
     label): in the compute dtype (no fp32 master copy, no gradients, no optimizer state), in eval mode,
     sharded like the policy under torchrun (load_pretrained: loaded without a whole copy on any rank); a
-    causal LM's attention through packing.packed_attention (--packing)."""
+    causal LM's attention through packing.packed_attention (--packing). `tokenizer`: the policy's (model
+    `policy`), which a causal LM at `path` must share (check_frozen)."""
     import transformers
     if kind not in FROZEN:
         raise ValueError(f"load_frozen: kind {kind!r} is not one of {', '.join(FROZEN)}")
+    if tokenizer is not None:
+        check_frozen(path, tokenizer, policy)
 
     def prepare(model):
         exact_attention(model)
@@ -399,6 +403,32 @@ def load_frozen(path, device, dtype, kind: str = "causal", packing: bool = True)
     config = {"num_labels": 1} if kind == "sequence-classification" else {}
     cls = getattr(transformers, FROZEN[kind])
     return load_pretrained(cls, path, device, dtype, dtype, prepare, **config)[0]
+
+
+PROBE_TEXT = "Frozen models score the policy's tokens: 12 + 7 = 19.\n<|im_end|> \u00dcn\u00efcode,\ttabs  x"
+CAUSAL = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")  # transformers' causal LM class names
+
+
+def check_frozen(path: str, tokenizer, policy: str) -> None:
+    """`path` is a causal LM folder whose tokenizer is the policy's (`tokenizer`, of model `policy`): the same
+    vocabulary, the same ids of a probe text and the same special ids; else one line naming both models."""
+    from transformers import AutoConfig
+    hub_id = not os.path.exists(path) and not path.startswith((".", "/", "~")) and path.count("/") == 1
+    for what in () if hub_id else (path, os.path.join(path, "config.json")):  # hub ids: transformers
+        if not os.path.exists(what):
+            raise SystemExit(f"frozen model {path}: no such file or folder: {what} (the policy is {policy})")
+    arch = getattr(AutoConfig.from_pretrained(path), "architectures", None) or []
+    if not any(a.endswith(CAUSAL) for a in arch):
+        raise SystemExit(f"frozen model {path}: a {', '.join(arch) or 'model of no architecture'}, not a "
+                         f"causal LM: it gives no token log-probs (the policy is {policy})")
+    other = load_tokenizer(path)
+    specials = ("bos_token_id", "eos_token_id", "pad_token_id")
+    why = ("another vocabulary" if other.get_vocab() != tokenizer.get_vocab() else
+           "another encoding of a probe text" if other.encode(PROBE_TEXT) != tokenizer.encode(PROBE_TEXT) else
+           next((f"another {s} ({getattr(other, s)}, not {getattr(tokenizer, s)})" for s in specials
+                 if getattr(other, s) != getattr(tokenizer, s)), None))
+    if why:
+        raise SystemExit(f"frozen model {path}: its tokenizer is not the policy's ({policy}): {why}")
 
 
 class AdaptersOff(torch.nn.Module):

@@ -410,3 +410,38 @@ def test_the_top_share_threshold_over_ranks_is_the_one_rank_value(one_and_two_ra
         t2 = json.load(open(two / f"thresholds.rank{r}.json"))
         for share in (0.2, 0.37, 1.0, 1e-4):
             assert t2[f"{share}/split"] == t2[f"{share}/one rank"] == t1[f"{share}/split"], (r, share)
+
+
+RESHARD = """import sys, torch
+sys.path.insert(0, {root!r})
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+from rlmini import dist, models
+torch.set_num_threads(1)
+torch.distributed.init_process_group("gloo")
+frozen = models.load_frozen({path!r}, torch.device("cpu"), torch.float32, packing=False)
+policy = dist.shard_model(AutoModelForCausalLM.from_pretrained({path!r}), torch.float32)
+ids = torch.tensor([[1, 2, 3, 4]])
+sharded = lambda m: isinstance(m.model.embed_tokens.weight, DTensor)  # a root parameter
+with torch.no_grad():
+    before = [sharded(frozen)]
+    frozen(input_ids=ids), policy(input_ids=ids)
+    after_forward = [sharded(frozen), sharded(policy)]
+    dist.reshard_frozen(frozen), dist.reshard_frozen(policy)
+print("RESULT", before, after_forward, [sharded(frozen), sharded(policy)], flush=True)
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_a_frozen_models_root_reshards_after_a_pass_and_the_policys_stays(tmp_path, tiny_addition):
+    """FSDP2 on 2 gloo ranks: shard_model keeps the root gathered after a forward (for the backward); a frozen
+    model has none, so dist.reshard_frozen (called by batch_logprobs) reshards it; the policy's is left."""
+    script = tmp_path / "reshard.py"
+    script.write_text(RESHARD.format(root=ROOT, path=tiny_addition[2]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(script)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert results == ["RESULT [True] [False, False] [True, False]"] * 2, proc.stdout[-2000:]
