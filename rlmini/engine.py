@@ -19,13 +19,10 @@ import torch
 
 from rlmini import dist, memplan, memstats
 from rlmini.data import Rollouts, rng_state, set_rng_state
+from rlmini.faults import EngineStateError, PushError  # noqa: F401 (raised here, caught by user_errors)
 from rlmini.logprobs import token_logprobs
 from rlmini.models import autocast, is_lora
 from rlmini.packing import make_batch, unwrapped
-
-
-class EngineStateError(RuntimeError):
-    pass
 
 
 def _check_awake(engine) -> None:
@@ -33,10 +30,6 @@ def _check_awake(engine) -> None:
         raise EngineStateError("generate() after run.engine.sleep(): the engine sleeps from the end of the "
                                "rollout to run.engine.push() (CUDA vLLM discards its weights at sleep level "
                                "2); call common.generate before run.engine.sleep()")
-
-
-class PushError(RuntimeError):
-    pass
 
 
 def make_engine(args, path: str, model, tokenizer, device, dtype, max_len: int, share: float = 0.0):

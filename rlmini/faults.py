@@ -23,6 +23,14 @@ class ServerError(RuntimeError):
     """--engine server: the server is unreachable, answered an error, or is not the one the trainer needs."""
 
 
+class EngineStateError(RuntimeError):
+    """The engine was asked to generate while asleep (between run.engine.sleep() and its push)."""
+
+
+class PushError(RuntimeError):
+    """A weight push did not take effect: the engine does not reproduce the trainer on the probe."""
+
+
 class JudgeError(RuntimeError):
     """--judge_url: judgements failed beyond --judge_on_error's policy (rlmini/judge.py)."""
 
@@ -99,7 +107,6 @@ def user_errors():
     """A train_*.py entry point: bad data, non-finite values and a failed guard (rollouts not from the policy,
     a weight push that did not take effect) end in one line naming the problem and exit status 2, not a
     traceback (a traceback is for our bugs)."""
-    from rlmini.engine import EngineStateError, PushError
     try:
         yield
     except (rewards.DataError, NonFiniteError) as e:

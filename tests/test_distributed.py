@@ -131,7 +131,9 @@ def test_a_scripts_own_generate_calls_under_torchrun_give_the_one_rank_completio
     result, rewards shaped alike; a rank without prompts joins on a stand-in and returns none (no hang)."""
     one, two = one_and_two_ranks
     (name,) = GENERATE
-    a, b, c = (torch.load(d / f"{name}.generate.rank{r}.pt") for d, r in ((one, 0), (two, 0), (two, 1)))
+    # (common.logprobs of the trained weights, whose last bits differ between 1 and 2 ranks: its own test)
+    a, b, c = ({k: v for k, v in torch.load(d / f"{name}.generate.rank{r}.pt").items() if k != "logprobs"}
+               for d, r in ((one, 0), (two, 0), (two, 1)))
     assert a == b == c
     assert [len(a[k][0]) for k in (4, 3, 1)] == [8, 6, 2] and a["tensor"] == a[4][0]
     assert any(0 in m for m in a[4][3])  # tool output in the completions
@@ -249,7 +251,7 @@ def test_finish_saves_then_waits_for_every_rank(monkeypatch):
     from rlmini import checkpoint, dist
     events = []
     monkeypatch.setattr(checkpoint, "save", lambda run: events.append("checkpoint"))
-    monkeypatch.setattr(checkpoint, "save_final", lambda *a: events.append("final"))
+    monkeypatch.setattr(checkpoint, "save_final", lambda *a, **k: events.append("final"))
     monkeypatch.setattr(dist, "barrier", lambda: events.append("barrier"))
     log = types.SimpleNamespace(close=lambda: events.append("log"))
     common.finish(types.SimpleNamespace(model=None, tokenizer=None, run_dir="x", style="tiny", log=log,

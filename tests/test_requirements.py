@@ -3,6 +3,7 @@ the ranges of its requirement files, and the GPU set (requirements.txt) resolves
 and a transformers that satisfy both our pins and vLLM's own requirements."""
 import json
 import os
+import re
 import subprocess
 import sys
 from importlib import metadata
@@ -44,7 +45,8 @@ def test_the_gpu_requirements_resolve(tmp_path):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"requirements.txt does not resolve:\n{proc.stderr[-3000:]}"
     installs = json.load(open(report))["install"]
-    chosen = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in installs}
+    canonical = lambda name: re.sub(r"[-_.]+", "-", name).lower()  # noqa: E731 (PEP 503: reasoning_gym)
+    chosen = {canonical(i["metadata"]["name"]): i["metadata"]["version"] for i in installs}
     for req in declared("requirements.txt"):
-        version = chosen[req.name.lower()]
+        version = chosen[canonical(req.name)]
         assert req.specifier.contains(version, prereleases=True), (req, version)
