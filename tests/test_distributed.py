@@ -255,8 +255,8 @@ def test_finish_saves_then_waits_for_every_rank(monkeypatch):
     monkeypatch.setattr(dist, "barrier", lambda: events.append("barrier"))
     log = types.SimpleNamespace(close=lambda: events.append("log"))
     common.finish(types.SimpleNamespace(model=None, tokenizer=None, run_dir="x", style="tiny", log=log,
-                                        engine=None))
-    assert events == ["checkpoint", "final", "log", "barrier"]
+                                        engine=None, toolbox=None))
+    assert events == ["log", "checkpoint", "final", "barrier"]  # the progress bar ends before the save's line
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -414,7 +414,7 @@ def test_the_top_share_threshold_over_ranks_is_the_one_rank_value(one_and_two_ra
             assert t2[f"{share}/split"] == t2[f"{share}/one rank"] == t1[f"{share}/split"], (r, share)
 
 
-RESHARD = """import sys, torch
+RESHARD = """import os, sys, torch
 sys.path.insert(0, {root!r})
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
@@ -430,7 +430,8 @@ with torch.no_grad():
     frozen(input_ids=ids), policy(input_ids=ids)
     after_forward = [sharded(frozen), sharded(policy)]
     dist.reshard_frozen(frozen), dist.reshard_frozen(policy)
-print("RESULT", before, after_forward, [sharded(frozen), sharded(policy)], flush=True)
+line = "RESULT %s %s %s\\n" % (before, after_forward, [sharded(frozen), sharded(policy)])
+os.write(1, line.encode())  # one write: the ranks' lines do not interleave
 torch.distributed.destroy_process_group()
 """
 
