@@ -464,11 +464,11 @@ def plan_for(args, algo: str, c: dict, *, ranks: int, dtype, max_len: int, gpu_b
              share=args.vllm_gpu_memory_utilization, context=CONTEXT if cuda else 0.0,
              communicators=communicators, server=args.engine == "server",
              push_buffers=nccl_buffers(c, dtype.itemsize) if nccl else 0.0,
-             workspace=WORKSPACE if cuda else 0.0, reward_model=reward_model_bytes(args, ranks, dtype))
+             workspace=WORKSPACE if cuda else 0.0, reward_model=reward_model_share(args, ranks, dtype))
     return p, tokens
 
 
-def reward_model_bytes(args, ranks: int, dtype) -> float:
+def reward_model_share(args, ranks: int, dtype) -> float:
     """--reward_model's bytes per rank (rlmini/reward_model.py::reward_model_bytes), 0 without one."""
     if not getattr(args, "reward_model", ""):
         return 0.0
