@@ -48,8 +48,9 @@ class Args(data.TaskArgs, tools.ToolArgs, server.ServerArgs, memplan.PlanArgs, r
            JudgeArgs):
     """Options shared by every algorithm (and, from its base classes, those of the task, the tools, the server
     engine, --plan_only, the reward model and the judge). Each script subclasses this with its own."""
-    model: str = arg("tiny", "'tiny' (built-in random-init Qwen3), a hub id or a local path")
-    task: str = arg("addition", "addition | calibration | ordinal | mixed | gsm8k | math | jsonl:PATH | rg:")
+    model: str = arg("tiny", "tiny (random-init Qwen3) | smollm2 (SmolLM2-135M-Instruct) | hub id | path")
+    task: str = arg("addition", "addition | sums | calibration | ordinal | mixed | gsm8k | math | jsonl: | "
+                    "hf: | rg: (docs/tasks.md)")
     steps: int = arg(200, "training steps (one rollout batch each)", ge=1)
     prompts_per_step: int = arg(32, "prompts per rollout batch (all ranks together)", ge=1)
     group_size: int = arg(8, "completions sampled per prompt (G)", ge=1)
@@ -209,7 +210,7 @@ def setup(args, algo: str) -> Run:
     if args.engine == "server":  # a server down, or serving another model: one line before anything loads
         served = server.check_server(args.server_url, args, tokenizer, dtype, max_len, args.server_timeout)
     # what each rank will hold, before anything large is loaded: one line; a plan that cannot fit stops here
-    plan = memplan.plan_run(args, algo, path, device, dtype, max_len, run_dir)
+    plan = memplan.plan_run(args, algo, path, device, dtype, max_len, run_dir, (max_prompt, max_new))
     server.check_trainer_memory(args, device, plan)  # --engine server: `vllm serve` on these GPUs?
     model, tokenizer, path = models.load_model(args, task, device, dtype, tokenizer)  # torchrun: sharded
     reward_model.load(task, args, tokenizer, device, dtype)  # --reward_model, --judge_url: before vLLM sizes

@@ -162,6 +162,38 @@ def addition_task(style: str, seed: int, max_operand: int = 9, n_test: int | Non
                 alphabet=DIGITS + ["+", "="], max_new_tokens=4 if style == "tiny" else 256)
 
 
+LAST_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?!\d)|-?\d+(?:\.\d+)?")  # 1,234 and 12.5 are one number
+
+
+def last_number(text: str) -> str | None:
+    """The last number written in `text` ("17 + 25 = 42." -> "42"; "1,234" -> "1234"), or None."""
+    found = LAST_NUMBER.findall(text)
+    return found[-1].replace(",", "") if found else None
+
+
+def sums_task(style: str, seed: int, max_operand: int = 49, n_test: int = 500) -> Task:
+    """a + b with a, b in [0, max_operand], asked as a pretrained chat model answers it: the answer is the
+    last number of the reply ("12 + 13 = 25."), which must end (EOS). The task for --model smollm2, which
+    never writes \\boxed{} (addition's chat format) but writes its sums as equations: greedy, it starts at
+    about 0.2 held-out pass@1 on 0..49 (docs/results.md). `n_test` pairs are held out (at most a fifth)."""
+    pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    n_test = min(n_test, len(pairs) // 5)
+    random.Random(seed).shuffle(pairs)
+    examples = [{"prompt": f"{a}+{b}=" if style == "tiny" else
+                 f"What is {a} + {b}? Answer with the number only.", "answer": a + b} for a, b in pairs]
+    train, test = _split(examples, n_test)
+
+    def score(completion: str, example: dict, finished: bool) -> Score:
+        pred = last_number(completion)
+        if not finished or pred is None:
+            return Score(0.0, 0.0, 0.0)
+        ok = float(float(pred) == example["answer"])
+        return Score(ok, ok, 1.0, pred=pred)
+
+    return Task("sums", "binary", train, test, score, pass_threshold=1.0, alphabet=DIGITS + ["+", "="],
+                max_new_tokens=4 if style == "tiny" else 32)
+
+
 def mixed_task(style: str, seed: int, hard_frac: float = 0.5, size: int = 1000) -> Task:
     """Single-digit sums with a controlled share of hard prompts (for HA-DW, arXiv 2601.08521): easy = one
     operand is 0 (the answer is a copy of the other digit), hard = both operands >= 1 (a real sum),
@@ -530,6 +562,10 @@ def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False
         if local and not (local.isdigit() and int(local) >= 1):
             raise DataError(f"--task {spec!r}: addition takes the largest operand >= 1, e.g. addition:19")
         return addition_task(style, seed, int(local) if local else 9)
+    if name == "sums":  # sums[:MAX_OPERAND]
+        if local and not (local.isdigit() and int(local) >= 2):
+            raise DataError(f"--task {spec!r}: sums takes the largest operand >= 2, e.g. sums:49")
+        return sums_task(style, seed, int(local) if local else 49)
     if name == "calibration":
         return calibration_task(style, seed, brier=brier)
     if name == "ordinal":
@@ -579,7 +615,7 @@ def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False
             rows, test = rows[:-n_test] or rows, rows[-n_test:]
         return Task(name, "binary", rows, test, JSONL_REWARDS[jsonl_reward], pass_threshold=1.0,
                     alphabet=list(string.printable), max_new_tokens=512)
-    raise DataError(f"--task {spec!r}: unknown task; choose addition[:N], calibration, ordinal, "
+    raise DataError(f"--task {spec!r}: unknown task; choose addition[:N], sums[:N], calibration, ordinal, "
                     f"mixed[:HARD_FRAC], modmul, gsm8k, math, jsonl:PATH, hf:DATASET or rg:NAME[,NAME...]")
 
 

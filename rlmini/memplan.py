@@ -48,6 +48,8 @@ class PlanArgs:
     gpus_per_node: int = arg(8, "--plan_only: GPUs per node (host memory is per node)", ge=1)
     gpu_memory_gb: float = arg(79.2, "--plan_only: GiB per GPU as torch shows it (80 GB H100: 79.2)", gt=0)
     plan_prompt_tokens: int = arg(512, "--plan_only: the longest prompt, in tokens (no data is read)", ge=1)
+    cpu_memory_gb: float = arg(0.0, "CPU runs: GiB of host memory the plan must fit (0: what the machine has "
+                               "available, MemAvailable or the cgroup's limit)", ge=0)
 
 
 GiB = 2**30
@@ -435,16 +437,23 @@ def engine_batch(args, ranks: int) -> int:
 
 
 def plan_for(args, algo: str, c: dict, *, ranks: int, dtype, max_len: int, gpu_bytes: float,
-             cuda: bool = True) -> tuple[dict, int]:
+             cuda: bool = True, lengths: tuple | None = None) -> tuple[dict, int]:
     """(plan(), tokens per micro-batch) for a run's options on `ranks` ranks: the trainer's (plan_run) and
     --plan_only's one model of a run. The engine each rank holds (vLLM's batch, the HF engine's rollout batch
     and, with --eval_every and --eval_limit, its evaluation batch), the frozen reference of --beta and the
     models of Args.frozen_models, PPO's critic, and the NCCL communicators: the trainer's process group
     (torchrun), vLLM's tensor-parallel group (--vllm_tp > 1: its torch group and its own PyNccl communicator,
     made before vLLM's memory snapshot, vllm/v1/worker/gpu_worker.py::init_device, so outside its share) and
-    --server_push nccl's."""
-    tokens = args.micro_batch_tokens or args.micro_batch_size * max_len
+    --server_push nccl's. `lengths`: (the longest prompt, the completion budget) in tokens, when the task's
+    prompts are known (plan_run)."""
     prompts = max(1, args.prompts_per_step // ranks)
+    # a micro-batch holds at most a rank's whole step: never plan more tokens than its sequences can have
+    step = prompts * args.group_size * max_len
+    if lengths and not (getattr(args, "tools", "") or getattr(args, "env", "")):  # multi-turn: max_len bounds
+        prompt, new = lengths
+        G = args.group_size
+        step = prompts * (prompt + G * new if args.packing else G * (prompt + new))
+    tokens = min(args.micro_batch_tokens or args.micro_batch_size * max_len, step)
     vllm = hf = None
     if args.engine == "vllm" and cuda:
         vllm = dict(max_num_seqs=engine_batch(args, ranks), max_len=max_len, tp=args.vllm_tp,
@@ -490,7 +499,8 @@ def frozen_counts(args, field: str) -> dict:
                          f"({type(e).__name__})") from None
 
 
-def plan_run(args, algo: str, path: str, device, dtype, max_len: int, run_dir: str) -> dict:
+def plan_run(args, algo: str, path: str, device, dtype, max_len: int, run_dir: str,
+             lengths: tuple | None = None) -> dict:
     """The trainer's plan (common.setup, before the model loads): this run's options on this rank's device.
     Prints it as one line (rank 0) and writes memory_plan.json; on CUDA a plan that does not fit stops the run
     in one line with the numbers and the flags that would make it fit. vLLM's share is the plan's `share`."""
@@ -499,14 +509,54 @@ def plan_run(args, algo: str, path: str, device, dtype, max_len: int, run_dir: s
     ranks = dist.world_size() if dist.distributed() else 1
     cuda = device.type == "cuda"
     gpu = torch.cuda.mem_get_info(device)[1] if cuda else 80 * GiB
-    p, tokens = plan_for(args, algo, c, ranks=ranks, dtype=dtype, max_len=max_len, gpu_bytes=gpu, cuda=cuda)
+    p, tokens = plan_for(args, algo, c, ranks=ranks, dtype=dtype, max_len=max_len, gpu_bytes=gpu, cuda=cuda,
+                         lengths=lengths)
     if dist.rank() == 0:
         print(describe(p, tokens, args.gradient_checkpointing, "" if cuda else "CPU, GiB; no GPU to fit"),
               flush=True)
         write(p, run_dir, device.type)
     if cuda and p["why"] is not None:
         raise SystemExit(f"memory plan: {p['why']}")
+    if not cuda:  # rank 0's reading for every rank (one verdict); the ranks of a node share its memory
+        here = host_available() if dist.rank() == 0 else None
+        available = args.cpu_memory_gb * GiB or dist.from_rank0(here)
+        check_host(p, tokens, available, bool(args.cpu_memory_gb), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     return p
+
+
+def host_available() -> float:
+    """Bytes this process may still take on the host: MemAvailable, or less under a cgroup's memory limit."""
+    out = float("inf")
+    try:
+        with open("/proc/meminfo") as f:
+            out = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        pass
+    for limit, used in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2, v1
+                        ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                         "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit) as a, open(used) as b:
+                out = min(out, int(a.read()) - int(b.read()))
+        except (OSError, ValueError):  # "max": no limit
+            continue
+    return out
+
+
+def check_host(p: dict, tokens: int, available: float, given: bool, local: int = 1) -> None:
+    """A CPU run whose largest phase, on each of the `local` ranks sharing this host, would not fit the host's
+    memory stops before loading, in one line naming the micro-batch that would fit."""
+    need = max(p["update"], p["rollout"], p["push"])
+    if local * need <= available:
+        return
+    act = p["activations"] / max(tokens, 1)
+    fit = int(max(0.0, available / local - (need - p["activations"])) / act) if act else 0
+    source = "given by --cpu_memory_gb" if given else "available here (MemAvailable or the cgroup's limit)"
+    hint = f"--micro_batch_tokens {fit}" if fit >= 64 else "a smaller model or --lora_rank"
+    ranks = f" on each of {local} ranks" if local > 1 else ""
+    raise SystemExit(f"memory plan: the update needs {need / GiB:.1f} GiB of host memory{ranks} ({tokens} "
+                     f"tokens a micro-batch), more than the {available / GiB:.1f} GiB {source}: try {hint}, "
+                     f"or --cpu_memory_gb to plan for more")
 
 
 def plan_only(args, algo: str) -> None:
@@ -545,7 +595,7 @@ def plan_only(args, algo: str) -> None:
 
 
 def _read_counts(args) -> dict:
-    """The counts of --model's config (a folder, a config.json, or the built-in tiny model), or a one-line
+    """The counts of --model's config (a folder, a config.json, or a built-in model), or a one-line
     error naming the file."""
     from transformers import AutoConfig
     if args.model == "tiny":  # built on first use from the task's alphabet (rlmini/models.py::model_path)
@@ -553,6 +603,9 @@ def _read_counts(args) -> dict:
 
         from rlmini import models
         path = os.path.join(models.build_tiny_model(load_task(args.task).alphabet), "config.json")
+    elif args.model == "smollm2":  # its config ships with the code: no download to plan (rlmini/smollm2.py)
+        from rlmini import smollm2
+        path = smollm2.CONFIG
     else:
         path = args.model if args.model.endswith(".json") else os.path.join(args.model, "config.json")
     try:

@@ -11,7 +11,7 @@ import tempfile
 
 import torch
 
-from rlmini import dist
+from rlmini import dist, smollm2
 from rlmini.logprobs import check_output_head
 from rlmini.packing import enable_packing, exact_attention, use_kernel
 
@@ -73,12 +73,23 @@ def prompt_style(model: str) -> str:
     return "chat"
 
 
+BUILTIN = ("tiny", smollm2.NAME)  # model names the project builds itself (docs/models.md)
+
+
 def model_path(model: str, task) -> str:
     """The folder the policy is read from: --model, or the built-in tiny model for the task's alphabet, built
     on first use (call it before torch.distributed starts: under torchrun transformers saves a model on rank 0
-    only, so the other ranks could not build it)."""
+    only, so the other ranks could not build it), or the built-in SmolLM2 (builtin_path)."""
     if model == "tiny":
         return build_tiny_model(task.alphabet)
+    return builtin_path(model)
+
+
+def builtin_path(model: str) -> str:
+    """`model` as a folder: 'smollm2' is the built-in SmolLM2-135M-Instruct (rlmini/smollm2.py: built once
+    under the cache, one builder at a time), a local folder is checked, a hub id passes to transformers."""
+    if model == smollm2.NAME:
+        return smollm2.folder(CACHE_DIR)
     check_model_folder(model)
     return model
 
@@ -141,6 +152,7 @@ def load_pretrained(cls, path, device, dtype, compute_dtype, prepare, new=None, 
 
     Under torchrun with safetensors weights no rank holds the whole model (load_streamed); in one process,
     or from .bin weights, transformers' from_pretrained on the CPU, then moved whole to `device`."""
+    path = smollm2.folder(CACHE_DIR) if path == smollm2.NAME else path  # a critic or frozen model: built in
     if dist.many_ranks() and dist.from_rank0(weight_index(path) is not None if dist.rank() == 0 else None):
         return load_streamed(cls, path, device, dtype, compute_dtype, prepare, new, check_head, **config)
     if dist.many_ranks() and dist.rank() == 0:
@@ -392,6 +404,7 @@ def load_frozen(path, device, dtype, kind: str = "causal", packing: bool = True,
     import transformers
     if kind not in FROZEN:
         raise ValueError(f"load_frozen: kind {kind!r} is not one of {', '.join(FROZEN)}")
+    path = builtin_path(path)
     if tokenizer is not None:
         check_frozen(path, tokenizer, policy)
 

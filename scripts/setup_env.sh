@@ -43,4 +43,8 @@ if [ ! -f "$venv/.complete" ]; then
     touch "$venv/.complete"
   fi
 fi
+if [ "${CI:-}" = true ]; then
+  # CI: the built-in SmolLM2 folder once (rlmini/smollm2.py; reused afterwards), for its tests
+  "$venv/bin/python" -m rlmini.smollm2 >/dev/null || echo "setup: --model smollm2 could not be built" >&2
+fi
 echo "$venv"

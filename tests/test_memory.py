@@ -341,3 +341,33 @@ def test_the_plan_fits_with_checkpointing_and_gives_vllm_the_rest(tmp_path, monk
     assert line.startswith("memory plan per rank (GiB of 79.20): update") and line.endswith("; fits")
     assert p["why"] is None and 0.3 < p["share"] < 0.9
     assert p["rollout"] <= 79.2 * GiB - p["margin"] and p["update"] <= 79.2 * GiB - p["margin"]
+
+
+def test_a_cpu_plan_counts_a_steps_tokens_and_the_hosts_memory(monkeypatch):
+    """A micro-batch never holds more than a rank's step: packed, each group's prompt once and G completions
+    (SmolLM2 on sums: 8 x (46 + 8 x 32) tokens, not 16,384); a CPU plan above the host's memory stops in
+    one line naming the tokens that would fit, and --cpu_memory_gb overrides what the machine says."""
+    import common
+    import train_grpo
+    from rlmini import smollm2
+    c = memplan.count(memplan.load_config(smollm2.CONFIG))
+    args = common.parse_args(train_grpo.Args, ["--prompts_per_step", "8", "--group_size", "8",
+                                               "--micro_batch_tokens", "16384", "--wandb", "false"])
+    kw = dict(ranks=1, dtype=torch.float32, max_len=132, gpu_bytes=80 * GiB, cuda=False)
+    p, tokens = memplan.plan_for(args, "grpo", c, lengths=(46, 32), **kw)
+    assert tokens == 8 * (46 + 8 * 32)
+    assert memplan.plan_for(args, "grpo", c, **kw)[1] == 8 * 8 * 132  # no lengths: max_len bounds a sequence
+    args.packing = False
+    assert memplan.plan_for(args, "grpo", c, lengths=(46, 32), **kw)[1] == 8 * 8 * (46 + 32)
+    assert memplan.host_available() > 0
+    memplan.check_host(p, tokens, p["update"] + 1, given=False)  # fits: nothing happens
+    line = (r"^memory plan: the update needs .* GiB of host memory \(2416 tokens a micro-batch\), more than "
+            r"the 4.0 GiB given by --cpu_memory_gb: try --micro_batch_tokens \d+, or --cpu_memory_gb to plan "
+            r"for more$")
+    with pytest.raises(SystemExit, match=line) as e:
+        memplan.check_host(p, tokens, 4 * GiB, given=True)
+    fit = int(str(e.value).split("--micro_batch_tokens ")[1].split(",")[0])
+    rest, act = p["update"] - p["activations"], p["activations"] / tokens
+    assert rest + fit * act <= 4 * GiB < rest + (fit + 1) * act
+    with pytest.raises(SystemExit, match=r"GiB of host memory on each of 2 ranks \(2416 tokens"):
+        memplan.check_host(p, tokens, 1.5 * p["update"], given=False, local=2)  # torchrun: ranks share a node

@@ -166,3 +166,26 @@ def test_an_unreachable_hub_dataset_is_one_line_naming_it_and_the_local_way(monk
         message = str(e.value)
         assert "\n" not in message and dataset in message and f"--task {task}:PATH" in message
         assert "ConnectionError" in message
+
+
+def test_sums_reads_the_last_number_of_the_reply_and_needs_eos():
+    """sums (the real model's task): the answer is the last number the reply writes, as a chat model writes
+    sums ("12 + 13 = 25."), thousands separators and decimals read whole; truncated or numberless is a format
+    failure; 0..49 holds out 500 pairs, disjoint from training, the same split for every style."""
+    task = rewards.load_task("sums", style="chat")
+    ex = {"prompt": "What is 12 + 13? Answer with the number only.", "answer": 25}
+    assert task.score("12 + 13 = 25.", ex, True) == rewards.Score(1.0, 1.0, 1.0, pred="25")
+    assert task.score("The sum is 25.0", ex, True).correct == 1.0
+    assert task.score("12 + 13 = 24, not 25? No: 24", ex, True) == rewards.Score(0.0, 0.0, 1.0, pred="24")
+    assert task.score("12 + 13 = 25", ex, False) == rewards.Score(0.0, 0.0, 0.0)  # cut off: no EOS
+    assert task.score("twenty-five", ex, True).format_ok == 0.0
+    assert rewards.last_number("a total of 1,234 apples, or -3.5") == "-3.5"
+    assert rewards.last_number("1,234") == "1234" and rewards.last_number("12,13") == "13"
+    assert len(task.train) == 2000 and len(task.test) == 500 and task.max_new_tokens == 32
+    assert not {e["prompt"] for e in task.train} & {e["prompt"] for e in task.test}
+    assert task.test[0]["prompt"].startswith("What is ") and task.test[0]["answer"] == sum(
+        int(x) for x in task.test[0]["prompt"][8:].split("?")[0].split(" + "))
+    small = rewards.load_task("sums:9", style="tiny")  # at most a fifth held out
+    assert len(small.test) == 20 and small.test[0]["prompt"].endswith("=")
+    with pytest.raises(rewards.DataError, match="sums takes the largest operand >= 2, e.g. sums:49"):
+        rewards.load_task("sums:1")
