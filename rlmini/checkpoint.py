@@ -325,9 +325,13 @@ def save_final(model, tokenizer, path: str, style: str = "chat", since: float | 
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.rank() != 0:
         return
+    base = model.get_base_model() if adapters is not None else model
+    tied = getattr(base, "all_tied_weights_keys", None) or {}
+    for name in tied if state is not None else ():  # gathered, a tied head shares no storage with its source:
+        state.pop(name, None)  # save_pretrained would write it as a second copy
     tmp = f"{path}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    (model.get_base_model() if adapters is not None else model).save_pretrained(tmp, state_dict=state)
+    base.save_pretrained(tmp, state_dict=state)
     if adapters is not None:
         save_adapter(model, adapters, os.path.join(tmp, "adapter"))
     tokenizer.save_pretrained(tmp)

@@ -177,6 +177,7 @@ def convert(gguf: str, out: str) -> None:
     config.save_pretrained(out)
     save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     os.chmod(os.path.join(out, "model.safetensors"), 0o644)
+    tokenizer.init_kwargs.pop("local_files_only", None)  # the builder's HF_HUB_OFFLINE, not the model's
     tokenizer.save_pretrained(out)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     generation = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=eos)
