@@ -404,7 +404,7 @@ def load_frozen(path, device, dtype, kind: str = "causal", packing: bool = True,
     import transformers
     if kind not in FROZEN:
         raise ValueError(f"load_frozen: kind {kind!r} is not one of {', '.join(FROZEN)}")
-    path = builtin_path(path)
+    path = smollm2.folder(CACHE_DIR) if path == smollm2.NAME else path  # the built-in name, else as given
     if tokenizer is not None:
         check_frozen(path, tokenizer, policy)
 

@@ -184,6 +184,5 @@ def convert(gguf: str, out: str) -> None:
     generation.save_pretrained(out)
 
 
-if __name__ == "__main__":
-    from rlmini.models import CACHE_DIR
-    print(folder(CACHE_DIR))
+if __name__ == "__main__":  # the cache as rlmini/models.py sets it (not imported: models imports this module)
+    print(folder(os.environ.get("RLMINI_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rlmini"))))
