@@ -598,13 +598,14 @@ def _read_counts(args) -> dict:
     """The counts of --model's config (a folder, a config.json, or a built-in model), or a one-line
     error naming the file."""
     from transformers import AutoConfig
+
+    from rlmini import smollm2
     if args.model == "tiny":  # built on first use from the task's alphabet (rlmini/models.py::model_path)
         from rewards import load_task
 
         from rlmini import models
         path = os.path.join(models.build_tiny_model(load_task(args.task).alphabet), "config.json")
-    elif args.model == "smollm2":  # its config ships with the code: no download to plan (rlmini/smollm2.py)
-        from rlmini import smollm2
+    elif args.model == smollm2.NAME:  # its config ships with the code: no download to plan
         path = smollm2.CONFIG
     else:
         path = args.model if args.model.endswith(".json") else os.path.join(args.model, "config.json")

@@ -73,9 +73,6 @@ def prompt_style(model: str) -> str:
     return "chat"
 
 
-BUILTIN = ("tiny", smollm2.NAME)  # model names the project builds itself (docs/models.md)
-
-
 def model_path(model: str, task) -> str:
     """The folder the policy is read from: --model, or the built-in tiny model for the task's alphabet, built
     on first use (call it before torch.distributed starts: under torchrun transformers saves a model on rank 0
@@ -86,12 +83,18 @@ def model_path(model: str, task) -> str:
 
 
 def builtin_path(model: str) -> str:
-    """`model` as a folder: 'smollm2' is the built-in SmolLM2-135M-Instruct (rlmini/smollm2.py: built once
-    under the cache, one builder at a time), a local folder is checked, a hub id passes to transformers."""
+    """`model` as a folder: 'smollm2' is the built-in SmolLM2-135M-Instruct (builtin), a local folder is
+    checked, a hub id passes to transformers."""
     if model == smollm2.NAME:
-        return smollm2.folder(CACHE_DIR)
+        return builtin(model)
     check_model_folder(model)
     return model
+
+
+def builtin(path: str) -> str:
+    """'smollm2' as its folder (rlmini/smollm2.py: built once under the cache, one builder at a time); any
+    other path or hub id as given."""
+    return smollm2.folder(CACHE_DIR) if path == smollm2.NAME else path
 
 
 def check_model_folder(model: str) -> None:
@@ -152,7 +155,7 @@ def load_pretrained(cls, path, device, dtype, compute_dtype, prepare, new=None, 
 
     Under torchrun with safetensors weights no rank holds the whole model (load_streamed); in one process,
     or from .bin weights, transformers' from_pretrained on the CPU, then moved whole to `device`."""
-    path = smollm2.folder(CACHE_DIR) if path == smollm2.NAME else path  # a critic or frozen model: built in
+    path = builtin(path)  # a critic or a frozen model may be the built-in one
     if dist.many_ranks() and dist.from_rank0(weight_index(path) is not None if dist.rank() == 0 else None):
         return load_streamed(cls, path, device, dtype, compute_dtype, prepare, new, check_head, **config)
     if dist.many_ranks() and dist.rank() == 0:
@@ -404,7 +407,7 @@ def load_frozen(path, device, dtype, kind: str = "causal", packing: bool = True,
     import transformers
     if kind not in FROZEN:
         raise ValueError(f"load_frozen: kind {kind!r} is not one of {', '.join(FROZEN)}")
-    path = smollm2.folder(CACHE_DIR) if path == smollm2.NAME else path  # the built-in name, else as given
+    path = builtin(path)
     if tokenizer is not None:
         check_frozen(path, tokenizer, policy)
 
