@@ -101,7 +101,8 @@ class Args(data.TaskArgs, tools.ToolArgs, server.ServerArgs, memplan.PlanArgs, r
     eval_every: int = arg(0, "evaluate on the held-out split every N steps and at the end (0 = off)", ge=0)
     eval_n: int = arg(4, "samples per held-out prompt in evaluation", ge=1)
     eval_limit: int = arg(0, "held-out prompts used in evaluation (0 = all)", ge=0)
-    save_every: int = arg(50, "checkpoint every N steps (and at the end; 0 = only at the end)", ge=0)
+    save_every: int = arg(50, "checkpoint every N steps and at the end (0: only at the end; -1: never, no final/)",
+                          ge=-1)
     resume: bool = arg(False, "continue from out_dir/run_name/checkpoint.pt")
     format_weight: float = arg(0.0, "add this times the format score to the reward")
     reward: str = arg("", "your reward functions, module:function[,...] ('task' = the task's verifier)")
@@ -267,8 +268,12 @@ def finish(run) -> None:
     barrier: no rank exits before every rank has saved (the process group ends at exit: dist.setup_device)."""
     run.log.close()  # the progress bar ends before the save's line
     start = time.perf_counter()
-    ckpt.save(run)
-    ckpt.save_final(run.model, run.tokenizer, os.path.join(run.run_dir, "final"), run.style, since=start)
+    if run.args.save_every >= 0:  # -1: a benchmark writes no checkpoint and no final/ (scripts/gpu_check.py)
+        ckpt.save(run)
+        ckpt.save_final(run.model, run.tokenizer, os.path.join(run.run_dir, "final"), run.style, since=start)
+    elif rank() == 0:
+        print(f"nothing saved (--save_every -1); metrics in {os.path.join(run.run_dir, 'metrics.jsonl')}",
+              flush=True)
     for part in (run.engine, run.toolbox):  # the server engine's request threads, --env's instances
         getattr(part, "close", lambda: None)()
     dist.barrier()

@@ -201,7 +201,7 @@ def main(argv=None):
         if args.eval_every and (run.step % args.eval_every == 0 or run.step == args.steps):
             metrics.update(evaluate(run))  # held-out pass@k (and calibration) with the weights just pushed
         run.log.log(run.step, metrics)
-        if args.save_every and run.step % args.save_every == 0:
+        if args.save_every > 0 and run.step % args.save_every == 0:
             common.checkpoint(run)
 
     common.finish(run)

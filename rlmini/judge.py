@@ -23,12 +23,13 @@ import string
 import sys
 import time
 from dataclasses import dataclass
-from typing import Literal
-
-import httpx
+from typing import TYPE_CHECKING, Literal
 
 from rlmini.faults import JudgeError
 from rlmini.options import arg
+
+if TYPE_CHECKING:
+    import httpx
 
 PROBE_S = 30.0     # the start-up probe's deadline
 BACKOFF_S = 0.5    # the first retry's wait; doubled per retry, times a jitter in [0.5, 1.5], capped at:
@@ -128,18 +129,30 @@ def _run(coro):
         return pool.submit(asyncio.run, coro).result()
 
 
+def _httpx():
+    """httpx, imported where a judge calls out: a trainer without --judge_url starts on a machine without it
+    (huggingface_hub 2.x depends on httpx2, not httpx)."""
+    try:
+        import httpx
+    except ImportError:
+        raise SystemExit("--judge_url: the judge's HTTP client is not installed: pip install 'httpx>=0.27,<1' "
+                         "(requirements-common.txt)") from None
+    return httpx
+
+
 def _headers(key: str) -> dict:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-async def _probe(url: str, headers: dict) -> httpx.Response:
-    async with httpx.AsyncClient(headers=headers, timeout=PROBE_S) as client:
+async def _probe(url: str, headers: dict) -> "httpx.Response":
+    async with _httpx().AsyncClient(headers=headers, timeout=PROBE_S) as client:
         return await asyncio.wait_for(client.get(f"{url}/models"), PROBE_S)
 
 
 def probe(url: str, model: str, key: str, key_env: str) -> str:
     """The judge's model name, once the server at `url` answers GET /models within PROBE_S seconds and serves
     it ('' = the one model it serves); else SystemExit in one line."""
+    httpx = _httpx()
     try:
         r = _run(_probe(url, _headers(key)))
     except (httpx.HTTPError, asyncio.TimeoutError, OSError) as e:
@@ -234,6 +247,7 @@ class Judge:
             return out
         gate = asyncio.Semaphore(a.judge_concurrency)
         path = "/chat/completions" if a.judge_api == "chat" else "/completions"
+        httpx = _httpx()
         limits = httpx.Limits(max_connections=a.judge_concurrency)
         async with httpx.AsyncClient(base_url=a.judge_url, headers=_headers(self.key),
                                      timeout=a.judge_timeout, limits=limits) as client:
@@ -266,7 +280,7 @@ class Judge:
                     self.cache.popitem(last=False)
         return out
 
-    async def _request(self, client: httpx.AsyncClient, path: str, key: tuple) -> str:
+    async def _request(self, client: "httpx.AsyncClient", path: str, key: tuple) -> str:
         """The judge's answer text; retries timeouts, connection errors, 429 and 5xx with exponential backoff
         and jitter; _Failed after the last try or at once on another HTTP error or a malformed answer."""
         model, api, text, max_tokens, temperature = key
@@ -283,7 +297,7 @@ class Judge:
                     raise _Failed(why)
             except asyncio.TimeoutError:
                 why = f"no answer within --judge_timeout {self.a.judge_timeout:g} s"
-            except httpx.TransportError as e:
+            except _httpx().TransportError as e:
                 why = f"{type(e).__name__}{': ' + str(e) if str(e) else ''}"
             if attempt + 1 < tries:
                 self.counts["judge/retries"] += 1
@@ -292,7 +306,7 @@ class Judge:
         raise _Failed(f"{why} ({tries} tries)")
 
 
-def _answer_text(r: httpx.Response, api: str) -> str:
+def _answer_text(r: "httpx.Response", api: str) -> str:
     try:
         choice = r.json()["choices"][0]
         text = choice["message"]["content"] if api == "chat" else choice["text"]

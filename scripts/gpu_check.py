@@ -110,10 +110,42 @@ def build_model(config: str, layers: int, path: str) -> None:
     os.replace(tmp, path)
 
 
-def model_folder(rung: Rung, timeout: int) -> tuple:
-    """The rung's model folder under SCRATCH, built on first use in its own process: (path, seconds)."""
-    tag = os.path.basename(rung.config).removesuffix(".json") + (f"-{rung.layers}l" if rung.layers else "")
-    path = os.path.join(SCRATCH, "rlmini-gpu-check", tag)
+def tag(rung: Rung) -> str:
+    return os.path.basename(rung.config).removesuffix(".json") + (f"-{rung.layers}l" if rung.layers else "")
+
+
+def scratch(rungs: list, gpus: int) -> str:
+    """Where the rungs' models are built: /dev/shm (no disk writes) if it has room for the ones not built yet
+    (their parameters in bf16 on a GPU, fp32 on CPU, plus 10%), else the first of the temporary folder and
+    runs/ that has; one line says so. The runs write no checkpoint (--save_every -1)."""
+    from rlmini import memplan
+    def need(root):  # the bytes of the models not built there yet
+        total = 0
+        for r in rungs:
+            if r.config and not os.path.exists(os.path.join(root, "rlmini-gpu-check", tag(r), "config.json")):
+                cfg = {**json.load(open(os.path.join(CONFIGS, r.config))),
+                       **({"num_hidden_layers": r.layers} if r.layers else {})}
+                total += memplan.count(memplan.load_config(cfg))["total"] * (2 if gpus else 4)
+        return 1.1 * total
+    places = list(dict.fromkeys([SCRATCH, tempfile.gettempdir(), os.path.join(ROOT, "runs")]))
+    free = {}
+    for root in places:
+        os.makedirs(root, exist_ok=True)
+        free[root] = shutil.disk_usage(root).free
+        if free[root] >= need(root):
+            if root != SCRATCH:
+                print(f"gpu-check: {SCRATCH} has {free[SCRATCH] / 1e9:.1f} GB free, the models need "
+                      f"{need(SCRATCH) / 1e9:.1f} GB: building them in {root}", file=sys.stderr, flush=True)
+            return root
+    raise SystemExit(f"gpu-check: the rungs' models need {need(SCRATCH) / 1e9:.1f} GB and no folder has it ("
+                     + ", ".join(f"{k} {v / 1e9:.1f} GB free" for k, v in free.items())
+                     + "); --rungs tiny needs none")
+
+
+def model_folder(rung: Rung, timeout: int, root: str) -> tuple:
+    """The rung's model folder under `root` (scratch()), built on first use in its own process: (path,
+    seconds)."""
+    path = os.path.join(root, "rlmini-gpu-check", tag(rung))
     start = time.perf_counter()
     if not os.path.exists(os.path.join(path, "config.json")):
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -121,7 +153,7 @@ def model_folder(rung: Rung, timeout: int) -> tuple:
                str(rung.layers), "--into", path]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         if proc.returncode:
-            raise SystemExit(f"gpu-check: building {tag} from {rung.config} failed: "
+            raise SystemExit(f"gpu-check: building {tag(rung)} from {rung.config} failed: "
                              f"{last_line(proc.stdout + proc.stderr)}")
     return path, time.perf_counter() - start
 
@@ -311,7 +343,7 @@ def run_one(label: str, script: str, flags: list, a, extra: list, gpus: int, ste
     # the path being certified: bf16 on CUDA, vLLM asleep in the update, the push checked every step
     argv = [*flags, *SCRIPT_FLAGS.get(script, []), "--engine", engine, *extra, "--steps", str(steps),
             "--dtype", "bfloat16" if gpus else "float32", "--vllm_sleep", "true", "--push_check_every", "1",
-            "--save_every", "0", "--eval_every", "0", "--overwrite", "true", "--print_every", "1"]
+            "--save_every", "-1", "--eval_every", "0", "--overwrite", "true", "--print_every", "1"]
     env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
     with tempfile.TemporaryDirectory(prefix="gpu-check-", dir=SCRATCH) as out:  # checkpoints in memory
         start = time.perf_counter()
@@ -345,6 +377,27 @@ def run_one(label: str, script: str, flags: list, a, extra: list, gpus: int, ste
         s = summarise(run_dir, rows, alone, world, prompts(run_dir))
         s["wall"], s["startup"] = wall, startup_seconds(output)
         return s, failures(s, rows) + ([f"vLLM alone {problem} (log: {log})"] if problem else [])
+
+
+def pinned() -> None:
+    """One line for each of torch, transformers and peft whose version lies outside the pins of
+    requirements*.txt (a lent GPU brings its own torch): gpu-check goes on with what is at hand."""
+    import importlib.metadata
+    found = {}
+    for name in ("requirements.txt", "requirements-common.txt"):
+        for line in open(os.path.join(ROOT, name)):
+            m = re.match(r"(torch|transformers|peft)([=<>].*?)\s*(#|$)", line)
+            if m:
+                found.setdefault(m.group(1), m.group(2))
+    from packaging.specifiers import SpecifierSet
+    for name, spec in found.items():
+        try:
+            have = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            have = None
+        if have is None or have.split("+")[0] not in SpecifierSet(spec):
+            print(f"gpu-check: {name} {have or 'not installed'} here, the pins say {spec}: going on with "
+                  f"what is at hand", file=sys.stderr, flush=True)
 
 
 def engine_choice(extra: list) -> tuple:
@@ -405,17 +458,24 @@ def main():
     import torch
     gpus = torch.cuda.device_count()  # counts without creating a CUDA context: the GPUs stay whole
     rungs = ladder(gpus, a.model)
+    if importlib.util.find_spec("peft") is None:  # the LoRA rung needs it; the others do not
+        lora = [r.name for r in rungs if "--lora_rank" in r.flags]
+        rungs = [r for r in rungs if r.name not in lora]
+        if lora:
+            print(f"gpu-check: peft is not installed: rung {', '.join(lora)} skipped", file=sys.stderr)
     wanted = [x for x in a.rungs.split(",") if x]
     if set(wanted) - {r.name for r in rungs}:
         p.error(f"--rungs {a.rungs}: choose among {','.join(r.name for r in rungs)}")
     os.makedirs(a.out, exist_ok=True)
+    pinned()
+    root = scratch([r for r in rungs if not wanted or r.name in wanted], gpus)
     began, done, failed = time.perf_counter(), [], None
     for i, rung in enumerate(rungs, 1):
         if wanted and rung.name not in wanted:
             continue
         flags, label = rung.flags, rung.name
         if rung.config and not failed:
-            path, seconds = model_folder(rung, a.timeout)
+            path, seconds = model_folder(rung, a.timeout, root)
             flags = ["--model", path, *flags]
             print(f"gpu-check: rung {i} ({label}): model {path} ready in {seconds:.1f} s", file=sys.stderr,
                   flush=True)
