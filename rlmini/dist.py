@@ -28,10 +28,12 @@ def setup_device(args) -> tuple[torch.device, torch.dtype]:
     """This rank's device and the compute dtype; under torchrun (any number of ranks), starts the process
     group (NCCL on CUDA, gloo on CPU) with a bounded wait: a rank stuck in a collective stops the run with an
     error after --dist_timeout seconds instead of hanging it. On CUDA the NCCL communicator is made now, with
-    its memory, before the plan reads the free memory and before vLLM sizes its share: device_id makes
-    init_process_group create it at once (torch/distributed/distributed_c10d.py::init_process_group,
+    most of its memory, before the plan reads the free memory and before vLLM sizes its share: device_id
+    makes init_process_group create it at once (torch/distributed/distributed_c10d.py::init_process_group,
     "the communicator is immediately formed", eager_connect_single_device) rather than at the first
-    collective, and a barrier on it waits for every rank's."""
+    collective, and a barrier on it waits for every rank's. Not all: NCCL 2.22+ allocates some algorithms'
+    buffers at their first use, and every later new_group (vLLM's included) is split from this one at once,
+    with buffers of its own; the plan's NCCL_COMM per communicator bounds both (memplan.plan_for)."""
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank())
         torch.cuda.set_device(device)

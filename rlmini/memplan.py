@@ -25,8 +25,11 @@ figure is the device memory it needs: what torch's allocator holds (max_memory_a
   generate (hf_rollout_bytes: the KV cache of the rank's whole rollout batch at full length, one layer's
   attention over it, a step's logits, autocast's weights); and at the first step the set-up's zero
   gradients (materialize_adamw).
-- push: persistent + vLLM's weights (woken first) + one gathered parameter in transit, before its KV cache
-  (+ --server_push nccl's packed buffers).
+- push: persistent + vLLM's weights (woken first) and what every wake-up restores with them (its CUDA graphs,
+  runtime pool and workspace: VLLM_WAKE) + one gathered parameter in transit, before its KV cache (+
+  --server_push nccl's packed buffers).
+- a reward model (--reward_model): its weights in every phase (none with --reward_model_offload), and while it
+  scores, in the rollout with vLLM awake, what scoring adds (reward_model_share).
 - load: the peak while the models load (load_peak), on the device and in host memory per node.
 """
 import functools
@@ -65,6 +68,10 @@ NCCL_COMM = 2.0 * GiB
 WORKSPACE = 0.5 * GiB
 VLLM_OVERHEAD = 1.5 * GiB  # vLLM's non-torch memory and the sampler's buffers beyond its profiled peak
 CUDAGRAPH = 1.0 * GiB  # vLLM's captured CUDA graphs, inside its share while awake (eager on CPU: none)
+# vLLM's "runtime" pool (the KV cache's init state) and "workspace" scratch: like the CUDA graphs, restored by
+# any wake-up (vllm/device_allocator/cumem.py::CuMemAllocator.wake_up loads back every tag but the deferrable
+# weights and kv_cache), so the push's wake_up(["weights"]) brings them back too. Not measured here: a bound
+VLLM_WAKE = 0.5 * GiB
 MIN_MARGIN = 2 * GiB  # the allocator's fragmentation and what no term above counts
 # vLLM's packed NCCL weight transfer (vllm/distributed/weight_transfer/packed_tensor.py: DEFAULT_PACKED_
 # BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS; rlmini/transfer.py uses its defaults)
@@ -195,7 +202,7 @@ def plan(c: dict, *, ranks: int = 1, compute_bytes: int = 2, tokens: int = 8192,
          vllm: dict | None = None, hf: dict | None = None, gpu_bytes: float = 80 * GiB,
          share: float = 0.0, context: float = CONTEXT, communicators: int = 0, server: bool = False,
          push_buffers: float = 0.0, workspace: float = WORKSPACE,
-         reward_model: float = 0.0) -> dict:
+         reward_model: float = 0.0, reward_scoring: float = 0.0) -> dict:
     """Bytes per rank of each part and each phase for counts `c` (count()). `ranks`: FSDP2 shards over them
     (1: a plain module under autocast). `tokens`: one micro-batch's tokens (--micro_batch_tokens), all of them
     scored. `frozen`: the counts (count()) of the frozen models beside the policy, each in the compute dtype
@@ -207,8 +214,9 @@ def plan(c: dict, *, ranks: int = 1, compute_bytes: int = 2, tokens: int = 8192,
     the trainer leaves free). `context`: the CUDA context (0 on CPU). `communicators`: NCCL communicators on a
     rank (each NCCL_COMM, created before vLLM sizes itself). `server`: --engine server (a push gathers every
     parameter). `push_buffers`: --server_push nccl's packed buffers in the push (nccl_buffers; rank 0's,
-    counted on each). `reward_model`: its bytes per rank (reward_model.py::reward_model_bytes), held
-    in every phase. Returns the parts, the phases, `outside`
+    counted on each). `reward_model`: its bytes per rank held in every phase, `reward_scoring` what its
+    scoring adds in the rollout phase, beside vLLM awake (reward_model_share). Returns the parts, the phases,
+    `outside`
     (the part of each phase outside torch's allocator), vLLM's share, the load peaks (load_peak) and, when
     something does not fit `gpu_bytes`, `why` (one line with the flags that would make it fit)."""
     n, cb, h, V = ranks, compute_bytes, c["hidden"], c["vocab"]
@@ -279,20 +287,23 @@ def plan(c: dict, *, ranks: int = 1, compute_bytes: int = 2, tokens: int = 8192,
     push_extra = (4 + cb) * c["largest"] if vllm or server else 0.0
     gathered = cb * c["root"] if n > 1 else 0.0
     fixed, given = outside + margin(gpu_bytes), share > 0
-    if vllm and not given:  # what the trainer leaves free while vLLM is awake
-        share = (gpu_bytes - fixed - persistent - gathered - push_extra) / gpu_bytes
+    if vllm and not given:  # what the trainer leaves free while vLLM is awake (scoring: common.rollout)
+        share = (gpu_bytes - fixed - persistent - gathered - max(push_extra, reward_scoring)) / gpu_bytes
         share = max(0.0, min(share, v_want / gpu_bytes))  # no more than the KV cache the rollout batch fills
     v_bytes = share * gpu_bytes if vllm else 0.0
     if vllm and asleep is None:
         asleep = v_bytes
     hf_bytes = hf_rollout_bytes(c, **hf, ranks=n, compute_bytes=cb, lora_rank=lora_rank) if hf else 0.0
     update = outside + persistent + grads + working + activations + asleep
-    # the first step's rollout phase also holds the set-up: materialize_adamw's zero gradients
-    rollout = outside + persistent + max(v_bytes + gathered, hf_bytes, grads)
-    push = outside + persistent + (v_weights + gathered if vllm else 0) + push_extra + push_buffers
+    # the first step's rollout phase also holds the set-up: materialize_adamw's zero gradients; a reward model
+    # scores beside vLLM awake, after the HF engine's generate has let go of its cache
+    rollout = outside + persistent + max(v_bytes + gathered + reward_scoring, hf_bytes, reward_scoring, grads)
+    woken = v_weights + graphs + VLLM_WAKE + gathered if vllm else 0.0  # wake_up(["weights"]) restores more
+    push = outside + persistent + woken + push_extra + push_buffers
     load = load_peak(c, ranks=n, compute_bytes=cb, lora_rank=lora_rank, frozen=frozen)
     out = {"weights": weights, "grads": grads, "adam": adam, "reference": ref, "working": working,
-           "activations": activations, "reward_model": reward_model, "persistent": persistent,
+           "activations": activations, "reward_model": reward_model, "reward_scoring": reward_scoring,
+           "persistent": persistent,
            "update": update, "rollout": rollout,
            "push": push, "peak": max(update, rollout, push), "vllm": v_bytes, "hf": hf_bytes, "share": share,
            "given": given, "gpu": gpu_bytes, "margin": margin(gpu_bytes), "outside": outside,
@@ -358,16 +369,20 @@ def _why_not(p: dict, tokens: int, checkpointing: bool, lora_rank: int, ranks: i
         return (f"vLLM needs at least {g(p['vllm_min'])} GiB (its weights and one sequence's KV cache) but "
                 f"{what} it {g(p['vllm'])} GiB of {g(p['gpu'])} GiB (trainer {g(p['persistent'])} GiB "
                 f"persistent); try " + ", ".join(hints[-2:] + ["a shorter --max_new_tokens"]))
+    scoring = p.get("reward_scoring", 0.0)
     if p["hf"] and p["rollout"] > usable:
         return (f"the HF engine's rollout needs {g(p['rollout'])} GiB per rank of {g(p['gpu'])} GiB (less a "
                 f"{g(p['margin'])} GiB margin): trainer {g(p['persistent'])}, generate {g(p['hf'])} (the KV "
-                f"cache of the rank's whole rollout batch at full length); try fewer --prompts_per_step or "
-                f"--group_size, a shorter --max_new_tokens, more ranks, or --engine vllm")
+                f"cache of the rank's whole rollout batch at full length)"
+                + (f" or the reward model's scoring {g(scoring)}" if scoring else "")
+                + "; try fewer --prompts_per_step or --group_size, a shorter --max_new_tokens, more ranks, "
+                "or --engine vllm" + (", a smaller --reward_model_tokens" if scoring else ""))
     if p["rollout"] > usable or p["push"] > usable:
         return (f"with vLLM awake a rank needs {g(max(p['rollout'], p['push']))} GiB of {g(p['gpu'])} GiB "
                 f"(less a {g(p['margin'])} GiB margin): trainer {g(p['persistent'])}, vLLM {g(p['vllm'])} "
-                f"(share {p['share']:.2f}); lower --vllm_gpu_memory_utilization or set it to 0 (the plan's "
-                f"own)")
+                f"(share {p['share']:.2f})" + (f", reward model scoring {g(scoring)}" if scoring else "")
+                + "; lower --vllm_gpu_memory_utilization or set it to 0 (the plan's own)"
+                + (", or a smaller --reward_model_tokens" if scoring else ""))
     return None
 
 
@@ -388,6 +403,8 @@ def describe(p: dict, tokens: int, checkpointing: bool, where: str = "") -> str:
         line += f"; rollout {g(p['rollout'])} with the HF engine's generate {g(p['hf'])}"
     else:
         line += f"; rollout {g(p['rollout'])}"
+    if p.get("reward_scoring"):
+        line += f" (reward model scoring {g(p['reward_scoring'])})"
     line += f"; push {g(p['push'])}"
     return line + ("" if where.startswith("CPU") else "; fits" if p["why"] is None else "; DOES NOT FIT")
 
@@ -442,10 +459,13 @@ def plan_for(args, algo: str, c: dict, *, ranks: int, dtype, max_len: int, gpu_b
     --plan_only's one model of a run. The engine each rank holds (vLLM's batch, the HF engine's rollout batch
     and, with --eval_every and --eval_limit, its evaluation batch), the frozen reference of --beta and the
     models of Args.frozen_models, PPO's critic, and the NCCL communicators: the trainer's process group
-    (torchrun), vLLM's tensor-parallel group (--vllm_tp > 1: its torch group and its own PyNccl communicator,
-    made before vLLM's memory snapshot, vllm/v1/worker/gpu_worker.py::init_device, so outside its share) and
-    --server_push nccl's. `lengths`: (the longest prompt, the completion budget) in tokens, when the task's
-    prompts are known (plan_run)."""
+    (torchrun); under torchrun vLLM's world-sized device group (vllm/distributed/parallel_state.py::
+    init_distributed_environment, init_world_group), which, the default group being bound to a device
+    (dist.setup_device), torch splits from it at once (torch/distributed/distributed_c10d.py::
+    _new_process_group_helper, split_from; its size-1 groups are not counted); vLLM's tensor-parallel group
+    (--vllm_tp > 1: its torch group and its own PyNccl communicator), all made before vLLM's memory snapshot
+    (vllm/v1/worker/gpu_worker.py::init_device), so outside its share; and --server_push nccl's. `lengths`:
+    (the longest prompt, the completion budget) in tokens, when the task's prompts are known (plan_run)."""
     prompts = max(1, args.prompts_per_step // ranks)
     # a micro-batch holds at most a rank's whole step: never plan more tokens than its sequences can have
     step = prompts * args.group_size * max_len
@@ -464,7 +484,8 @@ def plan_for(args, algo: str, c: dict, *, ranks: int, dtype, max_len: int, gpu_b
         seqs = max(prompts * args.group_size, evals * args.eval_n)
         hf = dict(seqs=seqs, prompts=max(prompts, evals), max_len=max_len)
     nccl = args.engine == "server" and getattr(args, "server_push", "disk") == "nccl" and cuda
-    communicators = cuda * ((ranks > 1) + 2 * (args.engine == "vllm" and args.vllm_tp > 1) + nccl)
+    in_process = args.engine == "vllm"  # under torchrun its world group is one more communicator
+    communicators = cuda * ((ranks > 1) * (1 + in_process) + 2 * (in_process and args.vllm_tp > 1) + nccl)
     p = plan(c, ranks=ranks, compute_bytes=dtype.itemsize, tokens=tokens,
              checkpointing=args.gradient_checkpointing, reference=getattr(args, "beta", 0.0) > 0,
              frozen=[frozen_counts(args, f) for f in getattr(args, "frozen_models", ())
@@ -473,17 +494,41 @@ def plan_for(args, algo: str, c: dict, *, ranks: int, dtype, max_len: int, gpu_b
              share=args.vllm_gpu_memory_utilization, context=CONTEXT if cuda else 0.0,
              communicators=communicators, server=args.engine == "server",
              push_buffers=nccl_buffers(c, dtype.itemsize) if nccl else 0.0,
-             workspace=WORKSPACE if cuda else 0.0, reward_model=reward_model_share(args, ranks, dtype))
+             workspace=WORKSPACE if cuda else 0.0,
+             **reward_model_share(args, ranks, dtype, cuda))
     return p, tokens
 
 
-def reward_model_share(args, ranks: int, dtype) -> float:
-    """--reward_model's bytes per rank (rlmini/reward_model.py::reward_model_bytes), 0 without one."""
+def inference_activation_bytes(c: dict, tokens: int, compute_bytes: int) -> float:
+    """A no-grad forward's peak beyond the weights for `tokens` (padding included): within one decoder layer
+    the residual, the normed input and the MLP's gate, up and activation (2h + 3i per token; nothing is kept
+    for a backward, no KV cache: use_cache=False), and the padding mask (one byte per token pair of a row,
+    at most tokens x min(tokens, context))."""
+    per_token = compute_bytes * (2 * c["hidden"] + 3 * c["intermediate"])
+    return tokens * per_token + tokens * min(tokens, c["context"])
+
+
+def reward_model_share(args, ranks: int, dtype, cuda: bool = True) -> dict:
+    """--reward_model's terms per rank (none without one): `reward_model`, held in every phase (its weights in
+    the compute dtype, sharded over the ranks; none with --reward_model_offload on CUDA, where it waits in CPU
+    memory), and `reward_scoring`, what scoring adds in the rollout phase, beside vLLM awake (rlmini/
+    reward_model.py::make_reward_model): an offloaded model's shards moved in; under FSDP2 its root gathered
+    (resharded after scoring: dist.reshard_frozen) and two decoder layers (the one computing and the next
+    gathered ahead, as the update counts them); one scoring micro-batch's no-grad activations
+    (reward_model.scoring_tokens)."""
     if not getattr(args, "reward_model", ""):
-        return 0.0
+        return {"reward_model": 0.0, "reward_scoring": 0.0}
     from rlmini import reward_model
-    return reward_model.reward_model_bytes(reward_model.check(args.reward_model), ranks, dtype.itemsize,
-                                           args.reward_model_offload)
+    config = reward_model.check(args.reward_model)
+    cb = dtype.itemsize
+    weights = reward_model.reward_model_bytes(config, ranks, cb)
+    c = count(config)  # the decoder's widths and layers (the causal LM of the same config)
+    offload = args.reward_model_offload and cuda
+    root = weights * ranks / cb - c["layers"] * c["layer"]  # embeddings, final norm, the score head
+    gathered = cb * (root + 2 * c["layer"]) if ranks > 1 else 0.0
+    scoring = (weights if offload else 0.0) + gathered + inference_activation_bytes(
+        c, reward_model.scoring_tokens(args), cb)
+    return {"reward_model": 0.0 if offload else weights, "reward_scoring": scoring}
 
 
 def frozen_counts(args, field: str) -> dict:

@@ -51,6 +51,12 @@ def check(path: str):
     return config
 
 
+def scoring_tokens(args) -> int:
+    """Tokens per scoring micro-batch, padding included: --reward_model_tokens, else --micro_batch_tokens,
+    else 16384 (the scorer's and the memory plan's one rule)."""
+    return args.reward_model_tokens or getattr(args, "micro_batch_tokens", 0) or 16384
+
+
 def reward_model_bytes(config, ranks: int = 1, compute_bytes: int = 2, offload: bool = False) -> float:
     """Bytes per rank the reward model holds outside scoring: its weights in the compute dtype, sharded over
     `ranks` (FSDP2); 0 with --reward_model_offload (in CPU memory until it scores)."""
@@ -87,21 +93,29 @@ def micro_batches(lengths: list, tokens: int) -> list:
 
 
 def forward_scores(model, ids: list, pad_id: int, device) -> torch.Tensor:
-    """The score head's value at each sequence's last token (right-padded): the head's whole output is
-    taken by a hook, so a real token equal to the pad id is never mistaken for padding, as the pooling of
-    transformers/modeling_layers.py::GenericForSequenceClassification.forward would (rightmost non-pad id)."""
+    """The score head's value at each sequence's last token (right-padded), computed in fp32 from the head's
+    input, taken by a hook: a real token equal to the pad id is never mistaken for padding, as the pooling of
+    transformers/modeling_layers.py::GenericForSequenceClassification.forward would (rightmost non-pad id),
+    and a bf16 head's rounding (steps of 0.03 near 5, ties under --reward_norm group) is not in the score.
+    no_grad, not inference_mode: FSDP2's world-size-1 unshard preserves version counters, which inference
+    tensors lack (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py::FSDPParamGroup.unshard). No KV
+    cache: the model's config would make one of every layer (use_cache)."""
     width = max(len(x) for x in ids)
     input_ids = torch.tensor([x + [pad_id] * (width - len(x)) for x in ids], device=device)
     mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids], device=device)
+    rows, last = torch.arange(len(ids), device=device), torch.tensor([len(x) - 1 for x in ids], device=device)
     seen = []
-    hook = model.score.register_forward_hook(lambda m, i, o: seen.append(o))
+
+    def head(module, inputs, output):  # inside the forward: an FSDP2 root's weight is gathered here
+        bias = None if module.bias is None else module.bias.float()
+        seen.append(torch.nn.functional.linear(inputs[0][rows, last].float(), module.weight.float(), bias))
+    hook = model.score.register_forward_hook(head)
     try:
-        with torch.inference_mode():
-            model(input_ids=input_ids, attention_mask=mask)
+        with torch.no_grad():
+            model(input_ids=input_ids, attention_mask=mask, use_cache=False)
     finally:
         hook.remove()
-    last = torch.tensor([len(x) - 1 for x in ids], device=device)
-    return seen[0][torch.arange(len(ids), device=device), last, 0].float().cpu()
+    return seen[0][:, 0].cpu()
 
 
 def normalise(raw: torch.Tensor, groups: list, how: str, state: dict, update: bool = True) -> torch.Tensor:
@@ -146,7 +160,7 @@ def make_reward_model(args):
         tok = AutoTokenizer.from_pretrained(path)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         context = getattr(model.config, "max_position_embeddings", None) or 4096
-        budget = args.reward_model_tokens or getattr(args, "micro_batch_tokens", 0) or 16384
+        budget = scoring_tokens(args)
         offload = args.reward_model_offload and device.type == "cuda"
         held.update(model=model.to("cpu") if offload else model, tok=tok, pad=pad or 0, device=device,
                     context=context, budget=budget, offload=offload)
@@ -166,6 +180,7 @@ def make_reward_model(args):
         try:
             raw = [forward_scores(model, [ids[k] for k in batches[b]] if b < len(batches)
                                   else [[held["pad"]]], held["pad"], device) for b in range(n)]
+            dist.reshard_frozen(model)  # FSDP2 keeps a root gathered after its forward: not into the update
         finally:
             if held["offload"]:
                 model.to("cpu")

@@ -448,3 +448,49 @@ def test_a_frozen_models_root_reshards_after_a_pass_and_the_policys_stays(tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
     assert results == ["RESULT [True] [False, False] [True, False]"] * 2, proc.stdout[-2000:]
+
+
+RM_SCORE = """import os, sys, torch
+sys.path.insert(0, {root!r})
+from torch.distributed.tensor import DTensor
+from rlmini import reward_model
+torch.set_num_threads(1)
+torch.distributed.init_process_group("gloo")
+args = reward_model.RewardArgs(reward_model={path!r}, reward_model_tokens=40)
+fn = reward_model.make_reward_model(args)
+fn.load(torch.device("cpu"), torch.float32)
+n = 3 + torch.distributed.get_rank()  # unequal shares: a rank runs dummy forwards
+scores = fn(prompts=["What is 2 + 3?"] * n, completions=["5", "five", "seven", "7"][:n],
+            examples=[{{}}] * n, finished=[True] * n)
+root = fn.held["model"].score.weight  # the root unit's: resharded after scoring (a DTensor)
+line = "RESULT %d %s %s\\n" % (torch.distributed.get_world_size(), isinstance(root, DTensor),
+                              [round(x, 5) for x in scores])
+os.write(1, line.encode())
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_the_reward_model_scores_under_torchrun_with_one_and_two_ranks_and_reshards_its_root(tmp_path):
+    """FSDP2 at world size 1 (a one-process torchrun) and 2: scoring runs under no_grad (inference tensors
+    break FSDP2's world-size-1 unshard in torch 2.13), every rank scores what one process does, and the
+    root's parameters are sharded again after scoring, not left gathered into the update."""
+    from rlmini import reward_model
+    build_reward_model(RM)
+    script = tmp_path / "score.py"
+    script.write_text(RM_SCORE.format(root=ROOT, path=RM))
+    fn = reward_model.make_reward_model(reward_model.RewardArgs(reward_model=RM))
+    fn.load(torch.device("cpu"), torch.float32)
+    plain = fn(prompts=["What is 2 + 3?"] * 4, completions=["5", "five", "seven", "7"], examples=[{}] * 4,
+               finished=[True] * 4)
+    for ranks in (1, 2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+               str(script)]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results = sorted(line.split(" ", 3) for line in proc.stdout.splitlines() if line.startswith("RESULT"))
+        assert len(results) == ranks, proc.stdout[-2000:]
+        for r, (_, world, sharded, scores) in enumerate(results):
+            scores = json.loads(scores)
+            assert world == str(ranks) and sharded == "True"
+            assert scores == pytest.approx(plain[:len(scores)], rel=1e-4, abs=1e-5), (ranks, r)

@@ -87,7 +87,17 @@ def test_plan_by_hand():
             + memplan.VLLM_OVERHEAD)
     assert p["vllm_want"] == want and p["share"] == pytest.approx(want / (100 * GiB))  # all it can fill
     assert p["rollout"] == p["persistent"] + want
-    assert p["push"] == p["persistent"] + 2 * 1000 + (4 + 2) * 200  # its weights, one parameter gathered
+    # its weights and what every wake-up restores (CUDA graphs, runtime pool, workspace), a parameter gathered
+    assert p["push"] == p["persistent"] + 2 * 1000 + GiB + memplan.VLLM_WAKE + (4 + 2) * 200
+    # a reward model: held in every phase; it scores beside vLLM awake, whose share makes room for it
+    rm = memplan.plan(c, tokens=10, vllm=vllm, reward_model=1000.0, reward_scoring=3 * GiB, **free)
+    assert rm["persistent"] - p["persistent"] == rm["update"] - p["update"] == 1000
+    assert rm["rollout"] == rm["persistent"] + want + 3 * GiB  # 100 GiB: vLLM still gets all it can fill
+    tight = dict(free, gpu_bytes=10 * GiB)
+    rm = memplan.plan(c, tokens=10, vllm=vllm, reward_model=1000.0, reward_scoring=5.5 * GiB, **tight)
+    room = 10 * GiB - memplan.margin(10 * GiB) - rm["persistent"] - 5.5 * GiB
+    assert rm["vllm"] == pytest.approx(room) and room < want
+    assert rm["rollout"] == pytest.approx(10 * GiB - memplan.margin(10 * GiB))
     assert p["update"] == one["update"]  # asleep, vLLM keeps nothing (its CUDA graphs offloaded too)
     awake = memplan.plan(c, tokens=10, vllm={**vllm, "sleep": False}, **free)
     assert awake["update"] - one["update"] == pytest.approx(want)  # without sleep it stays whole
@@ -129,7 +139,8 @@ def test_the_plan_divides_the_engines_weights_and_kv_cache_by_tp(tmp_path, monke
         want = (2 * 1000 / tp + 4 * tp * 100 * kv_token + 64 * (2 * 16 + 4 * 8) * 2 / tp + 2 * 4 * tp * 50 * 4
                 + GiB + memplan.VLLM_OVERHEAD)
         assert p["vllm_want"] == pytest.approx(want)
-        assert p["push"] == pytest.approx(memplan.CONTEXT + p["persistent"] + 2 * 1000 / tp + (4 + 2) * 200)
+        assert p["push"] == pytest.approx(memplan.CONTEXT + p["persistent"] + 2 * 1000 / tp + GiB
+                                          + memplan.VLLM_WAKE + (4 + 2) * 200)  # each rank's graphs, pools
     from rlmini import dist
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (79.2 * GiB, 79.2 * GiB))
     monkeypatch.setattr(dist, "distributed", lambda: True)
@@ -146,8 +157,9 @@ def test_the_plan_divides_the_engines_weights_and_kv_cache_by_tp(tmp_path, monke
     four = run(4)
     weights = 2 * memplan.count_cached(path, 16, "all-linear")["total"]  # bf16
     assert four["why"] is None and four["max_num_seqs"] == 4 * 64  # 64 prompts x 8 / 8 ranks, 4 ranks' worth
-    # vLLM's TP group: its torch group's and its PyNccl communicators, outside its share
-    assert four["nccl"] == 3 * memplan.NCCL_COMM
+    # the trainer's group, vLLM's world group (split at once from it) and its TP group's torch and PyNccl
+    # communicators, outside its share
+    assert four["nccl"] == 4 * memplan.NCCL_COMM
     assert push_one - four["push"] == pytest.approx(weights * 3 / 4 - 2 * memplan.NCCL_COMM)
 
 

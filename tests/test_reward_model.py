@@ -189,6 +189,61 @@ def test_the_random_reward_model_reads_its_own_chat_template_and_padding_changes
     assert got == pytest.approx(expected, rel=1e-4, abs=1e-5 * max(map(abs, expected)))
 
 
+def test_the_score_head_runs_in_fp32_without_a_kv_cache(models_built, monkeypatch):
+    """A bf16 reward model: the score is the fp32 product of the head's (bf16) input and weight, not the bf16
+    head's output, rounded to 8 bits; the forward builds no KV cache (the config's use_cache would)."""
+    import transformers
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(RANDOM)
+    model = AutoModelForSequenceClassification.from_pretrained(RANDOM, dtype=torch.bfloat16).eval()
+    with torch.no_grad():  # a head whose bf16 output rounds visibly: scores near 5
+        model.score.weight.mul_(50.0)
+    ids = [reward_model.render(tok, "What is 2 + 3?", c) for c in ("5", "five, I think", "7")]
+    made, init = [], transformers.DynamicCache.__init__
+    monkeypatch.setattr(transformers.DynamicCache, "__init__",
+                        lambda self, *a, **k: made.append(1) or init(self, *a, **k))
+    got = reward_model.forward_scores(model, ids, tok.pad_token_id, torch.device("cpu"))
+    assert made == []
+    captured = []
+    hook = model.score.register_forward_hook(lambda m, i, o: captured.append((i[0], o)))
+    with torch.no_grad():
+        for x in ids:
+            model(input_ids=torch.tensor([x]), use_cache=False)
+    hook.remove()
+    fp32 = torch.stack([h[0, -1].float() @ model.score.weight[0].float() for h, _ in captured])
+    bf16 = torch.stack([o[0, -1, 0].float() for _, o in captured])
+    assert got.dtype == torch.float32 and (got - fp32).abs().max() <= 1e-5 * fp32.abs().max()
+    assert (bf16 - fp32).abs().max() > 1e-3 * fp32.abs().max()  # what the bf16 head would have given
+
+
+def test_an_offloaded_reward_model_comes_in_to_score_and_goes_back_even_when_scoring_fails(models_built,
+                                                                                          monkeypatch):
+    """--reward_model_offload against a double of the device: the model is moved in before its first
+    forward, back to CPU memory after the last (the cache emptied), also when a forward raises."""
+    fn = load(KNOWN, reward_model_offload=True)
+    held, events = fn.held, []
+    held["offload"], held["device"] = True, "fake-cuda"  # CPU has nothing to offload to: a double
+    model = held["model"]
+    monkeypatch.setattr(model, "to", lambda where: events.append(f"to {where}") or model)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+
+    def forward(m, ids, pad, device):
+        events.append(f"forward on {device}")
+        if len(ids) == 1 and ids[0] == [pad]:
+            raise RuntimeError("CUDA out of memory (a double)")
+        return torch.zeros(len(ids))
+    monkeypatch.setattr(reward_model, "forward_scores", forward)
+    kw = dict(prompts=["1+2="], completions=["3"], examples=EXAMPLES[:1], finished=[True])
+    assert fn(**kw) == [0.0]
+    assert events == ["to fake-cuda", "forward on fake-cuda", "to cpu", "empty_cache"]
+    events.clear()
+    held["pad"] = reward_model.render(held["tok"], "1+2=", "3")[0]  # the next forward's ids: fail there
+    monkeypatch.setattr(reward_model, "render", lambda tok, p, c: [held["pad"]])
+    with pytest.raises(RuntimeError, match="out of memory"):
+        fn(**kw)
+    assert events == ["to fake-cuda", "forward on fake-cuda", "to cpu", "empty_cache"]
+
+
 def test_normalisation_by_group_and_running_by_hand():
     raw = torch.tensor([1.0, 3.0, 2.0, 2.0])
     got = reward_model.normalise(raw, [slice(0, 2), slice(2, 4)], "group", {})
@@ -209,6 +264,21 @@ def test_the_plan_counts_the_reward_model(models_built):
     assert reward_model.reward_model_bytes(config, 1, 2) == n
     assert reward_model.reward_model_bytes(config, 2, 2) == n / 2
     assert reward_model.reward_model_bytes(config, 1, 2, offload=True) == 0.0
+    args = types.SimpleNamespace(reward_model=RANDOM, reward_model_offload=False, reward_model_tokens=0,
+                                 micro_batch_tokens=300)
+    d = memplan.count(config)  # its decoder: the causal LM of the same config
+    tokens = 300  # --micro_batch_tokens without --reward_model_tokens (reward_model.scoring_tokens)
+    act = tokens * 2 * (2 * d["hidden"] + 3 * d["intermediate"]) + tokens * min(tokens, d["context"])
+    bf16 = torch.bfloat16
+    assert memplan.reward_model_share(args, 1, bf16) == {"reward_model": n, "reward_scoring": act}
+    root = n / 2 - d["layers"] * d["layer"]  # embeddings, norm, score head: gathered with two layers (FSDP2)
+    assert memplan.reward_model_share(args, 2, bf16) == {
+        "reward_model": n / 2, "reward_scoring": pytest.approx(2 * (root + 2 * d["layer"]) + act)}
+    args.reward_model_offload = True  # CUDA: moved in to score, beside vLLM; CPU: nowhere to offload to
+    assert memplan.reward_model_share(args, 1, bf16) == {"reward_model": 0.0, "reward_scoring": n + act}
+    assert memplan.reward_model_share(args, 1, bf16, cuda=False)["reward_model"] == n
+    args.reward_model_tokens = 50
+    assert memplan.reward_model_share(args, 1, bf16)["reward_scoring"] == n + 50 * act / 300 - 50 * 250
     c = memplan.count(memplan.load_config(RANDOM + "-tokenizer"))  # the chat model built beside it
     with_rm, without = memplan.plan(c, reward_model=1e9), memplan.plan(c)
     assert with_rm["persistent"] - without["persistent"] == 1e9
@@ -256,4 +326,5 @@ def test_held_out_scoring_neither_moves_the_running_norm_nor_the_logged_sums(mod
     with reward_model.evaluating(t):
         assert fn(prompts=["1+2="], completions=["3"], examples=EXAMPLES[:1], finished=[True]) == \
             pytest.approx([-1.0], abs=1e-5)  # the running mean and std as they were
-    assert fn.state == state and fn.step_metrics() == {"reward/rm_raw_sum": 0.0, "reward/rm_raw_count": 2.0}
+    assert fn.state == state  # the sums: the training call's +1 and -1 (float32 rounding), not the eval's -1
+    assert fn.step_metrics() == pytest.approx({"reward/rm_raw_sum": 0.0, "reward/rm_raw_count": 2.0}, abs=1e-6)
