@@ -12,8 +12,8 @@ test:  ## the whole test suite (CPU, offline)
 bench:  ## throughput table for each engine
 	$(PY) benchmarks/bench_engines.py $(ARGS)
 
-gpu-check:  ## certify a GPU machine offline: every trainer, then built 1.5B and 7B (LoRA) models, checked, in one table (docs/gpu.md)
-	$(PY) scripts/gpu_check.py $(ARGS)
+gpu-check:  ## certify a GPU machine offline: every trainer, then built 1.5B and 7B (LoRA) models, checked, in one table (docs/gpu.md); the python at hand if it has torch, transformers and safetensors
+	"$$(bash scripts/setup_env.sh --python-at-hand)" scripts/gpu_check.py $(ARGS)
 
 reproduce:  ## seed 000 end to end: tabular Tables 1-2 and the six trainers on `calibration`; rewrites the block in docs/seed000.md
 	$(PY) reproduce/seed000.py $(ARGS)

