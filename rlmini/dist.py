@@ -5,6 +5,7 @@ process's order (all_gather), never averaged per rank, so each logged metric equ
 """
 import atexit
 import datetime
+import hashlib
 import math
 import os
 
@@ -236,24 +237,38 @@ def top_share_threshold(values: list, share: float) -> float:
     return x.kthvalue(x.numel() - k + 1).values.item()
 
 
-def fill_from_rank0(targets: list, read) -> None:
+def fill_from_rank0(targets: list, read, dtypes: list | None) -> None:
     """Fill a sharded model's parameters (DTensor shards) and buffers from whole tensors that only global rank
-    0 reads, one at a time: `targets` is [(name, tensor)] in the same order on every rank, `read(name)`
-    (called on rank 0 only) gives the whole tensor. Each is broadcast from rank 0 into one buffer on the
-    collectives' device and each rank copies its own shard out of it, so a rank holds at most one whole tensor
-    beside its shards. Modelled on torch/distributed/_state_dict_utils.py::_broadcast_tensors and
-    ::_distribute_tensors (set_model_state_dict's broadcast_from_rank0, which needs the whole state dict on
-    rank 0)."""
+    0 reads, one at a time: `targets` is [(name, tensor)] in the same order on every rank (checked first:
+    _check_same_targets), `dtypes` (rank 0's; None elsewhere) the dtype of each tensor where rank 0 reads it
+    (the file's), `read(name, out)` (rank 0 only) fills `out`, a contiguous tensor of that dtype and the
+    target's shape. Each is broadcast from rank 0 in the file's dtype (half the bytes of an fp32 master's from
+    bf16 weights) into one buffer on the collectives' device, and each rank casts its own shard out of it in
+    the copy (on one device copy_ converts in its kernel, no temporary: aten/src/ATen/native/cuda/Copy.cu::
+    copy_requires_temporaries), so a rank holds at most one whole tensor beside its shards. A blocking
+    CPU-to-CUDA `.to(dtype=...)` would convert on the host first (Copy.cu::copy_kernel_cuda,
+    conversion_device), a second host copy of each tensor in the target's dtype. On CUDA rank 0 reads into two
+    pinned halves of one host buffer and reads tensor k+1 while k goes to the device and is broadcast
+    (_Staging). Modelled on torch/distributed/_state_dict_utils.py::_broadcast_state_dict (the dtypes sent
+    once, then each tensor in its own dtype), ::_broadcast_tensors and ::_distribute_tensors (which need the
+    whole state dict on rank 0)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     device = _comm_device()
+    dtypes = _check_same_targets(targets, dtypes)
+    root = rank() == 0
+    staging = _Staging(targets, dtypes, read) if root and device.type == "cuda" and targets else None
     with torch.no_grad():
-        for name, target in targets:
-            if rank() == 0:
-                whole = read(name).to(device=device, dtype=target.dtype)
+        for i, (name, target) in enumerate(targets):
+            if staging:
+                whole = staging.to_device(i, device)
             else:
-                whole = torch.empty(target.shape, dtype=target.dtype, device=device)
+                whole = torch.empty(target.shape, dtype=dtypes[i], device=device)
+                if root:
+                    read(name, whole)
             torch.distributed.broadcast(whole, src=0)
+            if staging:  # the host reads the next tensor while the device copies and broadcasts this one
+                staging.read_ahead(i + 1)
             if isinstance(target, DTensor):
                 shape, offset = compute_local_shape_and_global_offset(whole.shape, target.device_mesh,
                                                                       target.placements)
@@ -261,6 +276,72 @@ def fill_from_rank0(targets: list, read) -> None:
             else:
                 target.copy_(whole)
             del whole
+    if staging:
+        staging.close()
+
+
+def _check_same_targets(targets: list, dtypes: list | None) -> list:
+    """Rank 0's `dtypes` on every rank, after one all-gather of each rank's hash of its (name, shape, dtype)
+    list and rank 0's dtypes: a rank that lists other tensors, or the same in another order, would broadcast
+    into the wrong buffers (or wait for a broadcast that never comes), so every rank stops with the same line
+    naming the ranks that differ (torch/distributed/distributed_c10d.py::all_gather_object: pickled, within
+    the group's timeout)."""
+    listing = repr([(name, tuple(t.shape), str(t.dtype)) for name, t in targets])
+    digest = hashlib.sha256(listing.encode()).hexdigest()[:12]
+    gathered = all_gather_objects([(digest, dtypes if rank() == 0 else None)])
+    differ = [r for r, (d, _) in enumerate(gathered) if d != gathered[0][0]]
+    if differ:
+        who = f"ranks {', '.join(map(str, differ))} list" if len(differ) > 1 else f"rank {differ[0]} lists"
+        raise SystemExit(f"sharded load: {who} other tensors (names, shapes, dtypes: hash "
+                         f"{gathered[differ[0]][0]}) than rank 0 ({gathered[0][0]}): every rank must build "
+                         f"the same model")
+    return gathered[0][1]
+
+
+class _Staging:
+    """Rank 0's host side of fill_from_rank0 on CUDA: one buffer of twice the largest tensor, pinned in place
+    (torch/cuda/_pin_memory_utils.py::pin_memory, cudaHostRegister, as torch/distributed/
+    _state_dict_utils.py::_create_cpu_state_dict pins), its halves taking tensors in turn: k is copied to the
+    device from one half (non_blocking: asynchronous only from pinned memory) while k+1 is read into the
+    other, never more than one ahead. Not the caching host allocator (torch.empty(pin_memory=True)): it
+    rounds each block up to a power of two and keeps every size it saw pinned after the load (aten/src/ATen/
+    core/CachingHostAllocator.h::CachingHostAllocatorImpl::allocate). Its waits are on rank 0's own copies,
+    which follow the earlier broadcasts on the stream: a rank that never joins one is ended by the group's
+    timeout (torch/distributed/distributed_c10d.py::init_process_group: the collective aborted, the process
+    stopped)."""
+
+    def __init__(self, targets, dtypes, read):
+        from torch.cuda import _pin_memory_utils
+        self.items = [(name, t.shape, dtype) for (name, t), dtype in zip(targets, dtypes)]
+        self.read, self.pins = read, _pin_memory_utils
+        largest = max(math.prod(s) * d.itemsize for _, s, d in self.items)
+        self.half = (largest + 63) // 64 * 64  # the second half aligned for any dtype's view
+        self.buffer = torch.empty(2 * self.half, dtype=torch.uint8)
+        self.pins.pin_memory(self.buffer.data_ptr(), self.buffer.numel())
+        self.copied = [None, None]  # each half's last copy to the device: the half is free once it is done
+        self.read_ahead(0)
+
+    def view(self, i):
+        name, shape, dtype = self.items[i]
+        start = i % 2 * self.half
+        return self.buffer[start:start + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
+    def read_ahead(self, i):
+        if i < len(self.items):
+            if self.copied[i % 2] is not None:  # the half's last tensor (i - 2) reached the device
+                self.copied[i % 2].synchronize()
+            self.read(self.items[i][0], self.view(i))
+
+    def to_device(self, i, device):
+        whole = self.view(i).to(device, non_blocking=True)
+        self.copied[i % 2] = torch.cuda.Event()
+        self.copied[i % 2].record()
+        return whole
+
+    def close(self):
+        torch.cuda.current_stream().synchronize()  # the last copies read the buffer
+        self.pins.unpin_memory(self.buffer.data_ptr())
+        del self.buffer
 
 
 def from_rank0(obj):

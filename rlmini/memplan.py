@@ -321,23 +321,24 @@ def load_peak(c: dict, *, ranks: int = 1, compute_bytes: int = 2, file_bytes: in
               frozen: list | None = None) -> dict:
     """The peak bytes while the models load: `device` per rank (what torch's allocator holds; the plan adds
     `outside`) and `host` per node. `file_bytes`: the checkpoint's dtype (bf16 hub weights: 2).
-    Under torchrun (ranks > 1, rlmini/models.py's sharded loading): every rank builds the models on the meta
-    device; global rank 0 reads one tensor at a time from the safetensors files and broadcasts it, and each
-    rank keeps its FSDP2 shard. On the device: the shards of everything loaded (the policy's fp32 masters, or
-    a LoRA base in the compute dtype and fp32 adapters; each frozen model in the compute dtype) plus one whole
-    tensor in transit, in the file's dtype and, for a trained policy, its fp32 copy. In host memory: the
-    tensor rank 0 has read, on its node only (the files are memory-mapped: pages, not a copy of the model).
-    One process: the policy is built whole in host memory (fp32 masters; a LoRA base in the compute dtype)
-    and moved to the device, where it is whole; a frozen model loads after it the same way."""
+    Under torchrun (ranks > 1, rlmini/models.py::load_streamed): every rank builds the models on the meta
+    device; global rank 0 reads one tensor at a time from the safetensors files and broadcasts it in the
+    file's dtype, and each rank casts its FSDP2 shard out of it (rlmini/dist.py::fill_from_rank0). On the
+    device: the shards of everything loaded (the policy's fp32 masters, or a LoRA base in the compute dtype
+    and fp32 adapters; each frozen model in the compute dtype) plus one whole tensor in the file's dtype; the
+    shard's cast needs no more (copy_ on one device converts in its kernel). In host memory, on rank 0's node
+    only: the tensor read and the one read ahead, in one pinned buffer of two halves (on CUDA: dist._Staging;
+    read straight from the file, no other copy). One process: the policy is built whole in host memory (fp32
+    masters; a LoRA base in the compute dtype) and moved to the device, where it is whole; a frozen model
+    loads after it the same way."""
     cb, P, big = compute_bytes, c["total"], c["largest"]
     policy = cb * P + 4 * c["lora"] if lora_rank else 4 * P
     frozen_bytes = sum(cb * f["total"] for f in frozen or [])
     if ranks == 1:
         return {"device": policy + frozen_bytes, "host": max(policy, cb * max([0] + [f["total"] for f in
                                                                                         frozen or []]))}
-    transit = big * (file_bytes + (0 if lora_rank else 4))
-    device = (policy + frozen_bytes) / ranks + transit
-    return {"device": device, "host": big * file_bytes}
+    device = (policy + frozen_bytes) / ranks + big * file_bytes
+    return {"device": device, "host": 2 * big * file_bytes}
 
 
 def _why_not(p: dict, tokens: int, checkpointing: bool, lora_rank: int, ranks: int):

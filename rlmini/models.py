@@ -4,6 +4,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -220,8 +221,9 @@ def load_streamed(cls, path, device, dtype, compute_dtype, prepare, new=None, ch
     memory on `device` (FSDP2's to_empty: torch/distributed/fsdp/_fully_shard/_fully_shard.py::
     FSDPModule._apply). Non-persistent buffers (rotary inv_freq) are recomputed by _init_weights, as
     from_pretrained does (transformers/modeling_utils.py::_move_missing_keys_from_meta_to_device). Then global
-    rank 0 reads the safetensors weights one tensor at a time (mmap) and broadcasts each, every rank keeping
-    its shard (dist.fill_from_rank0). A rank holds its shards and one whole tensor; rank 0 alone reads."""
+    rank 0 reads the safetensors weights one tensor at a time (straight from the file at the header's offset)
+    and broadcasts each in the file's dtype, every rank casting its shard out of it (dist.fill_from_rank0). A
+    rank holds its shards and one whole tensor in the file's dtype; rank 0 alone reads, one tensor ahead."""
     from transformers import AutoConfig
     from transformers.conversion_mapping import get_model_conversion_mapping
     with torch.device("meta"):
@@ -248,14 +250,13 @@ def load_streamed(cls, path, device, dtype, compute_dtype, prepare, new=None, ch
     if error:
         raise SystemExit(error)
 
-    def read(name):
+    def read(name, out):
         if name in kept:
-            return kept[name]
-        from safetensors import safe_open
-        file, key = sources[name]
-        with safe_open(file, "pt") as f:  # opened per tensor: no more of the file stays mapped
-            return f.get_tensor(key)
-    dist.fill_from_rank0(targets, read)
+            out.copy_(kept[name])
+        else:
+            _read_into(*sources[name][:2], out)
+    dtypes = [kept[n].dtype if n in kept else sources[n][2] for n, _ in targets] if dist.rank() == 0 else None
+    dist.fill_from_rank0(targets, read, dtypes)
     if check_head:  # the root's parameters (the output layer) gathered for the probe, as after a forward
         model.unshard()
         check_output_head(model, check_head)
@@ -264,11 +265,10 @@ def load_streamed(cls, path, device, dtype, compute_dtype, prepare, new=None, ch
 
 
 def _checkpoint_sources(targets, kept, index, prefix, path) -> tuple[dict, str | None]:
-    """({target name: (file, checkpoint key)}, None), or ({}, a one-line error): each tensor the checkpoint
-    must give, under its own name, or with or without the base model's prefix (a base model's checkpoint
-    for a head model, or the reverse, as from_pretrained allows); peft's wrapping names removed."""
-    from safetensors import safe_open
-    sources, shapes = {}, {}
+    """({target name: (file, byte offset, dtype)}, None), or ({}, a one-line error): each tensor the
+    checkpoint must give, under its own name, or with or without the base model's prefix (a base model's
+    checkpoint for a head model, or the reverse, as from_pretrained allows); peft's wrapping names removed."""
+    sources, headers = {}, {}
     for name, target in targets:
         if name in kept:
             continue
@@ -277,14 +277,65 @@ def _checkpoint_sources(targets, kept, index, prefix, path) -> tuple[dict, str |
                    None)
         if key is None:
             return {}, f"{path}: the checkpoint has no tensor for {plain} (nor {prefix}.{plain})"
-        sources[name] = (index[key], key)
-        if index[key] not in shapes:
-            with safe_open(index[key], "pt") as f:
-                shapes[index[key]] = {k: f.get_slice(k).get_shape() for k in f.keys()}
-        if list(shapes[index[key]][key]) != list(target.shape):
-            return {}, (f"{path}: {key} has shape {shapes[index[key]][key]} in the checkpoint, the model's "
-                        f"{plain} {list(target.shape)}")
+        file = index[key]
+        if file not in headers:
+            headers[file] = safetensors_header(file)
+        if isinstance(headers[file], str):
+            return {}, headers[file]
+        dtype, shape, offset = headers[file][key]
+        if isinstance(dtype, str):
+            return {}, f"{path}: {key} is {dtype} in the checkpoint, a dtype the sharded load does not read"
+        if shape != list(target.shape):
+            return {}, (f"{path}: {key} has shape {shape} in the checkpoint, the model's {plain} "
+                        f"{list(target.shape)}")
+        sources[name] = (file, offset, dtype)
     return sources, None
+
+
+# the dtype codes a safetensors header names, as safetensors/torch.py::_TYPES maps them
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                      "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+                      "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+                      "F8_E5M2": torch.float8_e5m2}
+
+
+def safetensors_header(file: str) -> dict | str:
+    """{key: (dtype, shape, byte offset in the file)} of a safetensors file (a dtype torch has no name for
+    here: its code), or a one-line error: its header is an 8-byte little-endian length, then that many bytes
+    of JSON, {key: {dtype, shape, data_offsets: [begin, end]}}, the offsets from the header's end (the format:
+    huggingface/safetensors, README.md)."""
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if 8 + n > size:
+            return f"{file}: not a safetensors file (its header's length {n} is past its end)"
+        header = json.loads(f.read(n))
+    out = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        (begin, end), dtype = entry["data_offsets"], SAFETENSORS_DTYPES.get(entry["dtype"], entry["dtype"])
+        nbytes = math.prod(entry["shape"]) * dtype.itemsize if isinstance(dtype, torch.dtype) else end - begin
+        if 8 + n + end > size:
+            return f"{file}: ends inside {key} (its last byte {8 + n + end}, the file's {size}): cut short?"
+        if end - begin != nbytes:
+            return f"{file}: {key}'s {end - begin} bytes do not hold {entry['dtype']} {entry['shape']}"
+        out[key] = (dtype, list(entry["shape"]), 8 + n + begin)
+    return out
+
+
+def _read_into(file: str, offset: int, out: torch.Tensor) -> None:
+    """out's bytes from the file at `offset`, read straight into out's memory (on CUDA rank 0's pinned
+    buffer): no second copy of the tensor, which safe_open's get_tensor is (its own storage)."""
+    view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    with open(file, "rb", buffering=0) as f:
+        f.seek(offset)
+        done = 0
+        while done < len(view):  # one read returns at most about 2 GiB on Linux
+            got = f.readinto(view[done:])
+            if not got:
+                raise OSError(f"{file}: ends inside a tensor at byte {offset + done}")
+            done += got
 
 
 def _parameters_of(model, module_names) -> list:

@@ -191,6 +191,21 @@ def test_the_plan_holds_against_the_gpu_runs():
             assert expected <= planned <= 1.15 * expected, (run["name"], phase, planned / 1e9, expected / 1e9)
 
 
+def test_the_load_peak_counts_one_tensor_in_the_files_dtype_on_the_device_and_two_on_rank_0s_host():
+    """rlmini/dist.py::fill_from_rank0 broadcasts each tensor in the file's dtype and casts in the shard's
+    copy; rank 0 reads one tensor ahead into pinned memory. By hand, for 1,000 parameters (largest tensor
+    100, LoRA adapters 10) over 4 ranks from bf16 weights: fp32 masters 4,000 / 4 + 2 x 100 on each device,
+    2 x 2 x 100 on the host; a LoRA base 2 x 1,000 + 4 x 10 over 4 ranks + 200; a bf16 frozen model beside
+    the masters (4,000 + 2,000) / 4 + 200; fp32 weights 4 x 100 in transit, 800 on the host. One process:
+    the policy whole on the device and on the host."""
+    c = {"total": 1000, "largest": 100, "lora": 10}
+    assert memplan.load_peak(c, ranks=4) == {"device": 1200, "host": 400}
+    assert memplan.load_peak(c, ranks=4, lora_rank=8) == {"device": 710, "host": 400}
+    assert memplan.load_peak(c, ranks=4, frozen=[{"total": 1000}]) == {"device": 1700, "host": 400}
+    assert memplan.load_peak(c, ranks=4, file_bytes=4) == {"device": 1400, "host": 800}
+    assert memplan.load_peak(c, ranks=1) == {"device": 4000, "host": 4000}
+
+
 def test_plan_only_prints_the_plan_from_the_config_alone(capsys):
     """--plan_only: from a config.json, no GPU, no weights, no data: the one-line plan, the load's peak,
     exit 0 when it fits, else 1 with the reason; a config that cannot be read names the file; an unknown
@@ -205,8 +220,9 @@ def test_plan_only_prints_the_plan_from_the_config_alone(capsys):
     assert e.value.code == 0 and out[0].startswith("memory plan per rank (GiB of 79.20): update")
     assert out[0].endswith("; fits") and "rollout" in out[0] and "push" in out[0]
     c = memplan.count(memplan.load_config(path))
-    load = memplan.load_peak(c, ranks=16)  # the shards and one tensor in transit, bf16 and its fp32 copy
-    assert load["device"] == 4 * c["total"] / 16 + 6 * c["largest"] and load["host"] == 2 * c["largest"]
+    load = memplan.load_peak(c, ranks=16)  # the fp32 shards and one whole bf16 tensor; rank 0's two, pinned
+    assert load["device"] == 4 * c["total"] / 16 + 2 * c["largest"] and load["host"] == 2 * 2 * c["largest"]
+    assert (load["device"], load["host"]) == (9_748_104_448, 3_114_270_720)  # 32.76B; the largest 778.6M
     assert out[1].startswith("load peak: ") and f"{load['host'] / GiB:.2f} GiB of the model in host" in out[1]
     assert "16 GPUs, 2 nodes of 8" in out[1]
     with pytest.raises(SystemExit, match=r"memory plan: vLLM needs at least .* GiB"):
