@@ -101,8 +101,8 @@ class Args(data.TaskArgs, tools.ToolArgs, server.ServerArgs, memplan.PlanArgs, r
     eval_every: int = arg(0, "evaluate on the held-out split every N steps and at the end (0 = off)", ge=0)
     eval_n: int = arg(4, "samples per held-out prompt in evaluation", ge=1)
     eval_limit: int = arg(0, "held-out prompts used in evaluation (0 = all)", ge=0)
-    save_every: int = arg(50, "checkpoint every N steps and at the end (0: only at the end; -1: never, no final/)",
-                          ge=-1)
+    save_every: int = arg(50, "checkpoint every N steps and at the end (0: only at the end; -1: never, nor "
+                              "final/)", ge=-1)
     resume: bool = arg(False, "continue from out_dir/run_name/checkpoint.pt")
     format_weight: float = arg(0.0, "add this times the format score to the reward")
     reward: str = arg("", "your reward functions, module:function[,...] ('task' = the task's verifier)")

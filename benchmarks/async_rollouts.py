@@ -117,7 +117,8 @@ def plan_table(gpu_gb: float = 79.2, tokens: int = 16384) -> str:
         for tp in (None, 1, 4):
             vllm = None if tp is None else dict(max_num_seqs=64, max_len=2048, dtype_bytes=2, tp=tp)
             p = memplan.plan(c, ranks=gpus, tokens=tokens, checkpointing=True, vllm=vllm, server=tp is None,
-                             gpu_bytes=gpu_gb * GiB, communicators=(gpus > 1) + 2 * bool(tp and tp > 1))
+                             gpu_bytes=gpu_gb * GiB,
+                             communicators=memplan.nccl_communicators(gpus, tp is not None, tp or 1))
             usable = p["gpu"] - p["margin"]
             over = [k for k in ("update", "rollout", "push") if p[k] > usable]
             over += ["vLLM's minimum"] if "vllm_min" in p and p["vllm"] < p["vllm_min"] else []

@@ -56,7 +56,7 @@ def table(args) -> str:
             p = memplan.plan(c, ranks=g, tokens=args.tokens, checkpointing=args.checkpointing,
                              reference=args.beta > 0, critic=args.critic, lora_rank=args.lora_rank, vllm=vllm,
                              gpu_bytes=args.gpu_gb * GiB, share=args.vllm_share,
-                             communicators=(g > 1) + 2 * (tp > 1))  # as memplan.plan_for counts them
+                             communicators=memplan.nccl_communicators(g, True, tp))
             f = lambda x: f"{x / GiB:.1f}"  # noqa: E731
             rows.append(f"| {name} | {c['total'] / 1e9:.2f}B | {g} | {tp} | "
                         f"{f(p['weights'] + p['grads'] + p['adam'])} "

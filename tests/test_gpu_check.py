@@ -66,14 +66,45 @@ def test_the_built_in_model_passes_on_cpu_with_vllm(tmp_path):
         "/1-tiny-grpo/metrics.jsonl"), last
 
 
-def test_the_hf_engine_is_certified_with_vllms_columns_n_a_on_two_rungs(tmp_path):
-    """--engine hf (as on a GPU machine without vLLM): the built-in model (PPO: its critic too) and
+# What an environment of torch, transformers, peft and safetensors alone lacks (a lent GPU machine's python;
+# huggingface_hub 2.x brings httpx2, not httpx): hidden from every process of the run by a sitecustomize
+MINIMAL_LACKS = ("vllm", "httpx", "wandb", "datasets", "math_verify", "reasoning_gym", "openenv", "gguf",
+                 "matplotlib", "sklearn", "scipy", "pandas", "pyarrow", "requests", "aiohttp", "openai",
+                 "fastapi", "pytest", "tiktoken", "sentencepiece", "triton")
+HIDE = """import importlib.machinery, sys
+class Hidden(importlib.machinery.PathFinder):
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name.partition(".")[0] in {lacks!r}:
+            return None
+        return importlib.machinery.PathFinder.find_spec(name, path, target)
+sys.meta_path = [Hidden if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
+"""
+
+
+def test_the_hf_engine_is_certified_in_a_minimal_environment_with_vllms_columns_n_a(tmp_path):
+    """Without vLLM, httpx, wandb, datasets... (MINIMAL_LACKS hidden, as on a lent GPU machine): every trainer
+    imports, and gpu-check runs with the HF engine: the built-in model (PPO: its critic too) and
     Qwen2.5-0.5B's shapes cut to one layer, built here with random weights, its real vocabulary and the chat
-    tokenizer."""
-    proc = gpu_check_run(tmp_path, *SMALL, "--scripts", "ppo", "--engine", "hf")
+    tokenizer; vLLM's columns n/a."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(HIDE.format(lacks=set(MINIMAL_LACKS)))
+    path = os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = {**os.environ, "PYTHONPATH": path, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+    modules = "eval, rewards, train_grpo, train_rloo, train_gpg, train_corpo, train_ppo"
+    code = (f"import importlib.util, {modules}\n"
+            "assert importlib.util.find_spec('vllm') is None and importlib.util.find_spec('httpx') is None")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_check.py"), "--out", str(out),
+                           *SMALL, "--scripts", "ppo"], cwd=ROOT, env={**env, "PYTHONUNBUFFERED": "1"},
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    text = open(tmp_path / "gpu_check.md").read()
-    assert ", --engine hf, " in text and "\nvLLM columns n/a: --engine hf " in text, text
+    text = open(out / "gpu_check.md").read()
+    assert ", vLLM not installed, --engine hf, " in text, text
+    assert "\nvLLM columns n/a: vLLM is not installed" in text, text
     check_cpu_row(row_of(text, "| 1 | tiny | ppo |"), "2", vllm=False)
     check_cpu_row(row_of(text, "| 2 | qwen2.5-0.5b-1l | grpo |"), "3", vllm=False)
     built = json.load(open(os.path.join(gpu_check.SCRATCH, "rlmini-gpu-check", "qwen2.5-0.5b-instruct-1l",

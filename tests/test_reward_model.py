@@ -327,4 +327,5 @@ def test_held_out_scoring_neither_moves_the_running_norm_nor_the_logged_sums(mod
         assert fn(prompts=["1+2="], completions=["3"], examples=EXAMPLES[:1], finished=[True]) == \
             pytest.approx([-1.0], abs=1e-5)  # the running mean and std as they were
     assert fn.state == state  # the sums: the training call's +1 and -1 (float32 rounding), not the eval's -1
-    assert fn.step_metrics() == pytest.approx({"reward/rm_raw_sum": 0.0, "reward/rm_raw_count": 2.0}, abs=1e-6)
+    sums = {"reward/rm_raw_sum": 0.0, "reward/rm_raw_count": 2.0}
+    assert fn.step_metrics() == pytest.approx(sums, abs=1e-6)
