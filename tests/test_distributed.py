@@ -245,18 +245,22 @@ def test_a_finished_torchrun_job_exits_0_every_time(tmp_path):
         assert proc.returncode == 0 and "terminate called" not in proc.stderr, (attempt, proc.stderr[-3000:])
 
 
-def test_finish_saves_then_waits_for_every_rank(monkeypatch):
-    """The last checkpoint and final/ are written, then the ranks meet at a barrier (the group ends at exit).
-    """
+def test_finish_saves_then_waits_for_every_rank(monkeypatch, capsys):
+    """The last checkpoint and final/ are written, then the ranks meet at a barrier (the group ends at exit);
+    --save_every -1 (a benchmark's run) writes neither and says so."""
     from rlmini import checkpoint, dist
     events = []
     monkeypatch.setattr(checkpoint, "save", lambda run: events.append("checkpoint"))
     monkeypatch.setattr(checkpoint, "save_final", lambda *a, **k: events.append("final"))
     monkeypatch.setattr(dist, "barrier", lambda: events.append("barrier"))
     log = types.SimpleNamespace(close=lambda: events.append("log"))
-    common.finish(types.SimpleNamespace(model=None, tokenizer=None, run_dir="x", style="tiny", log=log,
-                                        engine=None, toolbox=None))
-    assert events == ["log", "checkpoint", "final", "barrier"]  # the progress bar ends before the save's line
+    for every, expected in ((0, ["log", "checkpoint", "final", "barrier"]), (-1, ["log", "barrier"])):
+        events.clear()
+        args = types.SimpleNamespace(save_every=every)
+        common.finish(types.SimpleNamespace(model=None, tokenizer=None, run_dir="x", style="tiny", log=log,
+                                            engine=None, toolbox=None, args=args))
+        assert events == expected  # the progress bar ends before the save's line
+    assert capsys.readouterr().out == "nothing saved (--save_every -1); metrics in x/metrics.jsonl\n"
 
 
 # ---------------------------------------------------------------------------------------------- helpers
