@@ -237,6 +237,11 @@ def top_share_threshold(values: list, share: float) -> float:
     return x.kthvalue(x.numel() - k + 1).values.item()
 
 
+# what gloo's broadcast takes (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp: "Invalid scalar type" else)
+GLOO_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
+               torch.int32, torch.int64, torch.bool}
+
+
 def fill_from_rank0(targets: list, read, dtypes: list | None) -> None:
     """Fill a sharded model's parameters (DTensor shards) and buffers from whole tensors that only global rank
     0 reads, one at a time: `targets` is [(name, tensor)] in the same order on every rank (checked first:
@@ -258,26 +263,33 @@ def fill_from_rank0(targets: list, read, dtypes: list | None) -> None:
     dtypes = _check_same_targets(targets, dtypes)
     root = rank() == 0
     staging = _Staging(targets, dtypes, read) if root and device.type == "cuda" and targets else None
-    with torch.no_grad():
-        for i, (name, target) in enumerate(targets):
-            if staging:
-                whole = staging.to_device(i, device)
-            else:
-                whole = torch.empty(target.shape, dtype=dtypes[i], device=device)
-                if root:
-                    read(name, whole)
-            torch.distributed.broadcast(whole, src=0)
-            if staging:  # the host reads the next tensor while the device copies and broadcasts this one
-                staging.read_ahead(i + 1)
-            if isinstance(target, DTensor):
-                shape, offset = compute_local_shape_and_global_offset(whole.shape, target.device_mesh,
-                                                                      target.placements)
-                target.to_local().copy_(whole[tuple(slice(o, o + n) for n, o in zip(shape, offset))])
-            else:
-                target.copy_(whole)
-            del whole
-    if staging:
-        staging.close()
+    try:
+        with torch.no_grad():
+            for i, (name, target) in enumerate(targets):
+                if staging:
+                    whole = staging.to_device(i, device)
+                elif device.type == "cuda" or dtypes[i] in GLOO_DTYPES:
+                    whole = torch.empty(target.shape, dtype=dtypes[i], device=device)
+                    if root:
+                        read(name, whole)
+                else:  # gloo has no float8 or uint16..64: such a tensor crosses in the target's dtype
+                    whole = torch.empty(target.shape, dtype=dtypes[i] if root else target.dtype)
+                    if root:
+                        read(name, whole)
+                        whole = whole.to(target.dtype)
+                torch.distributed.broadcast(whole, src=0)
+                if staging:  # the host reads the next tensor while the device copies and broadcasts this one
+                    staging.read_ahead(i + 1)
+                if isinstance(target, DTensor):
+                    shape, offset = compute_local_shape_and_global_offset(whole.shape, target.device_mesh,
+                                                                          target.placements)
+                    target.to_local().copy_(whole[tuple(slice(o, o + n) for n, o in zip(shape, offset))])
+                else:
+                    target.copy_(whole)
+                del whole
+    finally:  # unpinned even when a read fails, once the copies in flight are done
+        if staging:
+            staging.close()
 
 
 def _check_same_targets(targets: list, dtypes: list | None) -> list:

@@ -298,7 +298,9 @@ def plan(c: dict, *, ranks: int = 1, compute_bytes: int = 2, tokens: int = 8192,
     # the first step's rollout phase also holds the set-up: materialize_adamw's zero gradients; a reward model
     # scores beside vLLM awake, after the HF engine's generate has let go of its cache
     rollout = outside + persistent + max(v_bytes + gathered + reward_scoring, hf_bytes, reward_scoring, grads)
-    woken = v_weights + graphs + VLLM_WAKE + gathered if vllm else 0.0  # wake_up(["weights"]) restores more
+    # wake_up(["weights"]) restores more than the weights; an engine that never sleeps is whole all along
+    sleeps = vllm and vllm.get("sleep", True)
+    woken = (v_weights + graphs + VLLM_WAKE if sleeps else v_bytes) + gathered if vllm else 0.0
     push = outside + persistent + woken + push_extra + push_buffers
     load = load_peak(c, ranks=n, compute_bytes=cb, lora_rank=lora_rank, frozen=frozen)
     out = {"weights": weights, "grads": grads, "adam": adam, "reference": ref, "working": working,
@@ -509,10 +511,33 @@ def plan_for(args, algo: str, c: dict, *, ranks: int, dtype, max_len: int, gpu_b
 def inference_activation_bytes(c: dict, tokens: int, compute_bytes: int) -> float:
     """A no-grad forward's peak beyond the weights for `tokens` (padding included): within one decoder layer
     the residual, the normed input and the MLP's gate, up and activation (2h + 3i per token; nothing is kept
-    for a backward, no KV cache: use_cache=False), and the padding mask (one byte per token pair of a row,
-    at most tokens x min(tokens, context))."""
-    per_token = compute_bytes * (2 * c["hidden"] + 3 * c["intermediate"])
-    return tokens * per_token + tokens * min(tokens, c["context"])
+    for a backward, no KV cache: use_cache=False), and the padding mask, per token pair of a row (at most
+    tokens x min(tokens, context) pairs): a byte (sdpa's boolean mask), or under the eager attention of a
+    soft-capped model (packing.exact_attention) a compute-dtype mask and each head's scores, soft-capped
+    copy and fp32 softmax (transformers/models/gemma2/modeling_gemma2.py::eager_attention_forward)."""
+    cb, pairs = compute_bytes, tokens * min(tokens, c["context"])
+    mask = cb * pairs + c["heads"] * pairs * (3 * cb + 4) if c.get("attn_softcap") else pairs
+    return tokens * cb * (2 * c["hidden"] + 3 * c["intermediate"]) + mask
+
+
+def classifier_counts(config) -> dict:
+    """A sequence classifier's parameters counted on the meta device (its own class, any family): in all, in
+    its largest decoder layer (FSDP2's unit: _no_split_modules) and in the root (embeddings, final norm, the
+    score head), with the widths its no-grad forward uses (inference_activation_bytes)."""
+    from transformers import AutoModelForSequenceClassification
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(config)
+    classes = set(getattr(model, "_no_split_modules", None) or [])
+    per_layer = [sum(p.numel() for p in m.parameters()) for m in model.modules()
+                 if type(m).__name__ in classes]
+    total = sum(p.numel() for p in model.parameters())
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = text.hidden_size
+    return {"total": total, "layer": max(per_layer, default=0), "root": total - sum(per_layer),
+            "hidden": hidden, "intermediate": getattr(text, "intermediate_size", None) or 4 * hidden,
+            "heads": text.num_attention_heads,
+            "context": getattr(text, "max_position_embeddings", None) or 4096,
+            "attn_softcap": bool(getattr(text, "attn_logit_softcapping", None))}
 
 
 def reward_model_share(args, ranks: int, dtype, cuda: bool = True) -> dict:
@@ -528,11 +553,10 @@ def reward_model_share(args, ranks: int, dtype, cuda: bool = True) -> dict:
     from rlmini import reward_model
     config = reward_model.check(args.reward_model)
     cb = dtype.itemsize
-    weights = reward_model.reward_model_bytes(config, ranks, cb)
-    c = count(config)  # the decoder's widths and layers (the causal LM of the same config)
+    c = classifier_counts(config)
+    weights = cb * c["total"] / ranks
     offload = args.reward_model_offload and cuda
-    root = weights * ranks / cb - c["layers"] * c["layer"]  # embeddings, final norm, the score head
-    gathered = cb * (root + 2 * c["layer"]) if ranks > 1 else 0.0
+    gathered = cb * (c["root"] + 2 * c["layer"]) if ranks > 1 else 0.0
     scoring = (weights if offload else 0.0) + gathered + inference_activation_bytes(
         c, reward_model.scoring_tokens(args), cb)
     return {"reward_model": 0.0 if offload else weights, "reward_scoring": scoring}

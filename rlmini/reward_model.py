@@ -98,8 +98,8 @@ def forward_scores(model, ids: list, pad_id: int, device) -> torch.Tensor:
     transformers/modeling_layers.py::GenericForSequenceClassification.forward would (rightmost non-pad id),
     and a bf16 head's rounding (steps of 0.03 near 5, ties under --reward_norm group) is not in the score.
     no_grad, not inference_mode: FSDP2's world-size-1 unshard preserves version counters, which inference
-    tensors lack (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py::FSDPParamGroup.unshard). No KV
-    cache: the model's config would make one of every layer (use_cache)."""
+    tensors lack (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py::FSDPParamGroup.wait_for_unshard).
+    No KV cache: the model's config would make one of every layer (use_cache)."""
     width = max(len(x) for x in ids)
     input_ids = torch.tensor([x + [pad_id] * (width - len(x)) for x in ids], device=device)
     mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids], device=device)
@@ -108,7 +108,9 @@ def forward_scores(model, ids: list, pad_id: int, device) -> torch.Tensor:
 
     def head(module, inputs, output):  # inside the forward: an FSDP2 root's weight is gathered here
         bias = None if module.bias is None else module.bias.float()
-        seen.append(torch.nn.functional.linear(inputs[0][rows, last].float(), module.weight.float(), bias))
+        with torch.autocast(inputs[0].device.type, enabled=False):  # fp32 under any caller's autocast too
+            hidden = inputs[0][rows, last].float()
+            seen.append(torch.nn.functional.linear(hidden, module.weight.float(), bias))
     hook = model.score.register_forward_hook(head)
     try:
         with torch.no_grad():
@@ -154,8 +156,8 @@ def make_reward_model(args):
     def load(device, dtype):
         from transformers import AutoTokenizer
         model = models.load_frozen(path, device, dtype, kind="sequence-classification")
-        if not isinstance(getattr(model, "score", None), torch.nn.Module):
-            raise SystemExit(f"--reward_model {path}: no `score` head (a {type(model).__name__}); the "
+        if not isinstance(getattr(model, "score", None), torch.nn.Linear):
+            raise SystemExit(f"--reward_model {path}: no linear `score` head (a {type(model).__name__}); the "
                              f"Llama/Qwen-style sequence classifiers have one")
         tok = AutoTokenizer.from_pretrained(path)
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

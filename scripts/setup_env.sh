@@ -8,23 +8,12 @@
 # removed (an interrupted build) if this script made it: it holds .rlmini-setup.
 #
 # --python-at-hand (make gpu-check): print an interpreter instead, and install nothing where one will do:
-# $RLMINI_VENV/bin/python if RLMINI_VENV names an environment, else python3 if it imports torch,
-# transformers and safetensors (a lent GPU machine with no package index), else the environment's python.
+# $RLMINI_VENV/bin/python if RLMINI_VENV names an environment, else the cached environment if it is complete,
+# else python3 if it imports torch, transformers and safetensors (a lent GPU machine with no package index),
+# else the environment's python, built.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-
-if [ "${1:-}" = --python-at-hand ]; then
-  if [ -n "${RLMINI_VENV:-}" ] && [ -x "$RLMINI_VENV/bin/python" ]; then
-    echo "setup: the environment in RLMINI_VENV: $RLMINI_VENV" >&2
-    echo "$RLMINI_VENV/bin/python"; exit 0
-  fi
-  if command -v python3 >/dev/null && python3 -c "import torch, transformers, safetensors" 2>/dev/null; then
-    echo "setup: the python at hand ($(command -v python3)) has torch, transformers and safetensors:" \
-      "using it, installing nothing" >&2
-    command -v python3; exit 0
-  fi
-  echo "$(bash "$0")/bin/python"; exit 0
-fi
+self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
+cd "$(dirname "$self")/.."
 
 flavor=${RLMINI_FLAVOR:-}
 if [ -z "$flavor" ]; then
@@ -38,9 +27,23 @@ esac
 hash=$(cat requirements-common.txt "$req" scripts/setup_env.sh | sha256sum | cut -c1-12)
 venv=${RLMINI_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/rlmini/venv-$flavor-$hash}
 
+if [ "${1:-}" = --python-at-hand ]; then
+  if [ -x "$venv/bin/python" ] && { [ -n "${RLMINI_VENV:-}" ] || [ -f "$venv/.complete" ]; }; then
+    echo "setup: the environment $venv" >&2
+    echo "$venv/bin/python"; exit 0
+  fi
+  if command -v python3 >/dev/null && python3 -c "import torch, transformers, safetensors" 2>/dev/null; then
+    echo "setup: the python at hand ($(command -v python3)) has torch, transformers and safetensors:" \
+      "using it, installing nothing" >&2
+    command -v python3; exit 0
+  fi
+  built=$(bash "$self") || exit $?  # a failed build stops here, with its message
+  echo "$built/bin/python"; exit 0
+fi
+
 if [ ! -f "$venv/.complete" ]; then
   mkdir -p "$(dirname "$venv")"
-  exec 9>"$venv.lock"
+  exec 9>>"$venv.lock"  # appended to, never truncated
   flock 9  # one builder at a time; the others wait and reuse its result
   if [ ! -f "$venv/.complete" ]; then
     if [ -e "$venv" ] && [ ! -f "$venv/.rlmini-setup" ] && [ -n "$(ls -A "$venv" 2>/dev/null)" ]; then

@@ -101,10 +101,26 @@ def test_plan_by_hand():
     assert p["update"] == one["update"]  # asleep, vLLM keeps nothing (its CUDA graphs offloaded too)
     awake = memplan.plan(c, tokens=10, vllm={**vllm, "sleep": False}, **free)
     assert awake["update"] - one["update"] == pytest.approx(want)  # without sleep it stays whole
+    assert awake["push"] == awake["persistent"] + want + (4 + 2) * 200  # the push too: nothing to wake
     nccl = memplan.plan(c, ranks=4, tokens=10, reference=True, communicators=3, context=GiB, workspace=0.0,
                         gpu_bytes=100 * GiB)
     assert nccl["outside"] == GiB + 3 * memplan.NCCL_COMM  # the CUDA context and three communicators
     assert nccl["update"] - four["update"] == nccl["outside"] == nccl["rollout"] - four["rollout"]
+
+
+def test_a_no_grad_forward_by_hand_and_a_soft_capped_models_eager_attention():
+    """A scoring forward (a reward model's): per token 2h + 3i in the compute dtype, and per token pair the
+    padding mask, a byte; a soft-capped model (Gemma 2) runs eager attention: a compute-dtype mask, and per
+    head its scores, their soft-capped copy, the fp32 softmax and its cast (3 cb + 4 bytes a pair)."""
+    from transformers import Gemma2Config
+    c = dict(hidden=8, intermediate=16, context=4096, heads=4, attn_softcap=False)
+    assert memplan.inference_activation_bytes(c, 10, 2) == 10 * 2 * (16 + 48) + 100
+    c.update(attn_softcap=True, context=6)  # a row is at most the context long
+    assert memplan.inference_activation_bytes(c, 10, 2) == 10 * 2 * (16 + 48) + 2 * 60 + 4 * 60 * (6 + 4)
+    gemma = Gemma2Config(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=8, vocab_size=64, num_labels=1)
+    d = memplan.classifier_counts(gemma)
+    assert d["attn_softcap"] and d["heads"] == 2 and d["layer"] > 0 and d["root"] == 64 * 16 + 16 + 16
 
 
 def test_the_hf_engines_rollout_by_hand_and_against_its_generate():

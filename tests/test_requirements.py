@@ -50,3 +50,27 @@ def test_the_gpu_requirements_resolve(tmp_path):
     for req in declared("requirements.txt"):
         version = chosen[canonical(req.name)]
         assert req.specifier.contains(version, prereleases=True), (req, version)
+
+
+def test_setup_never_removes_a_folder_it_did_not_make_and_hands_over_an_environment(tmp_path):
+    """scripts/setup_env.sh: RLMINI_VENV naming a folder of the user's (not empty, no .rlmini-setup) is
+    refused in one line, untouched; --python-at-hand (make gpu-check) prints RLMINI_VENV's python, from any
+    folder, installing nothing; a build that fails is not hidden behind a made-up path."""
+    script = os.path.join(ROOT, "scripts", "setup_env.sh")
+    mine, stub = tmp_path / "mine", tmp_path / "bin"
+    mine.mkdir(), stub.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    (stub / "python3").write_text("#!/bin/sh\nexit 1\n")  # no python at hand with torch: it would build
+    (stub / "python3").chmod(0o755)
+    env = {**os.environ, "RLMINI_VENV": str(mine), "PATH": f"{stub}{os.pathsep}{os.environ['PATH']}"}
+    for flags in ([], ["--python-at-hand"]):
+        proc = subprocess.run(["bash", script, *flags], cwd=tmp_path, capture_output=True, text=True, env=env,
+                              timeout=60)
+        assert proc.returncode == 2 and proc.stdout == "", (flags, proc.stdout, proc.stderr)
+        assert proc.stderr.strip().splitlines()[-1].startswith(f"setup: {mine} is not empty and this script "
+                                                              "did not make it")
+        assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    here = os.path.dirname(os.path.dirname(sys.executable))  # this test's environment
+    proc = subprocess.run(["bash", script, "--python-at-hand"], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "RLMINI_VENV": here}, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == f"{here}/bin/python\n", proc.stderr

@@ -266,14 +266,20 @@ def test_the_plan_counts_the_reward_model(models_built):
     assert reward_model.reward_model_bytes(config, 1, 2, offload=True) == 0.0
     args = types.SimpleNamespace(reward_model=RANDOM, reward_model_offload=False, reward_model_tokens=0,
                                  micro_batch_tokens=300)
-    d = memplan.count(config)  # its decoder: the causal LM of the same config
+    model = AutoModelForSequenceClassification.from_config(config)
+    layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    root = n / 2 - len(model.model.layers) * layer  # embeddings, norm, score head
+    d = memplan.classifier_counts(config)
+    assert (d["total"], d["layer"], d["root"]) == (n / 2, layer, root)
+    assert (d["hidden"], d["intermediate"], d["heads"]) == (config.hidden_size, config.intermediate_size,
+                                                            config.num_attention_heads)
     tokens = 300  # --micro_batch_tokens without --reward_model_tokens (reward_model.scoring_tokens)
     act = tokens * 2 * (2 * d["hidden"] + 3 * d["intermediate"]) + tokens * min(tokens, d["context"])
     bf16 = torch.bfloat16
     assert memplan.reward_model_share(args, 1, bf16) == {"reward_model": n, "reward_scoring": act}
-    root = n / 2 - d["layers"] * d["layer"]  # embeddings, norm, score head: gathered with two layers (FSDP2)
+    # FSDP2: the root gathered with two layers (the one computing, the next)
     assert memplan.reward_model_share(args, 2, bf16) == {
-        "reward_model": n / 2, "reward_scoring": pytest.approx(2 * (root + 2 * d["layer"]) + act)}
+        "reward_model": n / 2, "reward_scoring": pytest.approx(2 * (root + 2 * layer) + act)}
     args.reward_model_offload = True  # CUDA: moved in to score, beside vLLM; CPU: nowhere to offload to
     assert memplan.reward_model_share(args, 1, bf16) == {"reward_model": 0.0, "reward_scoring": n + act}
     assert memplan.reward_model_share(args, 1, bf16, cuda=False)["reward_model"] == n

@@ -284,3 +284,22 @@ def test_a_checkpoint_that_lacks_a_weight_is_refused_by_name(tmp_path):
 
 if __name__ == "__main__":
     worker(sys.argv[1])
+
+
+def test_a_dtype_gloo_cannot_send_crosses_in_the_targets_dtype(monkeypatch):
+    """gloo broadcasts no float8 or uint16..64 ("Invalid scalar type"): on CPU such a tensor is cast by rank 0
+    and sent in its target's dtype; what arrives is the file's values, exactly."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29547")
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        values = torch.tensor([0.5, -1.75, 3.0, 448.0]).to(torch.float8_e4m3fn)
+        ids = torch.tensor([1, 2, 65535], dtype=torch.uint16)
+        targets = [("w", torch.zeros(4)), ("ids", torch.zeros(3, dtype=torch.int64))]
+
+        def read(name, out):
+            out.copy_(values if name == "w" else ids)
+        dist.fill_from_rank0(targets, read, [torch.float8_e4m3fn, torch.uint16])
+        assert torch.equal(targets[0][1], values.float()) and targets[1][1].tolist() == [1, 2, 65535]
+    finally:
+        torch.distributed.destroy_process_group()
