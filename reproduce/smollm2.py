@@ -83,7 +83,8 @@ def main(argv=None):
     print("|---|---|---|---|---|---|")
     for r in runs:
         e, first, last = r["eval"], r["rewards"][:5], r["rewards"][-5:]
-        above = "**above**" if e["pass@1_ci95"][0] > base["pass@1_ci95"][1] else "overlaps"
+        above = ("**above**" if e["pass@1_ci95"][0] > base["pass@1_ci95"][1]
+                 else "below" if e["pass@1_ci95"][1] < base["pass@1_ci95"][0] else "overlaps")
         print(f"| {r['name']} | {base['pass@1']:.3f} {ci(base)} | {e['pass@1']:.3f} {ci(e)} ({above}) | "
               f"{base['format_fail']:.3f} / {e['format_fail']:.3f} | "
               f"{sum(first) / len(first):.3f}, {sum(last) / len(last):.3f} | {r['minutes']:.1f} |")
