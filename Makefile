@@ -7,7 +7,7 @@ demo:  ## GRPO on the built-in tiny model, sums of 0..14 (CPU, offline, vLLM rol
 	$(PY) train_grpo.py --run_name demo --task addition:14 --eval_every 50 --eval_n 8 --overwrite true --wandb false $(ARGS)
 
 test:  ## the whole test suite (CPU, offline)
-	$(PY) -m pytest -q tests $(ARGS)
+	$(PY) -m pytest -q --durations=15 tests $(ARGS)
 
 bench:  ## throughput table for each engine
 	$(PY) benchmarks/bench_engines.py $(ARGS)

@@ -57,12 +57,11 @@ def test_the_built_in_model_passes_on_cpu_with_vllm(tmp_path):
     check_cpu_row(row, "3", vllm=True)
     assert float(row["vLLM alone tok/s"].replace(",", "")) > 0, row
     assert all(os.path.getsize(tmp_path / f"1-tiny-grpo-{log}.log") for log in ("train", "vllm-alone"))
-    log = open(tmp_path / "1-tiny-grpo-train.log").read()  # the start-up phases and the final save's line
+    log = open(tmp_path / "1-tiny-grpo-train.log").read()  # the start-up phases; the rungs save nothing
     assert [x.split(" ")[1] for x in log.splitlines() if x.startswith("start-up: ")] == [
         "model", "engine", "first"], log
     last = log.strip().splitlines()[-1]
-    assert last.startswith("saved /") and "/1-tiny-grpo/final (model, " in last, last
-    assert last.endswith(" s with the checkpoint) and " + last.split(" and ")[-1]) and last.endswith(
+    assert last.startswith("nothing saved (--save_every -1); metrics in /") and last.endswith(
         "/1-tiny-grpo/metrics.jsonl"), last
 
 

@@ -293,9 +293,13 @@ def test_the_plan_counts_the_reward_model(models_built):
 
 def test_a_policy_trained_against_the_known_reward_model_moves_toward_what_it_prefers(models_built, tmp_path):
     """GRPO on the tiny model, the known reward model as the reward (no --reward): reward/rm rises."""
-    run_script("train_grpo.py", ["--engine", "hf", "--steps", "20", "--prompts_per_step", "8", "--group_size",
-                                 "8", "--micro_batch_size", "64", "--save_every", "0", "--reward_model",
-                                 KNOWN, "--out_dir", str(tmp_path), "--run_name", "rm"])
+    proc = run_script("train_grpo.py", [
+        "--engine", "hf", "--steps", "20", "--prompts_per_step", "8", "--group_size", "8",
+        "--micro_batch_size", "64", "--save_every", "0", "--reward_model", KNOWN, "--out_dir", str(tmp_path),
+        "--run_name", "rm"])
+    last = proc.stdout.strip().splitlines()[-1]  # the final save's line (rlmini/checkpoint.py::save_final)
+    assert last == (f"saved {tmp_path / 'rm' / 'final'} (model, {last.split('(model, ')[1].split(' ')[0]} s "
+                    f"with the checkpoint) and {tmp_path / 'rm' / 'metrics.jsonl'}"), last
     rows = read_metrics(tmp_path / "rm")
     first, last = [sum(r["reward/rm"] for r in part) / 5 for part in (rows[:5], rows[-5:])]
     assert all(r["reward/rm"] == pytest.approx(r["reward/mean"]) for r in rows)
