@@ -123,16 +123,20 @@ def forward_scores(model, ids: list, pad_id: int, device) -> torch.Tensor:
 def normalise(raw: torch.Tensor, groups: list, how: str, state: dict, update: bool = True) -> torch.Tensor:
     """--reward_norm: `group`, each prompt group's z-score (std 0: 0); `running`, the z-score by the mean and
     std of every score so far, all ranks (Chan et al.'s merge of (count, mean, M2), this batch included);
-    `state` holds them (saved in checkpoints); `update` False: used as they are (evaluation)."""
+    `state` holds them (saved in checkpoints); `update` False: used as they are (evaluation). A NaN or inf
+    score stays what it is (--on_nonfinite decides) and never enters a mean or a std: one would poison the
+    group's scores, or the running state (and every later reward, and the checkpoint) for good."""
+    finite = torch.isfinite(raw)
     if how == "group":
-        out = torch.empty_like(raw)
+        out = raw.clone()
         for g in groups:
-            x = raw[g]
-            out[g] = (x - x.mean()) / (x.std(unbiased=False) + 1e-6)
+            x, ok = raw[g], finite[g]
+            if ok.any():
+                out[g] = torch.where(ok, (x - x[ok].mean()) / (x[ok].std(unbiased=False) + 1e-6), x)
         return out
     if how == "running" and update:
-        s = dist.all_sum({"n": float(len(raw)), "sum": raw.double().sum().item(),
-                          "sq": (raw.double() ** 2).sum().item()})
+        kept = raw[finite].double()
+        s = dist.all_sum({"n": float(len(kept)), "sum": kept.sum().item(), "sq": (kept ** 2).sum().item()})
         if s["n"]:
             n, mean = s["n"], s["sum"] / s["n"]
             m2 = max(s["sq"] - n * mean * mean, 0.0)

@@ -257,6 +257,22 @@ def test_normalisation_by_group_and_running_by_hand():
     assert second.tolist() == pytest.approx([(6 - 4) / std, (10 - 4) / std], rel=1e-5)
 
 
+def test_a_nonfinite_score_stays_out_of_the_group_and_running_statistics():
+    """A NaN or inf score is returned as it is (for --on_nonfinite) and never enters a mean or std: the
+    running state after a batch with one equals the state of its finite scores; later rewards are finite."""
+    nan, inf = float("nan"), float("inf")
+    got = reward_model.normalise(torch.tensor([1.0, 3.0, nan, 2.0, inf, 2.0]), [slice(0, 3), slice(3, 6)],
+                                 "group", {})
+    assert got[:2].tolist() == pytest.approx([-1.0, 1.0], abs=1e-5) and math.isnan(got[2])
+    assert got[3].item() == pytest.approx(0.0, abs=1e-6) and got[4].item() == inf and got[5].item() == 0.0
+    poisoned, clean = {}, {}
+    out = reward_model.normalise(torch.tensor([1.0, nan, 3.0, -inf]), [], "running", poisoned)
+    reward_model.normalise(torch.tensor([1.0, 3.0]), [], "running", clean)
+    assert poisoned == clean and clean["n"] == 2 and math.isnan(out[1]) and out[3].item() == -inf
+    later = reward_model.normalise(torch.tensor([6.0, 10.0]), [], "running", poisoned)
+    assert torch.isfinite(later).all() and poisoned["n"] == 4
+
+
 def test_the_plan_counts_the_reward_model(models_built):
     config = reward_model.check(RANDOM)
     from transformers import AutoModelForSequenceClassification
