@@ -358,11 +358,14 @@ def cmd_evaluate(argv) -> dict:
                        choices=choices)
     a = p.parse_args(argv)
     greedy = a.temperature == 0
+    if a.n is not None and a.n < 1:  # given, and not a sample: never read as "the default"
+        raise SystemExit(f"--n {a.n}: must be >= 1")
     if greedy and (a.n not in (None, 1) or a.k not in (None, "1")):
         given = " ".join(f"--{f} {v}" for f, v in (("n", a.n), ("k", a.k)) if v not in (None, 1, "1"))
         raise SystemExit(f"--temperature 0 {given}: greedy decoding gives one completion per question "
                          f"(n = 1, pass@1 only); drop {given}, or sample at a temperature > 0")
-    a.n, a.k = a.n or (1 if greedy else 16), a.k or ("1" if greedy else "1,4,16")
+    a.n = a.n if a.n is not None else 1 if greedy else 16
+    a.k = a.k or ("1" if greedy else "1,4,16")
     for flag, value, low in (("--n", a.n, 1), ("--limit", a.limit, 0),
                              ("--max_new_tokens", a.max_new_tokens, 0)):
         if value < low:

@@ -236,6 +236,8 @@ def test_cli_audit_and_contamination(tmp_path):
     (["--n", "2", "--k", "1,4"], "every k must lie in 1..--n"),
     (["--k", "1,x"], "--k 1,x: a comma-separated list of integers"),  # was: a ValueError traceback
     (["--limit", "-25"], "--limit -25: must be >= 0"),
+    (["--n", "0"], "--n 0: must be >= 1"),  # was: run with 16
+    (["--temperature", "0", "--n", "0"], "--n 0: must be >= 1"),
     (["--temperature", "0", "--n", "4"], r"--temperature 0 --n 4: greedy decoding gives one completion per "),
     (["--temperature", "-1"], r"--temperature -1.0: must be >= 0 \(0: greedy decoding\)"),
     (["compare", os.path.join(FIX, "nostep")], "row 1 has no 'step': not a metrics.jsonl"),  # was: KeyError
