@@ -941,6 +941,22 @@ def run_async(coroutines: list, concurrency: int, timeout: float, what: str) -> 
         raise DataError(f"{what}: no answer within --reward_timeout {timeout:g} s") from None
 
 
+def _batch_values(out, n: int, at: str) -> list:
+    """A batched reward function's output as n values, or DataError in one line: the contract is one
+    dimension of numbers as long as the batch (a list, a tuple, a 1-D numpy array or tensor); a mapping (its
+    keys), a set (no order), a string (its characters) or more dimensions would otherwise train on garbage."""
+    ndim = getattr(out, "ndim", None)
+    sequence = isinstance(out, (list, tuple)) or ndim == 1
+    if isinstance(out, (str, bytes, dict, set, frozenset)) or not sequence:
+        what = f"{ndim}-D {type(out).__name__}" if ndim not in (None, 1) else type(out).__name__
+        raise DataError(f"{at} returned a {what}: a batched reward function returns a list (or tuple, 1-D "
+                        f"array) of {n} numbers, one per completion")
+    if len(out) != n:
+        raise DataError(f"{at} returned {len(out)} values: a batched reward function returns one value per "
+                        f"completion ({n})")
+    return [v.item() if hasattr(v, "item") and getattr(v, "ndim", 0) == 0 else v for v in out]
+
+
 def _call_batch(name: str, fn, texts: list, examples: list, finished: list, concurrency: int,
                 timeout: float) -> list:
     """One reward function's raw values over a batch (an exception in place of a value that raised), in
@@ -958,11 +974,7 @@ def _call_batch(name: str, fn, texts: list, examples: list, finished: list, conc
             out = e
         if isinstance(out, Exception):
             return [out] * len(texts)
-        if isinstance(out, (str, bytes)) or not hasattr(out, "__len__") or len(out) != len(texts):
-            got = f"{len(out)} values" if hasattr(out, "__len__") else f"{type(out).__name__} {out!r}"
-            raise DataError(f"{at} returned {got}: a batched reward function returns one value "
-                            f"per completion ({len(texts)})")
-        return list(out)
+        return _batch_values(out, len(texts), at)
     calls = [dict(prompt=e["prompt"], completion=t, example=e, finished=f)
              for t, e, f in zip(texts, examples, finished)]
     if inspect.iscoroutinefunction(fn):

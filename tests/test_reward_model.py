@@ -97,6 +97,20 @@ def test_bad_batched_output_and_errors_are_one_line_naming_the_function_and_prom
     with pytest.raises(rewards.DataError, match=r"--reward short on a batch of 4 .* returned 1 values: a "
                                                 r"batched reward function returns one value per completion"):
         score_all(bind(short, "short"))
+    import numpy as np
+    for out, what in (({k: 1.0 for k in "abcd"}, "dict"), ({1.0, 2.0, 3.0, 4.0}, "set"), ("1111", "str"),
+                      (np.ones((4, 1)), "2-D ndarray"), (7.5, "float")):  # a dict's keys trained before
+        def odd(prompts, completions, examples, finished, out=out):
+            return out
+        with pytest.raises(rewards.DataError, match=rf"--reward odd on a batch of 4 .* returned a {what}: a "
+                                                    r"batched reward function returns a list"):
+            score_all(bind(odd, "odd"))
+    for out in (np.arange(4.0), torch.arange(4.0), (0.0, 1.0, 2.0, 3.0)):  # one dimension of numbers: read
+        def fine(prompts, completions, examples, finished, out=out):
+            return out
+        got = score_all(bind(fine, "fine"))
+        assert [g.parts[1] for g in got] == [0.0, 1.0, 2.0, 3.0]
+        assert all(type(g.parts[1]) is float for g in got)
 
     def nan_third(prompts, completions, examples, finished):
         return [1.0, 1.0, math.nan, 1.0]
