@@ -297,7 +297,7 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
                       "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
                       "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
                       "F8_E5M2": torch.float8_e5m2, "U16": torch.uint16, "U32": torch.uint32,
-                      "U64": torch.uint64}  # safetensors/torch.py::_TYPES
+                      "U64": torch.uint64}
 
 
 def safetensors_header(file: str) -> dict | str:

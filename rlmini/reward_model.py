@@ -1,8 +1,8 @@
 """Rewards beyond a Python function (docs/rewards.md): a sequence-classification reward model (--reward_model)
 and the LLM judge (rlmini/judge.py, --judge_url), bound to --reward's reserved names `rm` and `judge`
-(rewards.py::with_reward_functions); their options (RewardArgs, a mixin of common.Args), their memory term,
-and their logged sums. A reward model scores the policy's decoded text with its own tokenizer and chat
-template, never the policy's ids."""
+(rewards.py::with_reward_functions); their options (RewardArgs, a mixin of common.Args), their scorers and
+their logged sums (the reward model's memory: rlmini/memplan.py::reward_model_share). A reward model scores
+the policy's decoded text with its own tokenizer and chat template, never the policy's ids."""
 import contextlib
 import math
 import sys
@@ -55,17 +55,6 @@ def scoring_tokens(args) -> int:
     """Tokens per scoring micro-batch, padding included: --reward_model_tokens, else --micro_batch_tokens,
     else 16384 (the scorer's and the memory plan's one rule)."""
     return args.reward_model_tokens or getattr(args, "micro_batch_tokens", 0) or 16384
-
-
-def reward_model_bytes(config, ranks: int = 1, compute_bytes: int = 2, offload: bool = False) -> float:
-    """Bytes per rank the reward model holds outside scoring: its weights in the compute dtype, sharded over
-    `ranks` (FSDP2); 0 with --reward_model_offload (in CPU memory until it scores)."""
-    import transformers
-    if offload:
-        return 0.0
-    with torch.device("meta"):
-        model = transformers.AutoModelForSequenceClassification.from_config(config)
-    return compute_bytes * sum(p.numel() for p in model.parameters()) / ranks
 
 
 def render(tokenizer, prompt, completion: str) -> list:

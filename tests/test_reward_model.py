@@ -291,9 +291,6 @@ def test_the_plan_counts_the_reward_model(models_built):
     config = reward_model.check(RANDOM)
     from transformers import AutoModelForSequenceClassification
     n = 2 * sum(p.numel() for p in AutoModelForSequenceClassification.from_config(config).parameters())
-    assert reward_model.reward_model_bytes(config, 1, 2) == n
-    assert reward_model.reward_model_bytes(config, 2, 2) == n / 2
-    assert reward_model.reward_model_bytes(config, 1, 2, offload=True) == 0.0
     args = types.SimpleNamespace(reward_model=RANDOM, reward_model_offload=False, reward_model_tokens=0,
                                  micro_batch_tokens=300)
     model = AutoModelForSequenceClassification.from_config(config)
