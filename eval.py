@@ -27,7 +27,8 @@ import torch
 
 import common
 import rewards
-from rlmini import data, dist, engine, models, options, reward_model, runlog, server, tools
+from rlmini import (data, datafiles, dist, engine, models, options, reward_fns, reward_model, runlog, server,
+                    tools)
 
 TOOL_OPTIONS = ("tools", "tool_format", "max_turns", "tool_timeout", "tool_memory_mb", "tool_output_chars",
                 "tool_workers", "tool_sandbox", "env")  # the trainers' (common.Args), taken as they are
@@ -178,10 +179,10 @@ def verifier_audit(score, rows: list, source: str = "audit", lines=None) -> dict
     for i, row in enumerate(rows):
         for key in ("completion", "answer", "label"):
             if key not in row:
-                raise rewards.DataError(f"{source}: {rewards.where(lines, i)}: missing field '{key}' (has: "
+                raise rewards.DataError(f"{source}: {datafiles.where(lines, i)}: missing field '{key}' (has: "
                                         f"{sorted(row)})")
         if row["label"] not in (0, 1, True, False):
-            raise rewards.DataError(f"{source}: {rewards.where(lines, i)}: label must be 0 or 1 (got "
+            raise rewards.DataError(f"{source}: {datafiles.where(lines, i)}: label must be 0 or 1 (got "
                                     f"{row['label']!r})")
         verdict = score(str(row["completion"]), {"answer": row["answer"]}, True).correct >= 1.0
         human = bool(row["label"])
@@ -190,7 +191,7 @@ def verifier_audit(score, rows: list, source: str = "audit", lines=None) -> dict
         fn += (not verdict) and human
         tn += (not verdict) and not human
         if verdict != human:
-            disagree.append({"row": rewards.where(lines, i), "verifier": int(verdict), "human": int(human),
+            disagree.append({"row": datafiles.where(lines, i), "verifier": int(verdict), "human": int(human),
                              **row})
     return {"rows": len(rows), "recall": tp / (tp + fn) if tp + fn else float("nan"),
             "precision": tp / (tp + fp) if tp + fp else float("nan"), "tp": tp, "fp": fp, "fn": fn, "tn": tn,
@@ -390,8 +391,8 @@ def cmd_evaluate(argv) -> dict:
     task = rewards.load_task(a.task, style=style, seed=a.seed, jsonl_reward=a.jsonl_reward,
                              prompt_column=a.prompt_column, answer_column=a.answer_column,
                              **{k: getattr(a, k) for k in TASK_OPTIONS})
-    task = rewards.with_system_prompt(task, a.system_prompt)
-    task = rewards.with_reward_functions(task, "", "", env=a.env, sources=reward_model.sources(args),
+    task = datafiles.with_system_prompt(task, a.system_prompt)
+    task = reward_fns.with_reward_functions(task, "", "", env=a.env, sources=reward_model.sources(args),
                                          concurrency=a.reward_concurrency, timeout=a.reward_timeout)
     models.model_path(a.model, task)  # builds the tiny model on first use, before torch.distributed starts
     device, dtype = dist.setup_device(args)
@@ -728,7 +729,7 @@ def cmd_audit(argv) -> dict:
     p.add_argument("--file", required=True, help="JSONL: {completion, answer, label (1 = correct)} per line")
     p.add_argument("--out", default="")
     a = p.parse_args(argv)
-    rows, lines = rewards.read_jsonl_numbered(a.file)
+    rows, lines = datafiles.read_jsonl_numbered(a.file)
     result = verifier_audit(rewards.JSONL_REWARDS[a.reward], rows, a.file, lines)
     return _report(a.out, "audit.json", result,
                    f"{a.file}: {result['rows']} rows, recall {result['recall']:.3f}, precision "
@@ -748,7 +749,7 @@ def cmd_contamination(argv) -> dict:
         raise SystemExit(f"--ngram {a.ngram}: must be >= 1 (a 0-gram is in every prompt)")
     task = rewards.load_task(a.task, style="chat")
     train, test = [e["prompt"] for e in task.train], [e["prompt"] for e in task.test]
-    result = rewards.ngram_overlap(train, test, a.ngram)
+    result = datafiles.ngram_overlap(train, test, a.ngram)
     return _report(a.out, "contamination.json", result,
                    f"{a.task}: {len(result['pairs'])} of {len(task.test)} held-out prompts "
                    f"({result['share']:.1%}) share a {a.ngram}-gram with a training prompt",

@@ -1,13 +1,13 @@
 """Every reasoning-gym generator, timed and checked once on this machine: the CPU seconds to make 1,000 items
 with its default config (create_dataset, then each item; CPU time of the process, which other load on a
 shared machine barely moves), and the gold-answer check: each item's gold answer wrapped in <answer> tags,
-extracted by the task's rule (rewards.py::rg_extract) and scored by the generator's score_answer, must score
-1.0. A generator over --limit CPU seconds is supported only behind --rg_allow_slow (rewards.RG_SLOW); one
+extracted by the task's rule (rlmini/rg.py::rg_extract) and scored by the generator's score_answer, must score
+1.0. A generator over --limit CPU seconds is supported only behind --rg_allow_slow (rg.RG_SLOW); one
 still running after --cpu_limit CPU seconds is stopped (a profiling timer) and reported as such.
 
     python benchmarks/rg_generators.py [--items 1000] [--limit 2] [--cpu_limit 15] [--out rg_generators.json]
 
-Prints a Markdown table (docs/tasks.md lists its result) and the RG_SLOW dict for rewards.py."""
+Prints a Markdown table (docs/tasks.md lists its result) and the RG_SLOW dict for rlmini/rg.py."""
 import argparse
 import json
 import os
@@ -16,7 +16,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import rewards  # noqa: E402
+from rlmini import rg  # noqa: E402
 
 
 class Stopped(BaseException):
@@ -33,11 +33,11 @@ def one(name: str, items: int, cpu_limit: float) -> dict:
     signal.setitimer(signal.ITIMER_PROF, cpu_limit, 0.5)
     try:
         cpu = time.process_time()
-        ds = rewards.rg_dataset(name, {}, 1234, items)
+        ds = rg.rg_dataset(name, {}, 1234, items)
         entries = [ds[i] for i in range(items)]
         out = {"name": name, "cpu_s": time.process_time() - cpu}
         checked = [e for e in entries if e["answer"] is not None]
-        scores = [ds.score_answer(rewards.rg_extract(f"<answer>{e['answer']}</answer>", "chat", True), e)
+        scores = [ds.score_answer(rg.rg_extract(f"<answer>{e['answer']}</answer>", "chat", True), e)
                   for e in checked]
         out.update(answer_none=items - len(checked), checked=len(checked),
                    gold_1=sum(s == 1.0 for s in scores), gold_min=min(scores, default=None))
@@ -58,7 +58,7 @@ def main():
     p.add_argument("--out", default="")
     a = p.parse_args()
     signal.signal(signal.SIGPROF, _stop)
-    names = a.only.split(",") if a.only else sorted(rewards.rg_registry())  # imports reasoning_gym first
+    names = a.only.split(",") if a.only else sorted(rg.rg_registry())  # imports reasoning_gym first
     one("chain_sum", 10, a.cpu_limit)  # the first dataset of a process pays ~0.8 s of lazy set-up: not timed
     rows = []
     for name in names:

@@ -11,13 +11,13 @@ import numpy as np
 import torch
 
 import rewards
-from rlmini import reward_model
+from rlmini import datafiles, reward_fns, reward_model
 from rlmini.options import arg
 
 
 @dataclass
 class TaskArgs:
-    """rg: tasks' options (reasoning-gym, rewards.py::rg_task), in common.Args."""
+    """rg: tasks' options (reasoning-gym, rlmini/rg.py::rg_task), in common.Args."""
     task_config: str = arg("", "rg: tasks: YAML/JSON file of each generator's config, {name: {key: value}}")
     rg_size: int = arg(1000, "rg: tasks: training examples (a tenth more are held out)", ge=1)
     rg_allow_slow: bool = arg(False, "rg: tasks: allow generators over 2 s per 1,000 items (docs/tasks.md)")
@@ -83,12 +83,12 @@ def load_task(args, style: str):
     if args.system_prompt and style != "chat":
         raise SystemExit("--system_prompt: the built-in tiny model has no chat template; use a chat model "
                          "(--model)")
-    task = rewards.with_system_prompt(task, args.system_prompt)
-    task = rewards.with_reward_functions(task, args.reward, args.reward_weights, args.on_nonfinite,
+    task = datafiles.with_system_prompt(task, args.system_prompt)
+    task = reward_fns.with_reward_functions(task, args.reward, args.reward_weights, args.on_nonfinite,
                                          args.env, reward_model.sources(args), args.reward_concurrency,
                                          args.reward_timeout)
     if args.decontaminate:
-        task.train, dropped = rewards.decontaminate(task.train, task.test, args.decontaminate)
+        task.train, dropped = datafiles.decontaminate(task.train, task.test, args.decontaminate)
         if not task.train:
             raise SystemExit(f"--decontaminate {args.decontaminate}: every training prompt overlaps the "
                              f"held-out split")

@@ -10,7 +10,7 @@ tool loop (rlmini/tools.py), so that an environment written for TRL runs here un
     signature, type hints and Google-style docstring (transformers.utils.get_json_schema, what TRL's chat
     template rendering uses). A method may be `async`.
   - `get_reward()` (optional, may be `async`) is called once per rollout after it ends: the reward part `env`,
-    weight 1 beside the task's reward (rewards.py::with_reward_functions).
+    weight 1 beside the task's reward (rlmini/reward_fns.py::with_reward_functions).
   - `close()` (optional; TRL never calls it) is called on every instance once, when the run ends.
 
 Every call into an instance runs in a daemon thread with a deadline (--tool_timeout): an instance whose call
@@ -24,7 +24,8 @@ import sys
 import threading
 import time
 
-from rewards import DataError, import_function
+from rlmini.reward_fns import import_function
+from rlmini.task import DataError
 
 NOT_TOOLS = ("reset", "get_reward", "close")
 

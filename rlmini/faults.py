@@ -7,8 +7,8 @@ import sys
 
 import torch
 
-import rewards
 from rlmini import dist
+from rlmini.task import DataError
 
 
 class NonFiniteError(RuntimeError):
@@ -109,7 +109,7 @@ def user_errors():
     traceback (a traceback is for our bugs)."""
     try:
         yield
-    except (rewards.DataError, NonFiniteError) as e:
+    except (DataError, NonFiniteError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     except (RolloutMismatchError, PushError, EngineStateError, ServerError, JudgeError) as e:

@@ -25,8 +25,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from rlmini.datafiles import prompt_text
 from rlmini.faults import JudgeError
 from rlmini.options import arg
+from rlmini.task import DataError
 
 if TYPE_CHECKING:
     import httpx
@@ -191,7 +193,6 @@ class Judge:
         return out
 
     def render(self, prompt, completion: str, example: dict) -> str:
-        from rewards import DataError, prompt_text
         values = {**example, "prompt": prompt_text(prompt), "completion": completion,
                   "answer": example.get("answer") or "", "scale": f"{self.a.judge_scale:g}"}
         try:

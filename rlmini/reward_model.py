@@ -1,8 +1,9 @@
-"""Rewards beyond a Python function (docs/rewards.md): a sequence-classification reward model (--reward_model)
-and the LLM judge (rlmini/judge.py, --judge_url), bound to --reward's reserved names `rm` and `judge`
-(rewards.py::with_reward_functions); their options (RewardArgs, a mixin of common.Args), their scorers and
-their logged sums (the reward model's memory: rlmini/memplan.py::reward_model_share). A reward model scores
-the policy's decoded text with its own tokenizer and chat template, never the policy's ids."""
+"""Rewards beyond a Python function (docs/rewards.md): a sequence-classification reward model
+(--reward_model) and the LLM judge (rlmini/judge.py, --judge_url), bound to --reward's reserved names `rm`
+and `judge` (rlmini/reward_fns.py::with_reward_functions); their options (RewardArgs, a mixin of
+common.Args), their scorers and their logged sums (the reward model's memory:
+rlmini/memplan.py::reward_model_share). A reward model scores the policy's decoded text with its own
+tokenizer and chat template, never the policy's ids."""
 import contextlib
 import math
 import sys
@@ -11,7 +12,7 @@ from typing import Literal
 
 import torch
 
-from rlmini import dist, models
+from rlmini import dist, models, reward_fns
 from rlmini.options import arg
 
 PLAIN = "{prompt}\n{completion}"  # what a reward model without a chat template reads
@@ -200,17 +201,16 @@ def make_reward_model(args):
 
 def sources(args) -> dict:
     """{"rm": --reward_model's scorer, "judge": --judge_url's} (None where not given), for
-    rewards.with_reward_functions; the judge is bound to the policy's tokenizer by load()."""
+    reward_fns.with_reward_functions; the judge is bound to the policy's tokenizer by load()."""
     out = {"rm": make_reward_model(args) if getattr(args, "reward_model", "") else None, "judge": None}
     if getattr(args, "judge_url", ""):
         held = {}
 
         def judge(prompts: list, completions: list, examples: list, finished: list) -> list:
-            from rewards import run_async
             fn = held["fn"]
             out = fn(prompts=prompts, completions=completions, examples=examples, finished=finished)
             if hasattr(out, "__await__"):
-                out = run_async([out], 1, args.reward_timeout, "--judge_url")[0]
+                out = reward_fns.run_async([out], 1, args.reward_timeout, "--judge_url")[0]
                 if isinstance(out, Exception):
                     raise out
             return out

@@ -11,8 +11,7 @@ import time
 
 import torch
 
-import rewards
-from rlmini import data, dist
+from rlmini import data, datafiles, dist
 from rlmini.checkpoint import atomic_write_text
 
 
@@ -113,7 +112,7 @@ def log_completions(run, examples: list, rollouts, reward_values, correct, fmt, 
         if first <= g < first + B:
             k = g - first
             example, completion = examples[k // G], rollouts.completion_ids[k]
-            rows.append({"step": run.step, "index": g, "prompt": rewards.prompt_text(example["prompt"]),
+            rows.append({"step": run.step, "index": g, "prompt": datafiles.prompt_text(example["prompt"]),
                          "answer": str(example.get("answer", "")),
                          "completion": run.tokenizer.decode(completion, skip_special_tokens=True),
                          "reward": float(reward_values[k]), "correct": float(correct[k]),
@@ -153,13 +152,13 @@ def truncate_metrics(path: str, start_step: int) -> None:
     """Keep the rows of steps up to start_step (a resumed run rewrites the later ones). A torn last line (a
     crash in the middle of a write) is dropped; a bad line before it stops the run, naming it."""
     if os.path.exists(path):
-        rows = rewards.read_jsonl_numbered(path, allow_empty=True, drop_torn_last=True)[0]
+        rows = datafiles.read_jsonl_numbered(path, allow_empty=True, drop_torn_last=True)[0]
         atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows if r["step"] <= start_step))
 
 
 def read_metrics(path: str) -> list:
     """The rows of a metrics.jsonl (or rollouts.jsonl); DataError naming the file and line of a bad one."""
-    return rewards.read_jsonl_numbered(path, allow_empty=True)[0]
+    return datafiles.read_jsonl_numbered(path, allow_empty=True)[0]
 
 
 _STARTUP = {"clock": None, "compiled": 0.0}  # the last phase's end, torch.compile's seconds by then

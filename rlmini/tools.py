@@ -29,10 +29,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rewards import OUTPUT_MARK, DataError, import_function
 from rlmini import dist, envs, sandbox
 from rlmini.data import Rollouts
 from rlmini.options import arg
+from rlmini.reward_fns import import_function
+from rlmini.task import OUTPUT_MARK, DataError
 
 
 @dataclass

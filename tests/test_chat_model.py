@@ -16,7 +16,7 @@ import train_ppo
 import train_rloo
 from chat_model import build_chat_model
 from conftest import ROOT, read_metrics, run_script
-from rlmini import data, engine, models
+from rlmini import data, datafiles, engine, models
 from rollout_double import with_trainer_logprobs
 
 SCRIPTS = {"grpo": train_grpo, "rloo": train_rloo, "ppo": train_ppo, "gpg": train_gpg, "corpo": train_corpo}
@@ -39,7 +39,7 @@ def test_conversations_under_other_column_names():
     first = task.train[0]
     assert first["prompt"][0] == {"role": "system", "content": "You are a careful calculator."}
     assert first["prompt"][-1]["role"] == "user" and first["answer"] == "29" and first["difficulty"] == "hard"
-    assert rewards.prompt_text(first["prompt"]).endswith("Put the final answer in \\boxed{}.")
+    assert datafiles.prompt_text(first["prompt"]).endswith("Put the final answer in \\boxed{}.")
     # math-verify scores the boxed answer
     assert task.score("so \\boxed{29}", first, True).correct == 1.0
     assert task.score("\\boxed{29.0}", first, True).correct == 1.0
@@ -92,7 +92,7 @@ def test_a_bad_message_is_named_with_its_line_and_position(tmp_path):
 def test_system_prompt_and_the_template(chat_model):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(chat_model)
-    task = rewards.with_system_prompt(rewards.load_task(f"jsonl:{CHAT_MATH}", style="chat",
+    task = datafiles.with_system_prompt(rewards.load_task(f"jsonl:{CHAT_MATH}", style="chat",
                                                         prompt_column="messages",
                                                         answer_column="final"), "Be brief.")
     assert all(e["prompt"][0] == {"role": "system", "content": "Be brief."} for e in task.train + task.test)

@@ -18,7 +18,7 @@ import common
 import rewards
 import train_grpo
 from conftest import ROOT, read_metrics
-from rlmini import data, envs, models, tools
+from rlmini import data, envs, models, reward_fns, tools
 from test_tools import Scripted, tool_chat_model  # noqa: F401 (a fixture)
 
 CALCULATOR = os.path.join(ROOT, "docs", "examples", "calculator_env.py")
@@ -141,10 +141,10 @@ def test_a_raising_method_is_a_tool_error_and_a_hung_instance_is_discarded(tmp_p
     assert not any(x is lent[0] for x in pool.free)
     fresh, _, _ = pool.begin([{"prompt": "d", "answer": 1}], 2)
     assert not any(x is lent[0] for x in fresh)
-    reward = rewards.with_reward_functions(rewards.load_task("modmul"), "", "", env=spec)
+    reward = reward_fns.with_reward_functions(rewards.load_task("modmul"), "", "", env=spec)
     assert reward.reward_names == ["task", "env"]
     assert reward.score("x", {"answer": 1}, True, env=None).reward == 0.0  # a discarded instance: 0
-    weighted = rewards.with_reward_functions(rewards.load_task("modmul"), "env,task", "0.5,2", env=spec)
+    weighted = reward_fns.with_reward_functions(rewards.load_task("modmul"), "env,task", "0.5,2", env=spec)
     assert weighted.score("```output1", {"answer": 1}, True, env=1.0).parts == (1.0, 1.0)
     assert weighted.score("```output1", {"answer": 1}, True, env=1.0).reward == 2.5
     pool.close()
@@ -187,7 +187,7 @@ def test_bad_environment_classes_are_refused_in_one_line(tmp_path):
             "    def __init__(self): raise OSError('no server')\n", r"E\(\) raised OSError: no server")
     refused("def E(): pass\n", "not a class")
     with pytest.raises(rewards.DataError, match="'env' is the reward of an --env class"):
-        rewards.with_reward_functions(rewards.load_task("modmul"), "task,env", "")
+        reward_fns.with_reward_functions(rewards.load_task("modmul"), "task,env", "")
     with pytest.raises(rewards.DataError, match="reset raised KeyError"):
         path = _module(tmp_path, "from calculator_env import Calculator\nclass E(Calculator):\n"
                        "    def reset(self, **kw): return kw['missing']\n", "bad_reset")

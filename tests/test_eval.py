@@ -11,7 +11,7 @@ import eval as ev
 import rewards
 from conftest import run_script
 from eval import expected_calibration_error, probability_predictions
-from rlmini import optim
+from rlmini import datafiles, optim
 
 
 def test_ece_hand_computed():
@@ -163,10 +163,10 @@ def test_contamination_finds_a_planted_overlap_and_decontaminate_drops_it():
              {"prompt": f"Question: {shared}? Think."}, {"prompt": "short"}]
     test = [{"prompt": f"{shared} today"},
             {"prompt": "nothing in common with the training prompts at all really"}]
-    found = rewards.ngram_overlap([e["prompt"] for e in train], [e["prompt"] for e in test], n=13)
+    found = datafiles.ngram_overlap([e["prompt"] for e in train], [e["prompt"] for e in test], n=13)
     assert found["share"] == 0.5 and [(p["eval"], p["train"]) for p in found["pairs"]] == [(0, 1)]
     assert len(found["pairs"][0]["ngram"].split()) == 13
-    kept, dropped = rewards.decontaminate(train, test, 13)
+    kept, dropped = datafiles.decontaminate(train, test, 13)
     assert dropped == 1 and kept == [train[0], train[2]]
 
 

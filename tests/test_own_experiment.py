@@ -14,7 +14,7 @@ import rewards
 import train_grpo
 import train_ppo
 from conftest import ROOT, assert_grad_close, read_metrics, run_script
-from rlmini import data, engine, logprobs, models, packing
+from rlmini import data, engine, logprobs, models, packing, reward_fns
 from rollout_double import record_first_step
 
 OWN = os.path.join("docs", "examples", "my_rewards.py")  # docs/own-experiment.md's example
@@ -25,7 +25,7 @@ OWN = os.path.join("docs", "examples", "my_rewards.py")  # docs/own-experiment.m
 
 def test_reward_functions_are_weighted_summed_and_kept_apart(monkeypatch):
     monkeypatch.chdir(ROOT)
-    task = rewards.with_reward_functions(rewards.load_task("addition"),
+    task = reward_fns.with_reward_functions(rewards.load_task("addition"),
                                          f"task,{OWN}:length_penalty,{OWN}:starts_with_answer_digit",
                                          "1,0.5,0.25")
     assert task.reward_names == ["task", "length_penalty", "starts_with_answer_digit"]
@@ -38,14 +38,14 @@ def test_reward_functions_are_weighted_summed_and_kept_apart(monkeypatch):
     s = task.score("1999", example, False)  # cut off by the budget: the verifier gives 0, the penalty -1
     assert s.parts == (0.0, -1.0, 1.0) and s.reward == pytest.approx(-0.5 + 0.25)
     # unchanged
-    assert rewards.with_reward_functions(rewards.load_task("addition"), "", "").reward_names == []
+    assert reward_fns.with_reward_functions(rewards.load_task("addition"), "", "").reward_names == []
 
 
 def test_example_fields_of_a_jsonl_dataset_reach_the_function(monkeypatch):
     monkeypatch.chdir(ROOT)
     task = rewards.load_task("jsonl:tests/fixtures/own_fields.jsonl", jsonl_reward="exact")
     assert {"max_chars", "source"} <= task.train[0].keys()
-    task = rewards.with_reward_functions(task, f"{OWN}:length_penalty", "")
+    task = reward_fns.with_reward_functions(task, f"{OWN}:length_penalty", "")
     short = {**task.train[0], "max_chars": 4}
     assert task.score("12345", short, True).parts == (-0.25,)  # 1 char over the row's own budget of 4
     assert task.score("12345", {**short, "max_chars": 5}, True).parts == (0.0,)
@@ -61,7 +61,7 @@ def test_a_score_from_the_function_sets_the_outcome(tmp_path):
     path = _module(tmp_path, "from rewards import Score\ndef grader(prompt, completion, example, finished):"
                              "\n    ok = float(completion.strip() in (str(example['answer']), 'twelve'))"
                              "\n    return Score(2 * ok, ok, 1.0, pred=completion.strip())\n")
-    task = rewards.with_reward_functions(rewards.load_task("addition"), f"task,{path}:grader", "1,3")
+    task = reward_fns.with_reward_functions(rewards.load_task("addition"), f"task,{path}:grader", "1,3")
     s = task.score("twelve", {"prompt": "5+7=", "answer": 12}, True)  # the task's verifier wants digits: 0
     assert (s.reward, s.correct, s.format_ok, s.pred, s.parts) == (6.0, 1.0, 1.0, "twelve", (0.0, 2.0))
 
@@ -78,7 +78,7 @@ def test_a_score_from_the_function_sets_the_outcome(tmp_path):
      "--reward f raised TypeError"),
 ])
 def test_a_failing_function_is_named_with_the_example_and_the_value(tmp_path, body, message):
-    task = rewards.with_reward_functions(rewards.load_task("addition"), f"{_module(tmp_path, body)}:f", "")
+    task = reward_fns.with_reward_functions(rewards.load_task("addition"), f"{_module(tmp_path, body)}:f", "")
     with pytest.raises(rewards.DataError) as e:
         task.score("12", {"prompt": "5+7=", "answer": 12}, True)
     assert message in str(e.value)
@@ -86,7 +86,7 @@ def test_a_failing_function_is_named_with_the_example_and_the_value(tmp_path, bo
 
 def test_with_skip_a_failing_function_gives_a_nan_reward_and_a_warning(tmp_path, capsys):
     path = _module(tmp_path, "def f(prompt, completion, example, finished):\n    raise KeyError('x')\n")
-    task = rewards.with_reward_functions(rewards.load_task("addition"), f"task,{path}:f", "",
+    task = reward_fns.with_reward_functions(rewards.load_task("addition"), f"task,{path}:f", "",
                                          on_nonfinite="skip")
     s = task.score("12", {"prompt": "5+7=", "answer": 12}, True)
     assert math.isnan(s.reward) and s.parts[0] == 1.0 and math.isnan(s.parts[1]) and s.correct == 1.0
@@ -106,14 +106,14 @@ def test_with_skip_a_failing_function_gives_a_nan_reward_and_a_warning(tmp_path,
 def test_bad_reward_options_are_named(monkeypatch, spec, weights, message):
     monkeypatch.chdir(ROOT)
     with pytest.raises(rewards.DataError) as e:
-        rewards.with_reward_functions(rewards.load_task("addition"), spec, weights)
+        reward_fns.with_reward_functions(rewards.load_task("addition"), spec, weights)
     assert message in str(e.value)
 
 
 def test_a_reserved_name_is_refused(tmp_path):
     path = _module(tmp_path, "def correct(prompt, completion, example, finished):\n    return 1.0\n")
     with pytest.raises(rewards.DataError, match="the name 'correct' is taken"):
-        rewards.reward_functions(f"{path}:correct", "")
+        reward_fns.reward_functions(f"{path}:correct", "")
 
 
 @pytest.mark.parametrize("script", [train_grpo, train_ppo])

@@ -15,7 +15,7 @@ import rewards
 from chat_model import EVEN, build_reward_model, build_chat_model
 from conftest import read_metrics, run_script
 from rlmini import judge as judge_module
-from rlmini import memplan, reward_model
+from rlmini import memplan, reward_fns, reward_model
 
 TMP = tempfile.gettempdir()
 KNOWN, RANDOM = os.path.join(TMP, "rlmini-test-rm-known"), os.path.join(TMP, "rlmini-test-rm-random")
@@ -55,14 +55,14 @@ def bind(fn, name="fn", spec=None, weights="1,0.5", **kw):
     module = types.ModuleType(f"rm_test_{name}")
     setattr(module, name, fn)
     sys.modules[module.__name__] = module
-    return rewards.with_reward_functions(task(), spec or f"task,{module.__name__}:{name}", weights, **kw)
+    return reward_fns.with_reward_functions(task(), spec or f"task,{module.__name__}:{name}", weights, **kw)
 
 
 @pytest.mark.parametrize("fn", [many, one_async, many_async])
 def test_batched_and_async_forms_give_the_per_completion_values(fn):
     """Every form of a function gives the per-completion form's parts and weighted sums, bit for bit."""
     expected, got = score_all(bind(per)), score_all(bind(fn))
-    assert rewards.batched(fn) == fn.__name__.startswith("many") and not rewards.batched(per)
+    assert reward_fns.batched(fn) == fn.__name__.startswith("many") and not reward_fns.batched(per)
     assert [s.parts for s in got] == [s.parts for s in expected] and [s.reward for s in got] == \
         [s.reward for s in expected]
     assert got[2].parts[1] == 2.0 and got[2].reward == got[2].parts[0] + 0.5 * 2.0
@@ -135,13 +135,13 @@ def test_rm_and_judge_are_reserved_and_bound_by_their_flags():
     for spec, message in (("task,rm", "'rm' is the score of --reward_model; there is none"),
                           ("judge", "'judge' is the score of --judge_url")):
         with pytest.raises(rewards.DataError, match=message):
-            rewards.with_reward_functions(task(), spec, "")
-    t = rewards.with_reward_functions(task(), "", "", sources={"rm": rm, "judge": None})
+            reward_fns.with_reward_functions(task(), spec, "")
+    t = reward_fns.with_reward_functions(task(), "", "", sources={"rm": rm, "judge": None})
     assert t.reward_names == ["rm"]  # no --reward: the reward model replaces the verifier
     got = score_all(t)
     assert [s.reward for s in got] == [10.0, 10.0, 20.0, 10.0]
     assert [s.correct for s in got] == [1.0, 0.0, 0.0, 0.0]  # the verifier still gives reward/correct
-    t = rewards.with_reward_functions(task(), "task,rm", "1,0.5", sources={"rm": rm})
+    t = reward_fns.with_reward_functions(task(), "task,rm", "1,0.5", sources={"rm": rm})
     assert [s.reward for s in score_all(t)][:2] == [t.score("3", EXAMPLES[0], True).parts[0] + 5.0, 5.0]
 
 
@@ -346,7 +346,7 @@ def test_the_judge_is_bound_lazily_and_its_step_metrics_are_logged(monkeypatch):
     judge.step_metrics = lambda: {"judge/failures": 2.0, "judge/latency_s": 0.5}
     monkeypatch.setattr(judge_module, "make_judge", lambda a, tok, columns=None: judge)
     args = types.SimpleNamespace(judge_url="http://127.0.0.1:1/v1", reward_model="", reward_timeout=5.0)
-    t = rewards.with_reward_functions(task(), "task,judge", "1,2", sources=reward_model.sources(args))
+    t = reward_fns.with_reward_functions(task(), "task,judge", "1,2", sources=reward_model.sources(args))
     reward_model.load(t, args, None, torch.device("cpu"), torch.float32)
     got = score_all(t)
     assert calls == [4] and [s.parts[1] for s in got] == pytest.approx([0.1, 0.1, 0.2, 0.1])

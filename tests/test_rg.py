@@ -1,4 +1,4 @@
-"""reasoning-gym tasks (rewards.py::rg_task) with the real package: seeded splits disjoint by content, the
+"""reasoning-gym tasks (rlmini/rg.py::rg_task) with the real package: seeded splits disjoint by content, the
 mix, --task_config, the extraction rule, partial credit, scorer errors counted, every supported generator's
 gold answers scoring 1.0, bad input in one line, eval.py, and a short run on which the tiny model learns."""
 import collections
@@ -12,7 +12,7 @@ import eval as ev
 import rewards
 import train_grpo
 from conftest import mean_of, read_metrics, undocumented
-from rlmini import metrics
+from rlmini import datafiles, metrics, reward_fns, rg
 
 SMALL = "chain_sum: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}\n"  # 200 distinct questions
 
@@ -30,7 +30,7 @@ def test_defaults_keep_the_gold_answer_and_are_reproducible_from_the_seed():
     e = task.train[0]
     # the gold answer is reasoning-gym's, for the question in the prompt
     assert str(eval(e["metadata"]["expression"])) == e["answer"] and e["question"] in e["prompt"]
-    assert e["prompt"].endswith(rewards.RG_INSTRUCTION) and e["rg"] == "chain_sum"
+    assert e["prompt"].endswith(rg.RG_INSTRUCTION) and e["rg"] == "chain_sum"
     again, other = (rewards.load_task("rg:chain_sum", style="chat", seed=s) for s in (3, 4))
     assert [x["prompt"] for x in again.train + again.test] == [x["prompt"] for x in task.train + task.test]
     assert [x["prompt"] for x in other.train[:50]] != [x["prompt"] for x in task.train[:50]]
@@ -79,7 +79,7 @@ def test_a_raising_scorer_scores_zero_and_is_counted():
     assert (s.reward, s.correct, s.format_ok) == (0.0, 0.0, 1.0) and "ValueError" in s.error
     assert task.score(f"<answer>{e['answer']}</answer>", e, True).reward == 1.0
     # through --reward functions the error and the counter stay the task's
-    wrapped = rewards.with_reward_functions(task, "task", "2")
+    wrapped = reward_fns.with_reward_functions(task, "task", "2")
     assert wrapped.score("<answer>zzz</answer>", e, True).error and wrapped.stats is task.stats
     assert metrics.task_counts(wrapped) == {"task/scorer_errors": 2}
     assert metrics.task_counts(wrapped) == {"task/scorer_errors": 0}  # reset each step
@@ -96,7 +96,7 @@ def test_tasks_without_a_gold_answer_are_judged_by_their_scorer():
 
 def test_curriculum_raises_the_level_when_held_out_accuracy_reaches_the_threshold():
     task = rewards.load_task("rg:chain_sum", "chat", rg_size=50, rg_curriculum=0.5)
-    task = rewards.with_system_prompt(task, "rg:default")
+    task = datafiles.with_system_prompt(task, "rg:default")
     levels = lambda: {str(e["metadata"]["difficulty"]) for e in task.train + task.test}
     assert levels() == {str({"num_terms": (2, 2), "num_digits": (1, 1)})}  # reasoning-gym's level 0
     assert task.on_eval(task, {"eval/pass@1": 0.49}) == {"task/rg_level": 0} and len(levels()) == 1
@@ -110,10 +110,10 @@ def test_curriculum_raises_the_level_when_held_out_accuracy_reaches_the_threshol
 
 
 def test_system_prompt_by_name():
-    task = rewards.with_system_prompt(rewards.load_task("rg:chain_sum", "chat", rg_size=10), "rg:default")
+    task = datafiles.with_system_prompt(rewards.load_task("rg:chain_sum", "chat", rg_size=10), "rg:default")
     assert task.train[0]["prompt"][0] == {"role": "system", "content": SYSTEM_PROMPTS["default"]}
     with pytest.raises(SystemExit, match="rg:default"):
-        rewards.with_system_prompt(rewards.load_task("addition", "chat"), "rg:nope")
+        datafiles.with_system_prompt(rewards.load_task("addition", "chat"), "rg:nope")
 
 
 @pytest.mark.parametrize("spec,config,match", [
@@ -137,18 +137,18 @@ def test_bad_input_gets_one_line(tmp_path, spec, config, match):
 
 def test_every_supported_generator_scores_its_gold_answers_one():
     """1,000 items of each supported generator (default config): each gold answer, wrapped as the rule reads
-    it, scores 1.0 through the task's scorer. Left out: the slow generators (rewards.RG_SLOW); answers None
+    it, scores 1.0 through the task's scorer. Left out: the slow generators (rg.RG_SLOW); answers None
     (judged by the scorer alone: the scorer test above); empty gold answers, which the default scorer gives
     0 whatever the answer (base_conversion's value 0 is written '')."""
     start, worst = time.perf_counter(), {}
-    for name in sorted(set(DATASETS) - {"composite"} - set(rewards.RG_SLOW)):
-        task = rewards.rg_task(name, "chat", 0, size=910)  # 910 + 91 held out
+    for name in sorted(set(DATASETS) - {"composite"} - set(rg.RG_SLOW)):
+        task = rg.rg_task(name, "chat", 0, size=910)  # 910 + 91 held out
         checked = [e for e in task.train + task.test if e["answer"]]
         low = [e for e in checked if task.score(f"<answer>{e['answer']}</answer>", e, True).reward != 1.0]
         if low:
             worst[name] = (len(low), len(checked), low[0]["answer"])
     assert not worst, worst
-    print(f"gold answers of {len(DATASETS) - 1 - len(rewards.RG_SLOW)} generators: "
+    print(f"gold answers of {len(DATASETS) - 1 - len(rg.RG_SLOW)} generators: "
           f"{time.perf_counter() - start:.1f} s")
 
 
