@@ -180,6 +180,7 @@ class Run:
     critic_optimizer: object = None
     resumed: dict = field(default_factory=dict)  # after --resume: the checkpoint (torchrun: its meta.pt)
     quiet_steps: int = 0    # steps in a row without entropy or gradient (faults.warn_on_collapse)
+    skipped_steps: int = 0  # steps in a row whose every update was skipped (faults.check_skipped)
     extra_calls: tuple = (-1, 0)  # (step, common.generate calls of the script's own in it): their seeds
     times: dict = field(default_factory=dict)  # this step's clock readings (the time/* metrics)
     plan: dict = field(default_factory=dict)  # the memory plan (memplan.plan_run); CUDA: measured per phase

@@ -393,7 +393,7 @@ def cmd_evaluate(argv) -> dict:
                              **{k: getattr(a, k) for k in TASK_OPTIONS})
     task = datafiles.with_system_prompt(task, a.system_prompt)
     task = reward_fns.with_reward_functions(task, "", "", env=a.env, sources=reward_model.sources(args),
-                                         concurrency=a.reward_concurrency, timeout=a.reward_timeout)
+                                            concurrency=a.reward_concurrency, timeout=a.reward_timeout)
     models.model_path(a.model, task)  # builds the tiny model on first use, before torch.distributed starts
     device, dtype = dist.setup_device(args)
     model, tok, path = models.load_model(args, task, device, dtype)

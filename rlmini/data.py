@@ -84,9 +84,9 @@ def load_task(args, style: str):
         raise SystemExit("--system_prompt: the built-in tiny model has no chat template; use a chat model "
                          "(--model)")
     task = datafiles.with_system_prompt(task, args.system_prompt)
-    task = reward_fns.with_reward_functions(task, args.reward, args.reward_weights, args.on_nonfinite,
-                                         args.env, reward_model.sources(args), args.reward_concurrency,
-                                         args.reward_timeout)
+    task = reward_fns.with_reward_functions(task, args.reward, args.reward_weights, args.env,
+                                            reward_model.sources(args), args.reward_concurrency,
+                                            args.reward_timeout)
     if args.decontaminate:
         task.train, dropped = datafiles.decontaminate(task.train, task.test, args.decontaminate)
         if not task.train:

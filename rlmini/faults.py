@@ -35,22 +35,47 @@ class JudgeError(RuntimeError):
     """--judge_url: judgements failed beyond --judge_on_error's policy (rlmini/judge.py)."""
 
 
-def check_rewards(rewards, examples: list, group_size: int, step: int, on_nonfinite: str) -> None:
-    """Every reward finite, or the run stops naming the first bad one (its prompt and value); with
-    --on_nonfinite skip a warning names it, and the step's update is skipped by the gradient guard (a NaN
-    reward makes its group's advantages, the loss and the gradient NaN). Every rank decides alike."""
+def check_rewards(rewards, examples: list, group_size: int, step: int, on_nonfinite: str, scores: list = (),
+                  names: list = ()) -> None:
+    """Every reward finite, or the run stops naming the first bad one (its prompt, its value, and the --reward
+    function behind it when one is: Score.failed); with --on_nonfinite skip one warning line names it, and
+    the step's update is skipped by the gradient guard (a NaN reward makes its group's advantages, the loss
+    and the gradient NaN). A --reward function (of `names`) that raised on every completion of the step
+    scores nothing: the run stops whatever --on_nonfinite. Every rank decides alike, on global counts."""
     bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
-    if not dist.all_sum(len(bad)):
+    raised = {f"raised/{n}": sum(any(f[:2] == (n, "raised") for f in s.failed) for s in scores)
+              for n in names}
+    counts = dist.all_sum({"bad": len(bad), "n": len(rewards), **raised})
+    if not counts["bad"]:
         return
     msg = f"step {step}: a non-finite reward on another rank"
     if bad:
         k = bad[0]
+        why = (scores[k].failed[0][2] if k < len(scores) and scores[k].failed else
+               "from the task's reward, --reward, --format_weight or the overlong penalty")
         msg = (f"step {step}: {len(bad)} non-finite reward(s), the first {rewards[k].item()} for completion "
-               f"{k % group_size + 1} of prompt {examples[k // group_size]['prompt'][:80]!r} (from the "
-               f"task's reward, --reward, --format_weight or the overlong penalty)")
+               f"{k % group_size + 1} of prompt {str(examples[k // group_size]['prompt'])[:80]!r} ({why})")
+    every = [n for n in names if counts[f"raised/{n}"] == counts["n"]]
+    if every:
+        raise NonFiniteError(f"{msg}; --reward {every[0]} raised on all {int(counts['n'])} completions of "
+                             f"the step: a reward that scores nothing stops the run, whatever --on_nonfinite")
     if on_nonfinite == "stop":
         raise NonFiniteError(f"{msg}; stopped (--on_nonfinite skip would skip the update)")
     print(f"warning: {msg}; the update of this step is skipped", file=sys.stderr)
+
+
+def check_skipped(run, stats, steps: int = 5) -> None:
+    """Stop (status 2) when every update of `steps` steps in a row was skipped for a NaN/inf reward, loss or
+    gradient (--on_nonfinite skip): such a run trains nothing and would otherwise end with status 0. A step
+    with nothing to update (no update tried) neither counts nor breaks the streak."""
+    if stats.skipped and not stats.updates:
+        run.skipped_steps += 1
+    elif stats.updates:
+        run.skipped_steps = 0
+    if run.skipped_steps >= steps:
+        raise NonFiniteError(f"step {run.step}: every update of the last {steps} steps was skipped (a "
+                             f"NaN/inf reward, loss or gradient: the warnings above name it); the run trains "
+                             f"nothing, so it stops (--on_nonfinite skip skips single updates only)")
 
 
 def nonfinite(value: float, what: str, step: int, on_nonfinite: str) -> bool:

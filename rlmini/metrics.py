@@ -106,6 +106,7 @@ def step_metrics(run, batch: Batch, pre: PreUpdate, stats: StepStats, advantages
     metrics.update(reward_model.source_metrics(run.task))  # reward/rm_raw_mean, judge/* (all ranks)
     metrics.update(global_means(extra or {}))
     faults.warn_on_collapse(run, metrics)  # no gradient or no entropy for several steps in a row
+    faults.check_skipped(run, stats)  # every update skipped for several steps in a row: stop
     runlog.log_completions(run, batch.examples, batch.rollouts, batch.rewards, batch.correct, batch.fmt,
                            local_adv, run.args.log_completions)
     return metrics

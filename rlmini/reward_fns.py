@@ -2,15 +2,18 @@
 importing them, calling each in its form (per completion or batched, sync or async), reading what it returns,
 and the task they reward together with the verifier, an --env's get_reward, a reward model and a judge."""
 import asyncio
+import contextlib
 import importlib
 import importlib.util
 import inspect
 import math
 import os
 import sys
+import threading
 import traceback
 from dataclasses import replace
 
+from rlmini import faults
 from rlmini.task import DataError, Score, Task
 
 
@@ -61,6 +64,9 @@ def reward_functions(spec: str, weights: str, env_reward: bool = False, sources:
     the task's verifier as the reward (RLHF's setting), weight 1 each."""
     sources = {k: v for k, v in (sources or {}).items() if v is not None}
     items = [x.strip() for x in spec.split(",") if x.strip()]
+    if weights.strip() and not items:  # the weights of rm, judge or env would be guessed, so name them
+        raise DataError(f"--reward_weights {weights}: weights of --reward's functions, but --reward is empty "
+                        f"(name them: --reward task,rm --reward_weights 1,0.5)")
     try:
         ws = [float(w) for w in weights.split(",")] if weights.strip() else [1.0] * len(items)
     except ValueError:
@@ -107,18 +113,23 @@ def batched(fn) -> bool:
 
 
 _LOOP = None  # one event loop for every async reward function (a client made in it stays usable)
+ASYNC_GRACE_S = 10.0  # the watchdog's slack past an async batch's own deadline (a call that blocks the loop)
+F32_MAX = 3.4028234663852886e38  # the reward tensors are float32: a larger finite value becomes inf there
 
 
 def run_async(coroutines: list, concurrency: int, timeout: float, what: str) -> list:
     """The coroutines' results, at most `concurrency` in flight, all within `timeout` seconds (else a
-    DataError naming `what`); an exception is returned in place of its result."""
+    DataError naming `what`); an exception (or a SystemExit) is returned in place of its result."""
     global _LOOP
     _LOOP = _LOOP or asyncio.new_event_loop()
     gate = asyncio.Semaphore(concurrency) if coroutines else None
 
     async def bounded(c):
         async with gate:
-            return await c
+            try:
+                return await c
+            except SystemExit as e:  # asyncio re-raises it out of the loop, past return_exceptions
+                return e
 
     async def every():
         return await asyncio.gather(*[bounded(c) for c in coroutines], return_exceptions=True)
@@ -127,6 +138,37 @@ def run_async(coroutines: list, concurrency: int, timeout: float, what: str) -> 
         return _LOOP.run_until_complete(asyncio.wait_for(every(), timeout))
     except asyncio.TimeoutError:
         raise DataError(f"{what}: no answer within --reward_timeout {timeout:g} s") from None
+
+
+@contextlib.contextmanager
+def watchdog(seconds: float, what: str):
+    """Past `seconds` the process ends (status 2) with one line naming `what`: a running Python call, or a
+    forward inside FSDP's collectives, cannot be cancelled, and waiting would hang the run. Under torchrun
+    each rank runs its own, and the agent stops the others once one exits
+    (torch/distributed/elastic/agent/server/api.py::SimpleElasticAgent._invoke_run)."""
+    def fire():
+        print(f"error: {what}: no answer within --reward_timeout {seconds:g} s; a running call cannot be "
+              f"cancelled, so the run ends here (its last checkpoint is intact)", file=sys.stderr, flush=True)
+        os._exit(2)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _origin(e: BaseException) -> str:
+    """' (file.py:line)' where an exception was raised, for its one-line message."""
+    tb = traceback.extract_tb(e.__traceback__)
+    return f" ({os.path.basename(tb[-1].filename)}:{tb[-1].lineno})" if tb else ""
+
+
+def _exited(e: SystemExit, at: str) -> DataError:
+    return DataError(f"{at} called sys.exit({e.code!r}): a reward function returns a value; the run stops "
+                     f"(whatever --on_nonfinite)")
 
 
 def _batch_values(out, n: int, at: str) -> list:
@@ -148,91 +190,101 @@ def _batch_values(out, n: int, at: str) -> list:
 def _call_batch(name: str, fn, texts: list, examples: list, finished: list, concurrency: int,
                 timeout: float) -> list:
     """One reward function's raw values over a batch (an exception in place of a value that raised), in
-    whichever form it takes: per completion or batched, sync or async."""
-    at = f"--reward {name} on a batch of {len(texts)} (first prompt {str(examples[0]['prompt'])[:60]!r})"
+    whichever form it takes: per completion or batched, sync or async, under a watchdog of --reward_timeout
+    (the judge bounds its own requests). What scores nothing stops the run whatever --on_nonfinite, in one
+    line: a reward model or judge that fails, a batched function that raises, a sys.exit()."""
+    who = SOURCES.get(name, f"--reward {name}")
+    first = f" (first prompt {str(examples[0]['prompt'])[:60]!r})" if examples else ""
+    at = f"{who} on a batch of {len(texts)}{first}"
+    is_async = inspect.iscoroutinefunction(fn)
+    guard = (contextlib.nullcontext() if name == "judge" else
+             watchdog(timeout + (ASYNC_GRACE_S if is_async else 0.0), at))
     if batched(fn):
         kw = dict(prompts=[e["prompt"] for e in examples], completions=texts, examples=examples,
                   finished=finished)
         try:
-            out = (run_async([fn(**kw)], 1, timeout, at)[0] if inspect.iscoroutinefunction(fn)
-                   else fn(**kw))
-        except DataError:
+            with guard:
+                out = run_async([fn(**kw)], 1, timeout, at)[0] if is_async else fn(**kw)
+            if isinstance(out, BaseException):
+                raise out
+        except (DataError, faults.JudgeError):
             raise
+        except SystemExit as e:
+            raise _exited(e, at) from None
         except Exception as e:
-            out = e
-        if isinstance(out, Exception):
-            return [out] * len(texts)
+            what = "failed" if name in SOURCES else "raised"
+            raise DataError(f"{at} {what}: {type(e).__name__}: {e}{_origin(e)}; a reward that scores no "
+                            f"completion stops the run (whatever --on_nonfinite)") from None
         return _batch_values(out, len(texts), at)
     calls = [dict(prompt=e["prompt"], completion=t, example=e, finished=f)
              for t, e, f in zip(texts, examples, finished)]
-    if inspect.iscoroutinefunction(fn):
-        return run_async([fn(**kw) for kw in calls], concurrency, timeout, at)
-    out = []
-    for kw in calls:
-        try:
-            out.append(fn(**kw))
-        except Exception as e:
-            out.append(e)
-    return out
+    with guard:
+        if is_async:
+            return run_async([fn(**kw) for kw in calls], concurrency, timeout, at)
+        out = []
+        for kw in calls:
+            try:
+                out.append(fn(**kw))
+            except (Exception, SystemExit) as e:  # a SystemExit stops the run in value(), naming the prompt
+                out.append(e)
+        return out
 
 
-def with_reward_functions(task: Task, spec: str, weights: str, on_nonfinite: str = "stop",
-                          env: str = "", sources: dict | None = None, concurrency: int = 32,
-                          timeout: float = 300.0) -> Task:
+def with_reward_functions(task: Task, spec: str, weights: str, env: str = "", sources: dict | None = None,
+                          concurrency: int = 32, timeout: float = 300.0) -> Task:
     """The task, rewarded by sum_i w_i r_i over the --reward functions ('task' = the task's own verifier).
     A function is called per completion as f(prompt=, completion=, example=, finished=), or, batched, once
     per rank's batch as f(prompts=, completions=, examples=, finished=) -> list (batched()); either may be
-    `async def`, run concurrently (at most `concurrency` calls in flight, all within `timeout` seconds). A
-    value is a float or a Score (the first Score's correct/format_ok replace the verifier's: reward/correct
-    and pass@k read them). A function that raises or returns NaN/inf stops the run naming it, the prompt and
-    the value; with --on_nonfinite skip the reward becomes NaN and the step's update is skipped
-    (common.check_rewards). `env`: --env module:Class; one with get_reward adds its value, passed to the
-    score as `env=` (data.py::score_rollouts; None for a discarded instance: 0). `sources`: {"rm": ...,
-    "judge": ...}, batched callables (None: absent), listed in --reward as rm and judge (reward_functions);
-    a callable's optional step_metrics() is logged (reward_model.source_metrics)."""
+    `async def`, run concurrently (at most `concurrency` calls in flight, all within `timeout` seconds; a
+    sync call past it ends the run: watchdog). A value is a float or a Score (the first Score's
+    correct/format_ok replace the verifier's: reward/correct and pass@k read them). A per-completion call
+    that raises, or a value that is NaN, inf or beyond float32, makes the reward NaN and is named in
+    Score.failed; faults.check_rewards then stops the run or, with --on_nonfinite skip, skips the step's
+    update, and stops it anyway when one function raised on every completion of the step (all ranks).
+    `env`: --env module:Class; one with get_reward adds its value, passed to the score as `env=`
+    (data.py::score_rollouts; None for a discarded instance: 0). `sources`: {"rm": ..., "judge": ...},
+    batched callables (None: absent), listed in --reward as rm and judge (reward_functions); a callable's
+    optional step_metrics() is logged (reward_model.source_metrics)."""
     env_reward = bool(env) and callable(getattr(import_function(env, flag="--env"), "get_reward", None))
     sources = {k: v for k, v in (sources or {}).items() if v is not None}
-    if not spec.strip() and not env_reward and not sources:
+    if not spec.strip() and not weights.strip() and not env_reward and not sources:
         return task
     fns, verifier = reward_functions(spec, weights, env_reward, sources), task.score
 
     def value(name: str, out, completion: str, example: dict) -> tuple:
-        """(float, Score or None) of one raw value; a raised exception or NaN/inf is stopped or NaN."""
+        """(float, Score or None, None or (name, "raised" | "nonfinite", why)) of one raw value."""
         at = f"prompt {str(example['prompt'])[:60]!r}, completion {completion[:60]!r}"
+        if isinstance(out, SystemExit):
+            raise _exited(out, f"--reward {name} on {at}")
         if isinstance(out, Exception):
-            tb = traceback.extract_tb(out.__traceback__)
-            where_ = f" ({os.path.basename(tb[-1].filename)}:{tb[-1].lineno})" if tb else ""
-            msg = f"--reward {name} raised {type(out).__name__}: {out}{where_} on {at}"
-            if on_nonfinite == "stop":
-                raise DataError(f"{msg} (--on_nonfinite skip would skip such updates)") from None
-            print(f"warning: {msg}; the reward is NaN and this update is skipped", file=sys.stderr)
-            out = float("nan")
+            why = f"--reward {name} raised {type(out).__name__}: {out}{_origin(out)} on {at}"
+            return float("nan"), None, (name, "raised", why)
         outcome = out if isinstance(out, Score) else None
         out = out.reward if outcome is not None else out
         if isinstance(out, (str, bytes)) or not hasattr(out, "__float__"):
             raise DataError(f"--reward {name} returned {type(out).__name__} {out!r} on {at}: expected a "
                             f"float or a rewards.Score")
         v = float(out)
-        if not math.isfinite(v) and on_nonfinite == "stop":
-            raise DataError(f"--reward {name} returned {v} on {at} (--on_nonfinite skip would skip "
-                            f"such updates)")
-        return v, outcome
+        if not abs(v) <= F32_MAX:  # NaN, inf, or a finite value float32 cannot hold
+            beyond = ", beyond float32's range (the rewards' type)" if math.isfinite(v) else ""
+            return v, outcome, (name, "nonfinite", f"--reward {name} returned {v:g}{beyond} on {at}")
+        return v, outcome, None
 
     def combine(completion, example, finished, env, raw: dict) -> Score:
         """One completion's Score: its parts, unweighted, and their weighted sum, in --reward's order."""
-        base, parts, outcome = verifier(completion, example, finished), [], None
+        base, parts, outcome, failed = verifier(completion, example, finished), [], None, []
         for name, fn, w in fns:
             if fn is None or fn is ENV_REWARD:
                 parts.append(base.reward if fn is None else 0.0 if env is None else env)
                 continue
             out = raw[name] if name in raw else _call_batch(name, fn, [completion], [example], [finished],
                                                             concurrency, timeout)[0]
-            v, got = value(name, out, completion, example)
-            outcome = outcome or got
+            v, got, why = value(name, out, completion, example)
+            outcome, failed = outcome or got, failed + ([why] if why else [])
             parts.append(v)
         outcome = outcome or base
         return Score(sum(w * v for (_, _, w), v in zip(fns, parts)), outcome.correct, outcome.format_ok,
-                     base.prob, outcome.pred, tuple(parts), error=base.error)
+                     base.prob, outcome.pred, tuple(parts), error=base.error, failed=tuple(failed))
 
     def score(completion: str, example: dict, finished: bool, env: float | None = None) -> Score:
         return combine(completion, example, finished, env, {})

@@ -47,7 +47,8 @@ def score(run, examples: list, n: int, rollouts: data.Rollouts) -> Scored:
     rewards = rewards + args.format_weight * fmt  # the format bonus, in the reward only
     rewards = rewards + overlong_penalty(rollouts, run.max_new_tokens, args.overlong_buffer,
                                          args.overlong_penalty)
-    faults.check_rewards(rewards, examples, n, run.step + 1, args.on_nonfinite)  # NaN/inf: stop or skip
+    # NaN/inf: stop or skip; a --reward function raising on every completion: stop
+    faults.check_rewards(rewards, examples, n, run.step + 1, args.on_nonfinite, scores, run.task.reward_names)
     return Scored(examples, rollouts, rewards, correct, fmt, data.reward_parts(scores, run.task.reward_names),
                   scores)
 

@@ -19,6 +19,9 @@ class Score:
     parts: tuple = ()
     tools: dict | None = None   # --tools: the trajectory's tool_stats (eval.py summarises them)
     error: str | None = None    # the task's scorer raised (rg: tasks): what it raised; the reward is 0
+    # --reward functions that made this reward NaN/inf: (name, "raised" | "nonfinite", why), for
+    # faults.check_rewards to name
+    failed: tuple = ()
 
 
 @dataclass

@@ -33,13 +33,14 @@ def finite_checkpoint(run_dir):
 
 
 def nan_at_step(monkeypatch, step):
-    """The overlong penalty (added to every reward) returns NaN for the first completion at `step`."""
+    """The overlong penalty (added to every reward) returns NaN for the first completion at `step` (every
+    step from `-step` on when negative)."""
     calls, penalty = [], common.overlong_penalty
 
     def nan_penalty(rollouts, *a):
         calls.append(1)
         out = penalty(rollouts, *a)
-        if len(calls) == step:
+        if len(calls) == step or -len(calls) <= step < 0:
             out[0] = float("nan")
         return out
     monkeypatch.setattr(rollouts, "overlong_penalty", nan_penalty)
@@ -64,6 +65,26 @@ def test_a_nan_reward_with_skip_skips_that_update_only(tmp_path, monkeypatch):
     for a, b in zip(skipped.model.parameters(), straight.model.parameters()):  # step 2 changed nothing
         assert torch.equal(a, b)
     assert finite_checkpoint(skipped.run_dir)
+
+
+def test_a_run_whose_every_update_is_skipped_stops_after_five_steps(tmp_path, monkeypatch):
+    nan_at_step(monkeypatch, -2)  # from step 2 on: a run that trains nothing must not end with status 0
+    with pytest.raises(faults.NonFiniteError, match=r"^step 6: every update of the last 5 steps was skipped"):
+        train(train_grpo, tmp_path, "--steps", "9", "--on_nonfinite", "skip", "--run_name", "dead")
+    assert [r["nonfinite/skipped"] for r in read_metrics(tmp_path / "dead")] == [0, 1, 1, 1, 1]
+
+
+def test_skipped_steps_count_only_steps_that_tried_an_update():
+    run = SimpleNamespace(skipped_steps=0, step=0)
+    # (skipped, updates) per step: a step with nothing to update (a filter kept nothing) neither counts nor
+    # breaks the streak; one update made resets it
+    for skipped, updates in [(1, 0)] * 4 + [(0, 0), (1, 1), (1, 0), (0, 0)] + [(2, 0)] * 3:
+        run.step += 1
+        faults.check_skipped(run, SimpleNamespace(skipped=skipped, updates=updates))
+    assert run.skipped_steps == 4
+    with pytest.raises(faults.NonFiniteError, match="^step 12: every update of the last 5 steps"):
+        run.step += 1
+        faults.check_skipped(run, SimpleNamespace(skipped=1, updates=0))
 
 
 def test_an_exploding_update_stops_before_the_weights_turn_nan(tmp_path):

@@ -14,7 +14,7 @@ import rewards
 import train_grpo
 import train_ppo
 from conftest import ROOT, assert_grad_close, read_metrics, run_script
-from rlmini import data, engine, logprobs, models, packing, reward_fns
+from rlmini import data, engine, faults, logprobs, models, packing, reward_fns
 from rollout_double import record_first_step
 
 OWN = os.path.join("docs", "examples", "my_rewards.py")  # docs/own-experiment.md's example
@@ -72,25 +72,37 @@ def test_a_score_from_the_function_sets_the_outcome(tmp_path):
      "'12'"),
     ("def f(prompt, completion, example, finished):\n    return float('nan')\n",
      "--reward f returned nan on prompt '5+7=', completion '12'"),
-    ("def f(prompt, completion, example, finished):\n    return 'good'\n",
-     "--reward f returned str 'good' on prompt '5+7=', completion '12': expected a float or a rewards.Score"),
     ("def f(prompt, completion):\n    return 1.0\n",
      "--reward f raised TypeError"),
 ])
 def test_a_failing_function_is_named_with_the_example_and_the_value(tmp_path, body, message):
+    """A NaN reward, named in Score.failed; faults.check_rewards stops on it (or skips the update)."""
     task = reward_fns.with_reward_functions(rewards.load_task("addition"), f"{_module(tmp_path, body)}:f", "")
-    with pytest.raises(rewards.DataError) as e:
+    s = task.score("12", {"prompt": "5+7=", "answer": 12}, True)
+    assert math.isnan(s.reward) and len(s.failed) == 1 and s.failed[0][2].startswith(message)
+
+
+def test_a_value_that_is_not_a_number_stops_at_once(tmp_path):
+    body = "def f(prompt, completion, example, finished):\n    return 'good'\n"
+    task = reward_fns.with_reward_functions(rewards.load_task("addition"), f"{_module(tmp_path, body)}:f", "")
+    with pytest.raises(rewards.DataError, match="--reward f returned str 'good' on prompt '5\\+7=', "
+                                                "completion '12': expected a float or a rewards.Score"):
         task.score("12", {"prompt": "5+7=", "answer": 12}, True)
-    assert message in str(e.value)
 
 
-def test_with_skip_a_failing_function_gives_a_nan_reward_and_a_warning(tmp_path, capsys):
+def test_with_skip_a_failing_function_gives_a_nan_reward_and_one_warning_a_step(tmp_path, capsys):
     path = _module(tmp_path, "def f(prompt, completion, example, finished):\n    raise KeyError('x')\n")
-    task = reward_fns.with_reward_functions(rewards.load_task("addition"), f"task,{path}:f", "",
-                                         on_nonfinite="skip")
+    task = reward_fns.with_reward_functions(rewards.load_task("addition"), f"task,{path}:f", "")
     s = task.score("12", {"prompt": "5+7=", "answer": 12}, True)
     assert math.isnan(s.reward) and s.parts[0] == 1.0 and math.isnan(s.parts[1]) and s.correct == 1.0
-    assert "--reward f raised KeyError" in capsys.readouterr().err
+    ok = rewards.Score(1.0, 1.0, 1.0)
+    scores = [s, ok, s, ok]
+    faults.check_rewards(torch.tensor([x.reward for x in scores]), [{"prompt": "5+7="}] * 2, 2, 3, "skip",
+                         scores, task.reward_names)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "step 3: 2 non-finite reward(s), the first nan for completion 1 of prompt " \
+        "'5+7=' (--reward f raised KeyError: 'x' (user_rewards.py:2) on prompt '5+7=', completion " \
+        "'12')" in err[0]
 
 
 @pytest.mark.parametrize("spec, weights, message", [
@@ -102,6 +114,7 @@ def test_with_skip_a_failing_function_gives_a_nan_reward_and_a_warning(tmp_path,
     (f"task,{OWN}:length_penalty", "1,x", "expected comma-separated numbers"),
     (f"task,{OWN}:length_penalty", "1,inf", "every weight must be a finite number"),
     ("task,task", "", "the name 'task' is taken"),
+    ("", "1,0.5", "--reward_weights 1,0.5: weights of --reward's functions, but --reward is empty"),
 ])
 def test_bad_reward_options_are_named(monkeypatch, spec, weights, message):
     monkeypatch.chdir(ROOT)

@@ -4,6 +4,7 @@ random one with its own chat tokenizer, and one whose score is known by construc
 import asyncio
 import math
 import os
+import subprocess
 import sys
 import tempfile
 import types
@@ -13,9 +14,9 @@ import torch
 
 import rewards
 from chat_model import EVEN, build_reward_model, build_chat_model
-from conftest import read_metrics, run_script
+from conftest import ROOT, read_metrics, run_script
 from rlmini import judge as judge_module
-from rlmini import memplan, reward_fns, reward_model
+from rlmini import faults, memplan, reward_fns, reward_model
 
 TMP = tempfile.gettempdir()
 KNOWN, RANDOM = os.path.join(TMP, "rlmini-test-rm-known"), os.path.join(TMP, "rlmini-test-rm-random")
@@ -115,17 +116,97 @@ def test_bad_batched_output_and_errors_are_one_line_naming_the_function_and_prom
     def nan_third(prompts, completions, examples, finished):
         return [1.0, 1.0, math.nan, 1.0]
 
-    with pytest.raises(rewards.DataError, match=r"--reward nan_third returned nan on prompt '2\+2=', "
-                                                r"completion '12'"):
-        score_all(bind(nan_third, "nan_third"))
-    skipped = score_all(bind(nan_third, "nan_third", on_nonfinite="skip"))
-    assert math.isnan(skipped[2].reward) and skipped[0].reward == skipped[0].parts[0] + 0.5
+    t = bind(nan_third, "nan_third")
+    got = score_all(t)  # NaN where it was, named for the step's check (faults.check_rewards)
+    assert math.isnan(got[2].reward) and got[0].reward == got[0].parts[0] + 0.5
+    assert got[2].failed == (("nan_third", "nonfinite", "--reward nan_third returned nan on prompt '2+2=', "
+                                                       "completion '12'"),) and got[0].failed == ()
+    with pytest.raises(faults.NonFiniteError, match=r"the first nan for completion 1 of prompt '2\+2=' "
+                       r"\(--reward nan_third returned nan .*\); stopped \(--on_nonfinite skip would skip"):
+        check(t, got, "stop")
 
     async def boom(prompt, completion, example, finished):
         raise KeyError("col")
 
-    with pytest.raises(rewards.DataError, match=r"--reward boom raised KeyError: 'col' \(test_reward_model"):
-        score_all(bind(boom, "boom"))
+    t = bind(boom, "boom")
+    got = score_all(t)
+    assert all(s.failed[0][:2] == ("boom", "raised") for s in got)
+    assert "--reward boom raised KeyError: 'col' (test_reward_model.py:" in got[0].failed[0][2]
+    for on in ("stop", "skip"):  # it raised on every completion: it scores nothing, skip or not
+        with pytest.raises(faults.NonFiniteError, match=r"--reward boom raised on all 4 completions of the "
+                           r"step: a reward that scores nothing stops the run, whatever --on_nonfinite$"):
+            check(t, got, on)
+
+
+def check(t, scores, on_nonfinite):
+    """faults.check_rewards over score_all's batch (groups of 2), as rollouts.score calls it."""
+    rewards_ = torch.tensor([s.reward for s in scores])
+    faults.check_rewards(rewards_, EXAMPLES, 2, 1, on_nonfinite, scores, t.reward_names)
+
+
+def test_a_function_raising_on_some_completions_is_skipped_one_line_a_step_and_reward_sources_stop(capsys):
+    def some(prompt, completion, example, finished):
+        if completion == "12":
+            raise ValueError("odd")
+        return 1.0
+
+    t = bind(some, "some")
+    got = score_all(t)
+    assert [math.isnan(s.reward) for s in got] == [False, False, True, False]
+    check(t, got, "skip")  # one line for the step, naming the function, the prompt and where it raised
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--reward some raised ValueError: odd (test_reward_model.py:" in err[0]
+    assert err[0].endswith("the update of this step is skipped")
+
+    def many_boom(prompts, completions, examples, finished):
+        raise RuntimeError("down")
+
+    def rm_boom(prompts, completions, examples, finished):
+        raise RuntimeError("CUDA error: device-side assert")
+
+    rm_task = reward_fns.with_reward_functions(task(), "", "", sources={"rm": rm_boom})
+    for t, who in ((bind(many_boom, "many_boom"), "--reward many_boom"), (rm_task, "--reward_model")):
+        with pytest.raises(rewards.DataError) as e:  # batched or a source: nothing scored, whatever the flag
+            score_all(t)
+        assert str(e.value).startswith(f"{who} on a batch of 4 (first prompt '1+2=') ")
+        assert "a reward that scores no completion stops the run (whatever --on_nonfinite)" in str(e.value)
+        assert "would skip" not in str(e.value)
+
+    def judge_down(prompts, completions, examples, finished):
+        raise faults.JudgeError("judge: 3 of 4 judgements of this step failed")
+
+    t = reward_fns.with_reward_functions(task(), "", "", sources={"judge": judge_down})
+    with pytest.raises(faults.JudgeError, match="3 of 4"):  # its own one line, not a NaN reward
+        score_all(t)
+
+
+@pytest.mark.parametrize("body, message", [
+    ("import sys\ndef f(prompt, completion, example, finished):\n    sys.exit(3)\n",
+     "--reward f on prompt '1+2=', completion '3' called sys.exit(3): a reward function returns a value"),
+    ("import sys\ndef f(prompts, completions, examples, finished):\n    sys.exit(3)\n",
+     "--reward f on a batch of 4 (first prompt '1+2=') called sys.exit(3): a reward function returns a "
+     "value"),
+    ("import sys\nasync def f(prompt, completion, example, finished):\n    sys.exit(3)\n",
+     "--reward f on prompt '1+2=', completion '3' called sys.exit(3)"),
+])
+def test_sys_exit_in_a_reward_function_stops_in_one_line_not_with_its_status(tmp_path, body, message):
+    (tmp_path / "exits.py").write_text(body)
+    t = reward_fns.with_reward_functions(task(), f"task,{tmp_path / 'exits.py'}:f", "")
+    with pytest.raises(rewards.DataError) as e:
+        score_all(t)
+    assert message in str(e.value)
+
+
+def test_a_value_beyond_float32_is_blamed_on_its_function():
+    def huge(prompt, completion, example, finished):
+        return 1e300 if completion == "12" else 1.0
+
+    t = bind(huge, "huge")
+    got = score_all(t)
+    assert got[2].failed[0][2].startswith("--reward huge returned 1e+300, beyond float32's range")
+    with pytest.raises(faults.NonFiniteError, match=r"the first inf .*\(--reward huge returned 1e\+300, "
+                                                    r"beyond float32's range"):
+        check(t, got, "stop")
 
 
 def test_rm_and_judge_are_reserved_and_bound_by_their_flags():
@@ -366,3 +447,23 @@ def test_held_out_scoring_neither_moves_the_running_norm_nor_the_logged_sums(mod
     assert fn.state == state  # the sums: the training call's +1 and -1 (float32 rounding), not the eval's -1
     sums = {"reward/rm_raw_sum": 0.0, "reward/rm_raw_count": 2.0}
     assert fn.step_metrics() == pytest.approx(sums, abs=1e-6)
+
+
+@pytest.mark.parametrize("spec, who", [("task,{path}:f", "--reward f on a batch of 1"),
+                                       ("", "--reward_model on a batch of 1")])
+def test_a_sync_reward_past_the_deadline_ends_the_process_in_one_line(tmp_path, spec, who):
+    """A sync function (or a reward model's forward) cannot be cancelled: the watchdog ends the process."""
+    path = tmp_path / "slow.py"
+    path.write_text("import time\ndef f(prompt, completion, example, finished):\n    time.sleep(60)\n"
+                    "    return 1.0\ndef rm(prompts, completions, examples, finished):\n    time.sleep(60)\n")
+    code = ("import sys, rewards; from rlmini import reward_fns; sys.path.insert(0, sys.argv[1]); "
+            "import slow; t = reward_fns.with_reward_functions(rewards.load_task('addition'), sys.argv[2], "
+            "'', sources={'rm': None if sys.argv[2] else slow.rm}, timeout=0.5); "
+            "t.score_batch(['3'], [{'prompt': '1+2=', 'answer': 3}], [True], [None]) if t.score_batch else "
+            "t.score('3', {'prompt': '1+2=', 'answer': 3}, True)")
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path), spec.format(path=path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=50)
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr.strip() == (f"error: {who} (first prompt '1+2='): no answer within --reward_timeout "
+                                f"0.5 s; a running call cannot be cancelled, so the run ends here (its last "
+                                f"checkpoint is intact)")
