@@ -288,7 +288,10 @@ def run_calls(box: Toolbox, calls: list, instances: list | None = None) -> list:
 
     longest = max((len(ks) for ks in jobs.values()), default=1)
     limit = longest * (box.timeout + 1) - 1  # one call each: --tool_timeout, as before --env
-    envs.bounded([lambda ks=ks: job(ks) for ks in jobs.values()], box.workers, limit)
+    outcomes = envs.bounded([lambda ks=ks: job(ks) for ks in jobs.values()], box.workers, limit)
+    ended = [o for o in outcomes if isinstance(o, SystemExit)]  # sys.exit in a tool: the run ends here
+    if ended:
+        raise ended[0]
     results = [r if r is not None else Result(_timeout_text(box), True, True, box.timeout) for r in results]
     for r, inst in zip(results, instances):
         if r.timed_out and inst is not None:
