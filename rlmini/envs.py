@@ -223,6 +223,8 @@ class Pool:
         if value is not None and math.isfinite(value):
             return value
         what = failure(o, self.limit) or f"returned {o!r}, not a finite number"
+        if isinstance(o, SystemExit):  # it scores nothing: the run stops, whatever --on_nonfinite
+            raise DataError(f"--env {self.spec}: {self.name}.get_reward {what}")
         if self.on_nonfinite == "stop":
             raise DataError(f"--env {self.spec}: {self.name}.get_reward {what} (--on_nonfinite skip would "
                             f"skip such updates)")

@@ -257,7 +257,10 @@ def run_call(box: Toolbox, name: str, arguments, instance=None) -> Result:
         if box.env is not None and name in box.env.tools:
             out = box.env.call(instance, name, arguments)
         else:
-            out = fn(arguments) if isinstance(arguments, str) else fn(**arguments)
+            try:
+                out = fn(arguments) if isinstance(arguments, str) else fn(**arguments)
+            except SystemExit as e:  # the run ends (run_calls raises it), in one line naming the tool
+                raise SystemExit(f"--tools {name} {envs.failure(e, '')}") from None
         result = Result(_cut(str(out), box.output_chars), False, False, time.perf_counter() - start)
     except Exception as e:  # the tool's failure is the model's observation
         result = Result(_cut(f"{type(e).__name__}: {e}", box.output_chars), True, False,

@@ -246,7 +246,8 @@ def test_sys_exit_in_the_environment_ends_the_run_and_ctrl_c_reaches_the_main_th
     with pytest.raises(SystemExit, match=r"^--env \S+:Ending: Ending\.step called sys\.exit\(3\)$"):
         tools.run_calls(box, [("python", "1+1"), ("step", "go")], lent * 2)
     lent, _, _ = pool.begin([{"prompt": "r", "answer": 1, "end": "get_reward"}], 1)
-    with pytest.raises(rewards.DataError, match=r": Ending\.get_reward called sys\.exit\(3\) \(--on_nonf"):
+    pool.on_nonfinite = "skip"  # a reward that calls sys.exit scores nothing: it stops, skip or not
+    with pytest.raises(rewards.DataError, match=r": Ending\.get_reward called sys\.exit\(3\)$"):
         pool.end(lent)
     examples = [{"prompt": "s", "answer": 1, "end": "hang"}, {"prompt": "t", "answer": 1, "end": "reset^C"}]
     with pytest.raises(KeyboardInterrupt):
@@ -256,6 +257,20 @@ def test_sys_exit_in_the_environment_ends_the_run_and_ctrl_c_reaches_the_main_th
     err = capfd.readouterr().err
     assert re.search(r"of \d+ Ending\.close\(\) calls failed \(the first called sys\.exit\(\)\)\n$", err)
     assert "Traceback" not in err and "Exception in thread" not in err, err
+    own = tools.make_toolbox(common.Args(tools=f"{_module(tmp_path, EXITS, 'exits')}:leave"))
+    with pytest.raises(SystemExit, match=r"^--tools leave called sys\.exit\(3\)$"):  # a --tools function's
+        tools.run_calls(own, [("leave", "now")])
+
+
+EXITS = """
+def leave(code: str) -> str:
+    '''Leave.
+
+    Args:
+        code: ignored
+    '''
+    sys.exit(3)
+"""
 
 
 # ---------------------------------------------------------------------------------------------- runs
