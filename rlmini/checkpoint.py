@@ -213,14 +213,16 @@ def load_resumed(run_dir: str) -> dict:
 
 def save(run) -> None:
     """Everything needed to continue: the policy and its optimizer, PPO's critic and its optimizer, the
-    scheduler, RNGs, step, data position and HA-DW's state. One process: checkpoint.pt, written by rank 0.
-    torchrun: checkpoint/, each rank writing its shards (torch.distributed.checkpoint)."""
+    scheduler, RNGs, step, data position, HA-DW's state and the task's (Task.state). One process:
+    checkpoint.pt, written by rank 0. torchrun: checkpoint/, each rank writing its shards
+    (torch.distributed.checkpoint)."""
     pairs = {"critic": (run.critic, run.critic_optimizer)} if run.critic is not None else {}
     meta = {"scheduler": run.scheduler.state_dict(), "rng": rng_state(), "step": run.step,
             # --async_steps: the batches in flight are not saved; --resume draws their prompts again
             "data_pos": run.data_pos, "redraw": [pos for pos, _, _ in run.ahead],
             "algo_state": {**({"hadw": run.hadw} if run.hadw else {}),
-                           **({"reward_norm": norm} if (norm := reward_model.norm_state(run.task)) else {})},
+                           **({"reward_norm": norm} if (norm := reward_model.norm_state(run.task)) else {}),
+                           **({"task": dict(run.task.state)} if run.task.state else {})},
             "args": dataclasses.asdict(run.args), "algo": run.algo}
     shards = [p.to_local() if hasattr(p, "to_local") else p for p in run.model.parameters()]  # FSDP2: mine
     bad = dist.all_sum(sum(int((~torch.isfinite(p.detach())).sum()) for p in shards))  # every rank's shards
@@ -291,8 +293,9 @@ def restore(run, key: str, module, optimizer) -> None:
 
 
 def resume(run) -> None:
-    """--resume: the checkpoint's policy, optimizer and lr schedule, step, data position, RNG states and HA-DW
-    state into `run` (its options checked against the saved ones first), then the weights into the engine."""
+    """--resume: the checkpoint's policy, optimizer and lr schedule, step, data position, RNG states, HA-DW
+    state and the task's (Task.restore) into `run` (its options checked against the saved ones first), then
+    the weights into the engine."""
     run.resumed = load_resumed(run.run_dir)
     check_resumed_options(run.resumed, run.args, run.algo, run.run_dir)
     restore(run, "policy", run.model, run.optimizer)
@@ -303,6 +306,8 @@ def resume(run) -> None:
         run.data_pos, run.redraw = run.redraw[0], []
     run.hadw = run.resumed["algo_state"].get("hadw", {})
     reward_model.restore_norm_state(run.task, run.resumed["algo_state"].get("reward_norm", {}))
+    if run.task.restore is not None:  # rg: --rg_curriculum's level, and its examples
+        run.task.restore(run.task, run.resumed["algo_state"].get("task", {}))
     set_rng_state(run.resumed["rng"])
     run.engine.push()
 

@@ -72,9 +72,6 @@ def load_task(args, style: str):
     if args.rg_curriculum and not (args.task.startswith("rg:") and args.eval_every):
         raise SystemExit(f"--rg_curriculum {args.rg_curriculum}: needs an rg: task and --eval_every (the "
                          f"level rises after an evaluation)")
-    if args.rg_curriculum and args.resume:
-        raise SystemExit("--rg_curriculum: the level is not in the checkpoint, so --resume would restart it "
-                         "at 0 and train on other examples than the run did")
     task = rewards.load_task(args.task, style=style, seed=args.seed, brier=args.brier,
                              jsonl_reward=args.jsonl_reward, prompt_column=args.prompt_column,
                              answer_column=args.answer_column, task_config=args.task_config,

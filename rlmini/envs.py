@@ -14,7 +14,9 @@ tool loop (rlmini/tools.py), so that an environment written for TRL runs here un
   - `close()` (optional; TRL never calls it) is called on every instance once, when the run ends.
 
 Every call into an instance runs in a daemon thread with a deadline (--tool_timeout): an instance whose call
-ran past it is discarded (its thread may still be running), never reset again nor asked for a reward."""
+ran past it is discarded (its thread may still be running), never reset again nor asked for a reward. A call
+that calls sys.exit fails as one that raises does ("called sys.exit(N)"), but a tool's ends the run too; a
+KeyboardInterrupt in a call is raised again in the main thread."""
 import asyncio
 import atexit
 import inspect
@@ -22,7 +24,6 @@ import json
 import math
 import sys
 import threading
-import time
 
 from rlmini.reward_fns import import_function
 from rlmini.task import DataError
@@ -36,24 +37,41 @@ class TimedOut:
 
 def bounded(jobs: list, workers: int, limit: float) -> list:
     """Run zero-argument callables in daemon threads, `workers` at a time, each allowed `limit` seconds: their
-    return values, the exception a job raised, or TimedOut where it had not returned by the batch's deadline
-    (its thread is abandoned: it cannot hold the process at exit)."""
-    out, gate = [TimedOut] * len(jobs), threading.BoundedSemaphore(workers)
+    return values, the exception a job raised (SystemExit too: `failure` names it), or TimedOut where it had
+    not returned by the batch's deadline (its thread is abandoned: it cannot hold the process at exit). A job
+    that raises KeyboardInterrupt ends the wait: it is raised again here, in the calling thread."""
+    out, gate, lock = [TimedOut] * len(jobs), threading.BoundedSemaphore(workers), threading.Lock()
+    left, interrupted, over = [len(jobs)], [], threading.Event()
 
     def work(k):
         with gate:
             try:
                 out[k] = _result(jobs[k]())
-            except Exception as e:  # the job's failure is its outcome
-                out[k] = e
+            except BaseException as e:  # its outcome: left to the thread, sys.exit and Ctrl-C would pass for
+                out[k] = e              # a hang (threading drops the one, prints the other's traceback)
+                if isinstance(e, KeyboardInterrupt):
+                    interrupted.append(k)
+        with lock:
+            left[0] -= 1
+            if not left[0] or interrupted:
+                over.set()
 
-    threads = [threading.Thread(target=work, args=(k,), daemon=True) for k in range(len(jobs))]
-    for t in threads:
-        t.start()
-    deadline = time.perf_counter() + math.ceil(len(jobs) / workers) * (limit + 1) + 1
-    for t in threads:
-        t.join(timeout=max(0.0, deadline - time.perf_counter()))
+    for k in range(len(jobs)):
+        threading.Thread(target=work, args=(k,), daemon=True).start()
+    if jobs:
+        over.wait(timeout=math.ceil(len(jobs) / workers) * (limit + 1) + 1)
+    if interrupted:
+        raise KeyboardInterrupt from None
     return list(out)
+
+
+def failure(outcome, limit: str) -> str | None:
+    """What went wrong in a bounded job, by its outcome, or None (it returned); `limit` names the deadline."""
+    if outcome is TimedOut:
+        return f"did not return within {limit}"
+    if isinstance(outcome, SystemExit):
+        return f"called sys.exit({'' if outcome.code is None else repr(outcome.code)})"
+    return f"raised {type(outcome).__name__}: {outcome}" if isinstance(outcome, Exception) else None
 
 
 def _result(value):
@@ -81,6 +99,7 @@ class Pool:
             raise SystemExit(f"--env {spec}: {getattr(cls, '__name__', cls)} is not a class")
         self.spec, self.cls, self.name = spec, cls, cls.__name__
         self.timeout, self.workers, self.on_nonfinite = timeout, workers, on_nonfinite
+        self.limit = f"--tool_timeout {timeout:g} s"  # how a call's deadline is named in a failure
         if not callable(getattr(cls, "reset", None)):
             raise SystemExit(f"--env {spec}: the class {self.name} has no reset method (reset(**example) "
                              f"starts an episode; docs/environments.md)")
@@ -110,9 +129,8 @@ class Pool:
 
     def _new(self):
         made = bounded([self.cls], 1, max(self.timeout, 30.0))[0]  # a constructor may connect to a server
-        if made is TimedOut or isinstance(made, Exception):
-            what = (f"did not return within {max(self.timeout, 30.0):g} s" if made is TimedOut
-                    else f"raised {type(made).__name__}: {made}")
+        what = failure(made, f"{max(self.timeout, 30.0):g} s")
+        if what:
             raise SystemExit(f"--env {self.spec}: {self.name}() {what}")
         with self.lock:
             self.instances.append(made)
@@ -130,14 +148,11 @@ class Pool:
         lent += [self._new() for _ in range(B - len(lent))]
         out = bounded([lambda k=k: lent[k].reset(**dict(examples[k // n])) for k in range(B)], self.workers,
                       self.timeout)
-        bad = next((k for k, o in enumerate(out) if o is TimedOut or isinstance(o, Exception)
-                    or not (o is None or isinstance(o, str))), None)
+        bad = next((k for k, o in enumerate(out) if not (o is None or isinstance(o, str))), None)
         if bad is not None:
             o = out[bad]
             self.end(lent, rewards=False, lost=[k for k, x in enumerate(out) if x is TimedOut])
-            what = (f"did not return within --tool_timeout {self.timeout:g} s" if o is TimedOut
-                    else f"raised {type(o).__name__}: {o}" if isinstance(o, Exception)
-                    else f"returned {type(o).__name__}, not text or None")
+            what = failure(o, self.limit) or f"returned {type(o).__name__}, not text or None"
             raise DataError(f"--env {self.spec}: {self.name}.reset {what} (example "
                             f"{str(examples[bad // n].get('prompt'))[:60]!r})")
         prompts = [with_observation(examples[k // n]["prompt"], out[k]) for k in range(B)]
@@ -148,12 +163,16 @@ class Pool:
     def call(self, instance, name: str, arguments):
         """A tool call on the rollout's instance: chat format, the call's arguments; code format, the block's
         text as the method's one parameter (converted to its int/float/bool/str hint), or a JSON object of
-        its parameters. Raises what the method raises (the tool loop returns it to the policy)."""
+        its parameters. Raises what the method raises (the tool loop returns it to the policy); sys.exit as a
+        SystemExit naming the method, which ends the run."""
         if any(instance is h for h in self.hung):
             raise TimeoutError("the environment stopped answering: an earlier call ran past --tool_timeout")
         if isinstance(arguments, str):
             arguments = self._from_text(name, arguments)
-        return _result(getattr(instance, name)(**arguments))
+        try:
+            return _result(getattr(instance, name)(**arguments))
+        except SystemExit as e:  # the environment ends the run (tools.run_calls raises it), not the episode
+            raise SystemExit(f"--env {self.spec}: {self.name}.{name} {failure(e, self.limit)}") from None
 
     def _from_text(self, name: str, text: str) -> dict:
         params = self.params[name]
@@ -203,9 +222,9 @@ class Pool:
             value = None
         if value is not None and math.isfinite(value):
             return value
-        what = (f"did not return within --tool_timeout {self.timeout:g} s" if o is TimedOut
-                else f"raised {type(o).__name__}: {o}" if isinstance(o, Exception)
-                else f"returned {o!r}, not a finite number")
+        what = failure(o, self.limit) or f"returned {o!r}, not a finite number"
+        if isinstance(o, SystemExit):  # it scores nothing: the run stops, whatever --on_nonfinite
+            raise DataError(f"--env {self.spec}: {self.name}.get_reward {what}")
         if self.on_nonfinite == "stop":
             raise DataError(f"--env {self.spec}: {self.name}.get_reward {what} (--on_nonfinite skip would "
                             f"skip such updates)")
@@ -221,8 +240,8 @@ class Pool:
             self.closed, instances = True, list(self.instances)
         closers = [getattr(inst, "close", None) for inst in instances]
         out = bounded([c for c in closers if callable(c)], self.workers, self.timeout)
-        failed = [o for o in out if o is TimedOut or isinstance(o, Exception)]
+        failed = [o for o in out if failure(o, self.limit)]
         if failed:
-            first = "ran past --tool_timeout" if failed[0] is TimedOut else f"raised {failed[0]!r}"
+            first = failure(failed[0], self.limit)
             print(f"warning: --env {self.spec}: {len(failed)} of {len(out)} {self.name}.close() calls failed "
                   f"(the first {first})", file=sys.stderr)

@@ -131,7 +131,8 @@ def rg_task(spec: str, style: str, seed: int, size: int = 1000, task_config: str
     reward is the generator's score_answer on the extracted answer (partial credit kept); correct means 1.0;
     a scorer that raises scores 0 and is counted (task/scorer_errors). curriculum > 0: each generator's
     reasoning-gym curriculum, from level 0; Task.on_eval raises the level (all generators, new examples)
-    after an evaluation whose pass@1 reaches it."""
+    after an evaluation whose pass@1 reaches it, Task.state holds it for the checkpoint, Task.restore puts a
+    resumed run back at it."""
     mix = rg_mix(spec, allow_slow)
     user, names, weights = rg_configs(task_config, mix), list(mix), list(mix.values())
     curricula = {}
@@ -187,17 +188,29 @@ def rg_task(spec: str, style: str, seed: int, size: int = 1000, task_config: str
             return Score(0.0, 0.0, 1.0, pred=pred, error=f"{ex['rg']}: {type(e).__name__}: {e}"[:200])
         return Score(value, float(value >= 1.0), 1.0, pred=pred)
 
+    def go_to(task: Task, level: int) -> None:
+        """Both splits generated anew at `level`; the new examples take the current ones' system message,
+        if any (--system_prompt)."""
+        state["level"] = level
+        first = task.train[0]["prompt"]
+        opening = first[:-1] if isinstance(first, list) else None
+        task.train, task.test = ([{**e, "prompt": opening + [{"role": "user", "content": e["prompt"]}]}
+                                  if opening else e for e in split] for split in build(level, size))
+
     def on_eval(task: Task, metrics: dict) -> dict:
-        """--rg_curriculum: one level up when the held-out pass@1 reaches the threshold; the new examples
-        take the current ones' system message, if any (--system_prompt)."""
+        """--rg_curriculum: one level up when the held-out pass@1 reaches the threshold."""
         if metrics["eval/pass@1"] >= curriculum and state["level"] < top:
-            state["level"] += 1
-            first = task.train[0]["prompt"]
-            opening = first[:-1] if isinstance(first, list) else None
-            task.train, task.test = ([{**e, "prompt": opening + [{"role": "user", "content": e["prompt"]}]}
-                                      if opening else e for e in split]
-                                     for split in build(state["level"], size))
+            go_to(task, state["level"] + 1)
         return {"task/rg_level": state["level"]}
+
+    def restore(task: Task, saved: dict) -> None:
+        """--resume: the checkpoint's level, with the examples the run had at it (level 0: those loaded)."""
+        level = saved.get("level", 0)
+        if not 0 <= level <= top:  # a checkpoint of another --task (--allow_option_changes)
+            raise SystemExit(f"--resume: the checkpoint's --rg_curriculum level {level} is not one of "
+                             f"rg:{spec}'s (0 to {top})")
+        if level:
+            go_to(task, level)
 
     # with a curriculum the tokenizer and the generation budget are sized for its top level too
     top = max((len(a.levels) - 1 for c in curricula.values() for a in c.attributes.values()), default=0)
@@ -208,4 +221,5 @@ def rg_task(spec: str, style: str, seed: int, size: int = 1000, task_config: str
     return Task("rg", "binary", train, test, score, pass_threshold=1.0,
                 alphabet=sorted(set("".join(texts))) + list(RG_TAGS),
                 max_new_tokens=max(answers) + 2 if style == "tiny" else 512, stats=stats,
-                on_eval=on_eval if curricula else None)
+                on_eval=on_eval if curricula else None, state=state if curricula else {},
+                restore=restore if curricula else None)

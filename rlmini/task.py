@@ -40,6 +40,10 @@ class Task:
     stats: dict = field(default_factory=dict)
     # called by eval.py::evaluate with (task, the evaluation's metrics): more metrics (rg: --rg_curriculum)
     on_eval: Callable | None = None
+    # what of the task a checkpoint keeps (rg: --rg_curriculum's level), and (task, that state) -> None, which
+    # --resume calls to put the task back where the run was (rlmini/checkpoint.py::save and ::resume)
+    state: dict = field(default_factory=dict)
+    restore: Callable | None = None
     # with a batched or async --reward function, a reward model or a judge: (texts, examples, finished, envs)
     # -> [Score], the whole rank's batch at once (data.score_rollouts); None: `score` per completion
     score_batch: Callable | None = None

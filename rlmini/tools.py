@@ -257,7 +257,10 @@ def run_call(box: Toolbox, name: str, arguments, instance=None) -> Result:
         if box.env is not None and name in box.env.tools:
             out = box.env.call(instance, name, arguments)
         else:
-            out = fn(arguments) if isinstance(arguments, str) else fn(**arguments)
+            try:
+                out = fn(arguments) if isinstance(arguments, str) else fn(**arguments)
+            except SystemExit as e:  # the run ends (run_calls raises it), in one line naming the tool
+                raise SystemExit(f"--tools {name} {envs.failure(e, '')}") from None
         result = Result(_cut(str(out), box.output_chars), False, False, time.perf_counter() - start)
     except Exception as e:  # the tool's failure is the model's observation
         result = Result(_cut(f"{type(e).__name__}: {e}", box.output_chars), True, False,
@@ -288,7 +291,10 @@ def run_calls(box: Toolbox, calls: list, instances: list | None = None) -> list:
 
     longest = max((len(ks) for ks in jobs.values()), default=1)
     limit = longest * (box.timeout + 1) - 1  # one call each: --tool_timeout, as before --env
-    envs.bounded([lambda ks=ks: job(ks) for ks in jobs.values()], box.workers, limit)
+    outcomes = envs.bounded([lambda ks=ks: job(ks) for ks in jobs.values()], box.workers, limit)
+    ended = [o for o in outcomes if isinstance(o, SystemExit)]  # sys.exit in a tool: the run ends here
+    if ended:
+        raise ended[0]
     results = [r if r is not None else Result(_timeout_text(box), True, True, box.timeout) for r in results]
     for r, inst in zip(results, instances):
         if r.timed_out and inst is not None:

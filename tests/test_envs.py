@@ -185,6 +185,8 @@ def test_bad_environment_classes_are_refused_in_one_line(tmp_path):
             "        '''G.'''\n", r"E\.guess .*number")
     refused("from calculator_env import Calculator\nclass E(Calculator):\n"
             "    def __init__(self): raise OSError('no server')\n", r"E\(\) raised OSError: no server")
+    refused("from calculator_env import Calculator\nclass E(Calculator):\n"
+            "    def __init__(self): sys.exit(3)\n", r"E\(\) called sys\.exit\(3\)$")
     refused("def E(): pass\n", "not a class")
     with pytest.raises(rewards.DataError, match="'env' is the reward of an --env class"):
         reward_fns.with_reward_functions(rewards.load_task("modmul"), "task,env", "")
@@ -192,6 +194,83 @@ def test_bad_environment_classes_are_refused_in_one_line(tmp_path):
         path = _module(tmp_path, "from calculator_env import Calculator\nclass E(Calculator):\n"
                        "    def reset(self, **kw): return kw['missing']\n", "bad_reset")
         envs.Pool(f"{path}:E", 1.0, 2).begin([{"prompt": "p", "answer": 1}], 2)
+
+
+ENDING = """
+import time
+from calculator_env import Calculator
+
+class Ending(Calculator):
+    '''Calls sys.exit(3) in the method the example's `end` column names (^C: raises KeyboardInterrupt).'''
+    def reset(self, **example):
+        self.end = example["end"]
+        self._end("reset")
+        time.sleep(20 if self.end == "hang" else 0)
+        return super().reset(**example)
+
+    def _end(self, method):
+        if self.end == method:
+            sys.exit(3)
+        if self.end == method + "^C":
+            raise KeyboardInterrupt
+
+    def step(self, action: str) -> str:
+        '''Act.
+
+        Args:
+            action: what to do
+        '''
+        self._end("step")
+        return action
+
+    def get_reward(self):
+        self._end("get_reward")
+        return super().get_reward()
+
+    def close(self):
+        sys.exit()
+"""
+
+
+def test_sys_exit_in_the_environment_ends_the_run_and_ctrl_c_reaches_the_main_thread(tmp_path, capfd):
+    """sys.exit in reset, a tool or get_reward ends the run in one line naming the method (reset, get_reward:
+    as when they raise; a tool: SystemExit, never the policy's observation); in close, a warning. Ctrl-C in
+    a call is KeyboardInterrupt in the main thread at once, the other calls not waited for. Before, each was
+    a call that "did not return within --tool_timeout", the threads printing tracebacks."""
+    box = tools.make_toolbox(common.Args(env=f"{_module(tmp_path, ENDING)}:Ending", tool_timeout=30))
+    pool, start = box.env, time.perf_counter()
+    with pytest.raises(rewards.DataError, match=r": Ending\.reset called sys\.exit\(3\) \(example 'p'\)$"):
+        pool.begin([{"prompt": "p", "answer": 1, "end": "reset"}], 2)
+    lent, _, _ = pool.begin([{"prompt": "q", "answer": 1, "end": "step"}], 1)
+    assert tools.run_calls(box, [("python", "1+1")], lent)[0].text == "2"
+    with pytest.raises(SystemExit, match=r"^--env \S+:Ending: Ending\.step called sys\.exit\(3\)$"):
+        tools.run_calls(box, [("python", "1+1"), ("step", "go")], lent * 2)
+    lent, _, _ = pool.begin([{"prompt": "r", "answer": 1, "end": "get_reward"}], 1)
+    pool.on_nonfinite = "skip"  # a reward that calls sys.exit scores nothing: it stops, skip or not
+    with pytest.raises(rewards.DataError, match=r": Ending\.get_reward called sys\.exit\(3\)$"):
+        pool.end(lent)
+    examples = [{"prompt": "s", "answer": 1, "end": "hang"}, {"prompt": "t", "answer": 1, "end": "reset^C"}]
+    with pytest.raises(KeyboardInterrupt):
+        pool.begin(examples, 1)
+    assert time.perf_counter() - start < 10  # nothing waited for --tool_timeout, nor for the hung reset
+    pool.close()
+    err = capfd.readouterr().err
+    assert re.search(r"of \d+ Ending\.close\(\) calls failed \(the first called sys\.exit\(\)\)\n$", err)
+    assert "Traceback" not in err and "Exception in thread" not in err, err
+    own = tools.make_toolbox(common.Args(tools=f"{_module(tmp_path, EXITS, 'exits')}:leave"))
+    with pytest.raises(SystemExit, match=r"^--tools leave called sys\.exit\(3\)$"):  # a --tools function's
+        tools.run_calls(own, [("leave", "now")])
+
+
+EXITS = """
+def leave(code: str) -> str:
+    '''Leave.
+
+    Args:
+        code: ignored
+    '''
+    sys.exit(3)
+"""
 
 
 # ---------------------------------------------------------------------------------------------- runs

@@ -2,9 +2,11 @@
 mix, --task_config, the extraction rule, partial credit, scorer errors counted, every supported generator's
 gold answers scoring 1.0, bad input in one line, eval.py, and a short run on which the tiny model learns."""
 import collections
+import io
 import time
 
 import pytest
+import torch
 from reasoning_gym.factory import DATASETS
 from reasoning_gym.utils import SYSTEM_PROMPTS
 
@@ -13,6 +15,7 @@ import rewards
 import train_grpo
 from conftest import mean_of, read_metrics, undocumented
 from rlmini import datafiles, metrics, reward_fns, rg
+from test_train_grpo import _rows_without_timing, _same
 
 SMALL = "chain_sum: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}\n"  # 200 distinct questions
 
@@ -107,6 +110,59 @@ def test_curriculum_raises_the_level_when_held_out_accuracy_reaches_the_threshol
     assert rewards.load_task("rg:chain_sum", "tiny", rg_size=50, rg_curriculum=0.5).max_new_tokens > 2 + 8
     with pytest.raises(SystemExit, match="--rg_curriculum: acre has no reasoning-gym curriculum"):
         rewards.load_task("rg:chain_sum,acre", rg_size=10, rg_curriculum=0.5)
+
+
+def test_the_curriculum_level_is_restored_with_the_examples_the_run_had():
+    """Task.state is what a checkpoint keeps (rlmini/checkpoint.py::save); Task.restore with it puts a freshly
+    loaded task (--resume) at that level with the same examples in the same order, both splits, the system
+    prompt's opening taken the same way; level 0 keeps the examples loaded."""
+    def load():
+        task = rewards.load_task("rg:chain_sum", "chat", seed=1, rg_size=50, rg_curriculum=0.5)
+        return datafiles.with_system_prompt(task, "rg:default")
+
+    run, resumed, at_start = load(), load(), load()
+    for _ in range(2):
+        run.on_eval(run, {"eval/pass@1": 1.0})
+    saved = torch.load(_saved(run.state), weights_only=True)  # through the checkpoint's reader
+    assert saved == {"level": 2} and resumed.train != run.train
+    resumed.restore(resumed, saved)
+    assert (resumed.train, resumed.test, resumed.state) == (run.train, run.test, {"level": 2})
+    assert resumed.train[0]["prompt"][0]["content"] == SYSTEM_PROMPTS["default"]
+    assert resumed.on_eval(resumed, {"eval/pass@1": 0.0}) == {"task/rg_level": 2}  # it goes on from there
+    kept = at_start.train
+    at_start.restore(at_start, {"level": 0})
+    assert at_start.train is kept
+    with pytest.raises(SystemExit, match=r"level 99 is not one of rg:chain_sum's \(0 to 10\)"):
+        at_start.restore(at_start, {"level": 99})
+
+
+def _saved(state: dict) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return buf
+
+
+def test_a_resumed_curriculum_run_goes_on_at_its_level_with_the_same_metrics(tmp_path):
+    """--rg_curriculum with --resume: a reward function whose Score says correct raises the level at every
+    evaluation; 1 step, then --resume to 3, logs what 3 steps straight log (levels 1, 2, 3, not 1, 1, 2)."""
+    (tmp_path / "right.py").write_text(
+        "from rlmini.task import Score\n\n\n"
+        "def right(prompt, completion, example, finished):\n"
+        "    return Score(len(completion) % 3 / 2, 1.0, 1.0)  # rewards that vary; pass@1 1: a level up\n")
+    base = ["--out_dir", str(tmp_path), "--wandb", "false", "--engine", "hf", "--task", "rg:chain_sum",
+            "--rg_size", "40", "--rg_curriculum", "0.5", "--eval_every", "1", "--eval_limit", "4", "--eval_n",
+            "1", "--prompts_per_step", "4", "--group_size", "2", "--max_new_tokens", "8",
+            "--reward", f"{tmp_path / 'right.py'}:right"]
+    train_grpo.main([*base, "--steps", "3", "--run_name", "straight"])
+    train_grpo.main([*base, "--steps", "1", "--run_name", "split"])
+    run = train_grpo.main([*base, "--steps", "3", "--run_name", "split", "--resume", "true"])
+    straight, split = (_rows_without_timing(tmp_path / name) for name in ("straight", "split"))
+    assert [r["task/rg_level"] for r in split] == [1, 2, 3]
+    _same(straight, split)
+    assert run.task.state == {"level": 3}
+    assert {str(e["metadata"]["difficulty"]) for e in run.task.train} == {str({"num_terms": (2, 5),
+                                                                                "num_digits": (1, 4)})}
 
 
 def test_system_prompt_by_name():
