@@ -199,11 +199,12 @@ def setup(args, algo: str) -> Run:
     style = models.prompt_style(args.model)
     args.micro_batch_tokens = args.micro_batch_tokens or (0 if style == "tiny" else 16384)
     task = data.load_task(args, style)
-    run_dir = ckpt.prepare_run_dir(args)  # after the data loaded: a bad --task leaves no folder behind
-    args.server_push_dir = args.server_push_dir or os.path.join(run_dir, "push")
     path = models.model_path(args.model, task)  # builds the tiny model on first use, before torch.distributed
-    device, dtype = dist.setup_device(args)
     tokenizer = models.load_tokenizer(path)
+    data.check_vocabulary(task, tokenizer, style, args.model, args.task)  # a tiny checkpoint on another task
+    run_dir = ckpt.prepare_run_dir(args)  # after the data and the model's tokenizer: no folder left by either
+    args.server_push_dir = args.server_push_dir or os.path.join(run_dir, "push")
+    device, dtype = dist.setup_device(args)
     args.rollout_correction = engine.correction_for(args, dtype)
     max_new = args.max_new_tokens or task.max_new_tokens
     context = getattr(memplan.load_config(path), "max_position_embeddings", 4096)

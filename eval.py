@@ -16,9 +16,11 @@ steps (eval/* metrics and runs/<run>/eval.json).
 import argparse
 import collections
 import dataclasses
+import hashlib
 import json
 import math
 import os
+import re
 import sys
 import typing
 
@@ -318,6 +320,19 @@ def _model_name(model: str) -> str:
     return parts[-2] if parts[-1] == "final" and len(parts) > 1 else parts[-1]
 
 
+def _task_name(spec: str) -> str:
+    """--task as part of a folder name, one name per spec: a plain spec as it is, `name:rest` as name-rest
+    (addition:14 -> addition-14; task names have no '-'), and where anything else had to be replaced (a
+    path's '/', a second ':') or the name is long, a hash of the whole spec after it, so jsonl:a/b-c.jsonl
+    and jsonl:a-b/c.jsonl stay apart."""
+    name, colon, rest = spec.partition(":")
+    safe = re.sub(r"[^A-Za-z0-9._,=-]", "-", rest)
+    readable = f"{name}-{safe}" if colon else name
+    if safe == rest and len(readable) <= 80:
+        return readable
+    return f"{readable[:80]}-{hashlib.sha256(spec.encode()).hexdigest()[:8]}"
+
+
 @dataclasses.dataclass
 class SampleArgs(common.Args):
     """The trainers' options as evaluation uses them: nothing trains, so --dtype float16 and greedy decoding
@@ -339,7 +354,7 @@ def cmd_evaluate(argv) -> dict:
     p.add_argument("--system_prompt", default="", help="a system message opening every prompt (chat models)")
     p.add_argument("--n", type=int, default=None, help="samples per question (default 16; greedy: 1)")
     p.add_argument("--k", default=None, help="comma-separated k for pass@k, maj@k, mean@k (each <= n; "
-                                             "default 1,4,16; greedy: 1)")
+                                             "default 1,4,16, each at most --n; greedy: 1)")
     p.add_argument("--split", default="test", choices=["test", "train"])
     p.add_argument("--limit", type=int, default=0, help="questions (0 = all)")
     p.add_argument("--engine", default="vllm", choices=["vllm", "hf", "server"],
@@ -350,7 +365,8 @@ def cmd_evaluate(argv) -> dict:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="compute dtype (auto: CUDA bf16)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="", help="output folder (default runs/eval-<model>-<task>)")
+    p.add_argument("--out", default="", help="output folder (default runs/eval-<model>-<task>, the task's "
+                                             "whole spec: addition:14 -> addition-14)")
     for name in TOOL_OPTIONS + TASK_OPTIONS + SERVER_OPTIONS + REWARD_OPTIONS:  # the trainers' options
         f = common.Args.__dataclass_fields__[name]
         choices = typing.get_args(f.type) if typing.get_origin(f.type) is typing.Literal else None
@@ -366,7 +382,8 @@ def cmd_evaluate(argv) -> dict:
         raise SystemExit(f"--temperature 0 {given}: greedy decoding gives one completion per question "
                          f"(n = 1, pass@1 only); drop {given}, or sample at a temperature > 0")
     a.n = a.n if a.n is not None else 1 if greedy else 16
-    a.k = a.k or ("1" if greedy else "1,4,16")
+    # pass@k needs k <= n: the default list follows --n (--n 2: 1,2), a --k the user gave is checked below
+    a.k = a.k or ",".join(str(min(k, a.n)) for k in (1, 4, 16))
     for flag, value, low in (("--n", a.n, 1), ("--limit", a.limit, 0),
                              ("--max_new_tokens", a.max_new_tokens, 0)):
         if value < low:
@@ -397,6 +414,7 @@ def cmd_evaluate(argv) -> dict:
     models.model_path(a.model, task)  # builds the tiny model on first use, before torch.distributed starts
     device, dtype = dist.setup_device(args)
     model, tok, path = models.load_model(args, task, device, dtype)
+    data.check_vocabulary(task, tok, style, a.model, a.task)  # a tiny checkpoint on another task's prompts
     model.eval()
     reward_model.load(task, args, tok, device, dtype)  # --reward_model, --judge_url: as in training
     max_new = a.max_new_tokens or task.max_new_tokens
@@ -423,7 +441,7 @@ def cmd_evaluate(argv) -> dict:
     # torchrun: every rank holds the same result (scores were gathered); rank 0 writes it
     if dist.rank() != 0:
         return result
-    out = a.out or os.path.join("runs", f"eval-{_model_name(a.model)}-{a.task.split(':')[0]}")
+    out = a.out or os.path.join("runs", f"eval-{_model_name(a.model)}-{_task_name(a.task)}")
     write_out(out, "eval.json", result)
     interval = lambda m, k: "[{:.3f}, {:.3f}]".format(*result[f"{m}@{k}_ci95"])
     shown = ("pass",) if greedy else ("pass", "maj", "mean")

@@ -116,6 +116,26 @@ def fit_prompts(task, tokenizer, chat: bool, max_new: int, context: int, flag: s
     return max_prompt
 
 
+def check_vocabulary(task, tokenizer, style: str, model: str, flag: str) -> None:
+    """The tiny model's character-level tokenizer covers the alphabet of the task it was built for
+    (rewards.py::Task.alphabet; models.build_tiny_model): a prompt with a character outside it would be
+    trained on as <unk>, so the first such prompt stops the start-up in one line naming it and the character.
+    Real tokenizers are not checked: theirs is a rare fallback, not a task the model cannot read."""
+    unk = tokenizer.unk_token_id
+    if style != "tiny" or unk is None:
+        return
+    for split in ("train", "test"):
+        prompts = [e["prompt"] for e in getattr(task, split)]
+        k = next((k for k, ids in enumerate(encode_prompts(tokenizer, prompts, False)) if unk in ids), None)
+        if k is None:
+            continue
+        enc = tokenizer(prompts[k], add_special_tokens=False, return_offsets_mapping=True)
+        start, end = enc["offset_mapping"][enc["input_ids"].index(unk)]
+        raise SystemExit(f"--model {model} on --task {flag}: {split} prompt #{k + 1} {prompts[k][:60]!r} has "
+                         f"{prompts[k][start:end]!r}, which the tiny model's tokenizer (the alphabet of the "
+                         f"task it was built for) reads as <unk>: use a real tokenizer, e.g. --model smollm2")
+
+
 def prompt_batch(examples: list, pos: int, n: int, seed: int) -> tuple[list, int]:
     """n examples from position `pos` of an endless, epoch-wise shuffled stream; returns the new position. The
     order depends only on (seed, epoch), so a resumed run sees the same prompts."""

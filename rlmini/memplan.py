@@ -551,7 +551,7 @@ def reward_model_share(args, ranks: int, dtype, cuda: bool = True) -> dict:
     if not getattr(args, "reward_model", ""):
         return {"reward_model": 0.0, "reward_scoring": 0.0}
     from rlmini import reward_model
-    config = reward_model.check(args.reward_model)
+    config = reward_model.check(args.reward_model, files=False)  # --plan_only has no weights to look for
     cb = dtype.itemsize
     c = classifier_counts(config)
     weights = cb * c["total"] / ranks
@@ -693,8 +693,25 @@ def _read_counts(args) -> dict:
         why = "no model_type in it" if isinstance(e, (KeyError, TypeError)) else str(e).split(": '")[0]
         raise SystemExit(f"--plan_only: cannot read the model's config {path}: {why}") from None
     try:
-        config = AutoConfig.for_model(**config)
+        built = AutoConfig.for_model(**config)
     except (ValueError, KeyError) as e:
         raise SystemExit(f"--plan_only: {path}: model type {kind!r} is unknown to transformers "
                          f"({type(e).__name__})") from None
-    return count(config, args.lora_rank, args.lora_targets)
+    missing = missing_sizes(config, built)
+    if missing:  # transformers would fill them in (llama: 6.74B): a plan of a model nobody described
+        raise SystemExit(f"--plan_only: {path}: no {', '.join(missing)}: the plan would take transformers' "
+                         f"defaults for {kind!r}, not your model's sizes (give the model's own config.json)")
+    return count(built, args.lora_rank, args.lora_targets)
+
+
+SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "max_position_embeddings")  # what count() reads that sets a model's size and context
+
+
+def missing_sizes(raw: dict, config) -> list:
+    """The SIZE_FIELDS the config's class has that its config.json `raw` does not give, under their own name
+    or the family's (GPT-2's n_embd: attribute_map); a multimodal config's from its text_config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    given = (raw.get("text_config") or {}) if text is not config else raw
+    return [f for f in SIZE_FIELDS if hasattr(text, f)
+            and f not in given and text.attribute_map.get(f, f) not in given]

@@ -98,26 +98,31 @@ def builtin(path: str) -> str:
     return smollm2.folder(CACHE_DIR) if path == smollm2.NAME else path
 
 
-def check_model_folder(model: str) -> None:
-    """--model names a local folder (it exists, or it looks like a path): say what is missing there, rather
-    than transformers' guesses (a bad hub id, a tokenizer backend problem, an OSError). A hub id passes."""
+def check_model_folder(model: str, flag: str = "--model", config_only: bool = False) -> None:
+    """`flag` names a local folder (it exists, or it looks like a path): say what is missing there, rather
+    than transformers' guesses (a bad hub id, a tokenizer backend problem, an OSError). A hub id passes.
+    `config_only` (a memory plan): a config.json file, or a folder with one, is enough."""
     looks_local = os.path.exists(model) or model.startswith((".", "/", "~")) or model.count("/") > 1
-    if not looks_local:
+    if not looks_local or (config_only and os.path.isfile(model) and model.endswith(".json")):
         return
+    if os.path.isfile(model):  # e.g. the config.json inside the folder
+        raise SystemExit(f"{flag} {model}: a file, not a model folder (give the folder: "
+                         f"{os.path.dirname(model) or '.'})")
     if not os.path.isdir(model):
-        raise SystemExit(f"--model {model}: no such folder (a hub id is owner/name, e.g. "
+        raise SystemExit(f"{flag} {model}: no such folder (a hub id is owner/name, e.g. "
                          f"Qwen/Qwen2.5-0.5B-Instruct)")
     files = os.listdir(model)
+    tokenizer = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     missing = [what for what, ok in (
         ("config.json", "config.json" in files),
         ("weights (*.safetensors or pytorch_model*.bin)",
-         any(f.endswith((".safetensors", ".bin")) for f in files)),
-        ("a tokenizer (tokenizer.json or tokenizer_config.json)",
-         any(f in files for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))),
+         config_only or any(f.endswith((".safetensors", ".bin")) for f in files)),
+        ("tokenizer files (tokenizer.json or tokenizer_config.json)",
+         config_only or any(f in files for f in tokenizer)),
     ) if not ok]
     if missing:
-        raise SystemExit(f"--model {model}: the folder has no {', no '.join(missing)}: not a Hugging Face "
-                         f"model folder (runs/<run>/final is one)")
+        raise SystemExit(f"{flag} {model}: the folder has no {', no '.join(missing)}: not a Hugging Face "
+                         f"model folder (the save_pretrained of a model and of its tokenizer write one)")
 
 
 def load_tokenizer(path: str):

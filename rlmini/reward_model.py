@@ -34,12 +34,15 @@ class RewardArgs:
                                        "take (then the run stops, naming the function)", gt=0)
 
 
-def check(path: str):
-    """The reward model's config, refused in one line unless a sequence classifier with one label."""
+def check(path: str, files: bool = True):
+    """The reward model's config, refused in one line unless a sequence classifier with one label; a local
+    folder must hold its weights and tokenizer too (models.check_model_folder), unless `files` is False
+    (the memory plan: its config alone)."""
     import transformers
+    models.check_model_folder(path, "--reward_model", config_only=not files)
     try:
         config = transformers.AutoConfig.from_pretrained(path)
-    except Exception as e:  # no folder, no config.json, an unknown hub id (offline)
+    except Exception as e:  # an unknown hub id (offline), a config.json transformers cannot read
         raise SystemExit(f"--reward_model {path}: cannot read its config ({type(e).__name__}: "
                          f"{str(e).splitlines()[0][:120]})") from None
     archs = getattr(config, "architectures", None) or []

@@ -2,6 +2,7 @@
 import itertools
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -234,6 +235,7 @@ def test_cli_audit_and_contamination(tmp_path):
     (["audit", "--file", os.path.join(FIX, "own.jsonl")], "own.jsonl: line 1: missing field 'completion'"),
     (["compare", "no/such/run"], "no/such/run/metrics.jsonl: file not found"),
     (["--n", "2", "--k", "1,4"], "every k must lie in 1..--n"),
+    (["--n", "2", "--k", "1,4,16"], r"--k 1,4,16: every k must lie in 1..--n \(2\)"),  # given: refused
     (["--k", "1,x"], "--k 1,x: a comma-separated list of integers"),  # was: a ValueError traceback
     (["--limit", "-25"], "--limit -25: must be >= 0"),
     (["--n", "0"], "--n 0: must be >= 1"),  # was: run with 16
@@ -248,6 +250,35 @@ def test_cli_bad_input_gives_a_clear_error(argv, message):
     with pytest.raises(AssertionError, match=message) as e:
         run_script("eval.py", argv)
     assert "Traceback" not in str(e.value)
+
+
+def test_the_default_k_follows_n(tmp_path):
+    """--n without --k: the default 1,4,16 with each k at most --n (was, for --n 2: "--k 1,4,16: every k
+    must lie in 1..--n (2)", a --k the user never gave); --n 16 and above keep 1,4,16."""
+    argv = ["--task", "addition", "--limit", "2", "--engine", "hf", "--max_new_tokens", "4"]
+    for n, ks in (("2", [1, 2]), ("8", [1, 4, 8])):
+        result = ev.cmd_evaluate([*argv, "--n", n, "--out", str(tmp_path / n)])
+        assert sorted(int(k[5:]) for k in result if k.startswith("pass@") and "_" not in k) == ks
+
+
+def test_the_output_folder_names_the_whole_task_spec(tmp_path, monkeypatch):
+    """Without --out: runs/eval-<model>-<task> with the task's whole spec (was: addition and addition:14 both
+    wrote runs/eval-tiny-addition); a spec with a path or a second ':' is made safe and keeps a hash of
+    itself, so specs that read alike stay apart."""
+    for spec, name in (("addition", "addition"), ("addition:14", "addition-14"), ("mixed:0.5", "mixed-0.5"),
+                       ("rg:chain_sum=2,basic_arithmetic", "rg-chain_sum=2,basic_arithmetic")):
+        assert ev._task_name(spec) == name
+    paths = ["jsonl:a/b-c.jsonl", "jsonl:a-b/c.jsonl", "jsonl:a-b-c.jsonl", "hf:org/ds:cfg", "hf:org/ds-cfg",
+             "gsm8k:data/gsm8k_{split}.jsonl", "rg:" + ",".join(["basic_arithmetic"] * 9)]
+    names = [ev._task_name(s) for s in paths]
+    assert len(set(names)) == len(paths) and all(re.fullmatch(r"[A-Za-z0-9._,=-]{1,89}", n) for n in names)
+    assert names[0].startswith("jsonl-a-b-c.jsonl-") and names[2] == "jsonl-a-b-c.jsonl"
+    monkeypatch.chdir(tmp_path)
+    for spec in ("addition", "addition:14"):
+        ev.cmd_evaluate(["--task", spec, "--n", "1", "--limit", "2", "--engine", "hf", "--max_new_tokens",
+                         "4"])
+    assert sorted(os.listdir(tmp_path / "runs")) == ["eval-tiny-addition", "eval-tiny-addition-14"]
+    assert json.load(open(tmp_path / "runs" / "eval-tiny-addition-14" / "eval.json"))["task"] == "addition:14"
 
 
 def test_evaluation_samples_in_float16_which_training_refuses(tmp_path, monkeypatch):

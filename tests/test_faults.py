@@ -232,13 +232,44 @@ def bad_config(tmp_path, name, text):
     # was: "bad hub id"
     (lambda t: ["--model", "/nonexistent/model"], r"--model /nonexistent/model: no such folder"),
     # empty folder
-    (lambda t: ["--model", str(t)], r"the folder has no config.json, no weights .* no a tokenizer"),
+    (lambda t: ["--model", str(t)], r"the folder has no config.json, no weights .* no tokenizer files"),
     (lambda t: ["--out_dir", os.path.join(ROOT, "README.md", "runs")], r"cannot create .*README.md/runs/x"),
 ])
 def test_bad_options_and_models_are_one_line(tmp_path, make_argv, message):
     with pytest.raises(SystemExit, match=message):
         train_grpo.main(["--out_dir", str(tmp_path / "out"), *BASE, "--steps", "1", "--run_name", "x",
                          *make_argv(tmp_path)])
+
+
+def test_a_tiny_checkpoint_on_prompts_its_tokenizer_cannot_read_is_refused(tmp_path, tiny_addition):
+    """The tiny model's tokenizer covers its task's alphabet only: a checkpoint trained on addition given an
+    rg: task (was: every prompt letter trained on as <unk>) stops training and evaluation at start-up in one
+    line naming the model, the task, the prompt and the character; a tiny model built for the task passes."""
+    import re
+
+    import eval as ev
+    import rewards
+    from rlmini import checkpoint as ckpt
+    from rlmini import data, models
+    model, tok, _ = tiny_addition
+    final = str(tmp_path / "final")
+    ckpt.save_final(model, tok, final, "tiny")
+    message = (rf"{re.escape(final)} on --task rg:basic_arithmetic: train prompt #1 'Calculate .*' has 'C', "
+               r"which the tiny model's tokenizer .* reads as <unk>: use a real tokenizer, e.g. --model "
+               r"smollm2")
+    task = ["--task", "rg:basic_arithmetic", "--rg_size", "20"]
+    with pytest.raises(SystemExit, match=message):
+        train(train_grpo, tmp_path / "out", "--model", final, *task, "--steps", "1")
+    assert not (tmp_path / "out").exists()  # refused before the run's folder is made
+    with pytest.raises(SystemExit, match=message):
+        ev.cmd_evaluate(["--model", final, *task, "--n", "1", "--engine", "hf", "--out", str(tmp_path / "e")])
+    odd = SimpleNamespace(train=[{"prompt": "1+2="}], test=[{"prompt": "3+4="}, {"prompt": "5\u00d76="}])
+    with pytest.raises(SystemExit, match=r"--model m on --task odd: test prompt #2 '5\u00d76=' has '\u00d7'"):
+        data.check_vocabulary(odd, tok, "tiny", "m", "odd")
+    data.check_vocabulary(odd, tok, "chat", "m", "odd")  # a real tokenizer's <unk> is its own business
+    rg = rewards.load_task("rg:basic_arithmetic", rg_size=20)
+    built = models.load_tokenizer(models.build_tiny_model(rg.alphabet))
+    data.check_vocabulary(rg, built, "tiny", "tiny", "rg:basic_arithmetic")
 
 
 def test_unknown_and_abbreviated_flags_and_bad_choices_are_refused(tmp_path):

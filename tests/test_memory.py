@@ -255,6 +255,29 @@ def test_plan_only_prints_the_plan_from_the_config_alone(capsys):
     os.remove(bad)
 
 
+def test_plan_only_refuses_a_config_without_the_model_sizes(tmp_path, capsys):
+    """--plan_only on a config.json naming only its model_type (was: the plan of transformers' default llama,
+    6.74B parameters, without a word) or leaving out a size: one line naming the file and the fields."""
+    import train_grpo
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(SystemExit, match=rf"^--plan_only: {bare}/config.json: no vocab_size, hidden_size, "
+                                         r"intermediate_size, num_hidden_layers, num_attention_heads, "
+                                         r"max_position_embeddings: the plan would take transformers' "
+                                         r"defaults for 'llama', not your model's sizes"):
+        train_grpo.main(["--plan_only", "true", "--model", str(bare)])
+    config = json.load(open(os.path.join(memory.CONFIGS, "qwen2.5-0.5b-instruct.json")))
+    del config["intermediate_size"]
+    (tmp_path / "cut.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit, match=r"cut.json: no intermediate_size: the plan would take"):
+        train_grpo.main(["--plan_only", "true", "--model", str(tmp_path / "cut.json")])
+    assert "memory plan per rank" not in capsys.readouterr().out
+    gpt2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 128,
+            "n_positions": 64}  # a family's own names (attribute_map); GPT-2 has no intermediate_size
+    assert memplan.missing_sizes(gpt2, memplan.load_config(gpt2)) == []
+
+
 CASES = memory.CASES  # 1 and 8 ranks; full, LoRA, a reference, PPO's critic; with and without checkpointing
 
 

@@ -248,9 +248,40 @@ def test_a_folder_that_is_no_one_label_sequence_classifier_is_refused(models_bui
     config.num_labels = 2
     config.save_pretrained(tmp_path / "two")
     with pytest.raises(SystemExit, match=r"two: 2 labels; a reward model has one"):
-        reward_model.check(str(tmp_path / "two"))
-    with pytest.raises(SystemExit, match=r"--reward_model .*nowhere: cannot read its config"):
-        reward_model.check(str(tmp_path / "nowhere"))
+        reward_model.check(str(tmp_path / "two"), files=False)  # the plan reads its config alone
+    with pytest.raises(SystemExit, match=r"--reward_model someone/no-such-rm: cannot read its config"):
+        reward_model.check("someone/no-such-rm")  # a hub id goes to the hub (offline here)
+
+
+@pytest.mark.parametrize("layout, message", [
+    # was: traceback: OSError: Error no file named model.safetensors, or pytorch_model.bin, found in directory
+    ("noweights", r"noweights: the folder has no weights \(\*.safetensors or pytorch_model\*.bin\): not a "),
+    # was: traceback: OSError: Repo id must be in the form 'repo_name' or 'namespace/repo_name'
+    ("full/config.json", r"full/config.json: a file, not a model folder \(give the folder: .*full\)$"),
+    # was, at step 1: "Expected tensor for argument #1 'indices' to have one of ... scalar types: Long, Int"
+    ("notokenizer", r"notokenizer: the folder has no tokenizer files \(tokenizer.json or tokenizer_config"),
+    # was: "cannot read its config (OSError: Repo id must be in the form 'repo_name' or ..."
+    ("nowhere", r"nowhere: no such folder \(a hub id is owner/name"),
+])
+def test_a_reward_model_folder_without_its_files_is_refused_in_one_line(models_built, tmp_path, layout,
+                                                                        message):
+    """--reward_model PATH: a folder that lacks the weights or the tokenizer, a path to its config.json or to
+    nothing: one line naming the path and what is missing, before anything loads (the memory plan, which
+    reads the config alone, takes a config.json and a folder without weights)."""
+    import shutil
+    every = os.listdir(RANDOM)
+    files = {"noweights": [f for f in every if not f.endswith(".safetensors")],
+             "notokenizer": [f for f in every if f.startswith(("config", "model"))], "full": every}
+    for name, kept in files.items():
+        os.makedirs(tmp_path / name)
+        for f in kept:
+            shutil.copy(os.path.join(RANDOM, f), tmp_path / name / f)
+    path = str(tmp_path / layout)
+    with pytest.raises(SystemExit, match=message) as e:
+        reward_model.make_reward_model(reward_model.RewardArgs(reward_model=path))
+    assert path in str(e.value) and "\n" not in str(e.value)
+    if layout != "nowhere":
+        assert reward_model.check(path, files=False).num_labels == 1
 
 
 def test_the_known_reward_model_scores_by_hand(models_built):
