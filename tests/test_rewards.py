@@ -5,7 +5,7 @@ import os
 import pytest
 
 import rewards
-from rlmini import models
+from rlmini import models, reward_fns
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures")
 
@@ -191,7 +191,6 @@ def test_sums_reads_the_last_number_of_the_reply_and_needs_eos():
         rewards.load_task("sums:1")
 
 
-@pytest.mark.xfail(strict=True, reason="pending rewards.py move")
 def test_reward_weights_without_reward_is_refused():
     """--reward_weights weighs --reward's functions: given without --reward (was: silently ignored, the
     task's verifier the reward at weight 1; beside --reward_model: "1 weight(s) for 0 reward function(s)")
@@ -199,6 +198,7 @@ def test_reward_weights_without_reward_is_refused():
     def rm(prompts, completions, examples, finished):
         return [0.0] * len(prompts)
     for sources in (None, {"rm": rm}):
-        with pytest.raises(rewards.DataError, match=r"--reward_weights '2'.*--reward(?!_)") as e:
-            rewards.with_reward_functions(rewards.load_task("addition"), "", "2", sources=sources)
+        with pytest.raises(rewards.DataError, match=r"^--reward_weights 2: weights of --reward's functions, "
+                                                    r"but --reward is empty") as e:
+            reward_fns.with_reward_functions(rewards.load_task("addition"), "", "2", sources=sources)
         assert "\n" not in str(e.value)
