@@ -5,9 +5,13 @@ make_judge(args, tokenizer) gives a batched reward function, fn(prompts=, comple
 -> list[float] in [0, 1], or None without --judge_url. It is a plain (sync) function that runs its own
 concurrency: one asyncio loop per call (asyncio.run; in a worker thread if the caller already runs a loop),
 so no client outlives the loop it was made in. fn.step_metrics() returns this rank's sums since its last call.
+A step's verdict (more than half failed: stop; every score on a 0-1 scale: warn) is over the global batch:
+every rank calls the judge once per step, and the counts are summed over ranks (dist.all_sum), so every
+rank decides alike. A JudgeError passes through rlmini/reward_fns.py::_call_batch and stops the run in one
+line, whatever --on_nonfinite (a judge that fails scores nothing).
 
-Client: httpx (0.28 here, pinned in requirements-common.txt; openenv-core already pulls it in). The `openai`
-client (3.x, on httpx2) retries by its own rule (x-should-retry, 408, 409, 429, >= 500:
+Client: the project's one, httpx2's AsyncClient (rlmini/httpclient.py: its retry rule and backoff). The
+`openai` client (3.x, on httpx2) retries by its own rule (x-should-retry, 408, 409, 429, >= 500:
 openai/_base_client.py::BaseClient._should_retry), out of the caller's sight; ours is the documented one
 (timeouts, connection errors, 429 and 5xx, each retry counted), and the judge reads two endpoints' JSON
 (/models, /chat/completions or /completions): the openai package would add its models and nothing used.
@@ -17,25 +21,20 @@ import collections
 import concurrent.futures
 import math
 import os
-import random
 import re
 import string
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
+from rlmini import dist, httpclient
 from rlmini.datafiles import prompt_text
 from rlmini.faults import JudgeError
 from rlmini.options import arg
 from rlmini.task import DataError
 
-if TYPE_CHECKING:
-    import httpx
-
 PROBE_S = 30.0     # the start-up probe's deadline
-BACKOFF_S = 0.5    # the first retry's wait; doubled per retry, times a jitter in [0.5, 1.5], capped at:
-BACKOFF_CAP_S = 8.0
 SLACK_S = 10.0     # the batch bound's slack beyond its requests' own deadlines
 FIELDS = ("prompt", "completion", "answer", "scale")  # the template's own fields; an example's columns too
 
@@ -103,9 +102,10 @@ RUBRIC_ITEM = re.compile(r"^\s*\d+\s*[.):]\s*\**\s*(yes|no)\b", re.IGNORECASE | 
 
 def parse_score(text: str, rule: str, scale: float) -> float | None:
     """The judge's answer as a score in [0, 1], None if it gives none. Text up to a closing </think> is the
-    judge's reasoning and is skipped. last-number: the last number; "7/10" and "7 out of 10" read as 7; a
-    value outside [0, scale] is no score (the judge used another scale: clamping would hide that). rubric:
-    lines "1. yes" / "2) no" (case-insensitive), the share that say yes; no such line is no score."""
+    judge's reasoning and is skipped (an answer cut off inside it is refused before: _answer_text).
+    last-number: the last number; "7/10" and "7 out of 10" read as 7; a value outside [0, scale] is no score
+    (the judge used another scale: clamping would hide that). rubric: lines "1. yes" / "2) no"
+    (case-insensitive), the share that say yes; no such line is no score."""
     text = text.rpartition("</think>")[2]
     if rule == "rubric":
         items = [x.lower() for x in RUBRIC_ITEM.findall(text)]
@@ -121,6 +121,11 @@ class _Failed(Exception):
     """A request with no usable answer after its retries (its text says why)."""
 
 
+class _CutOff(Exception):
+    """An answer cut off before its verdict (its text says where): kept in the cache as the answer, scored as
+    a parse failure."""
+
+
 def _run(coro):
     """asyncio.run, in a worker thread when this thread already runs a loop (an async caller)."""
     try:
@@ -131,35 +136,23 @@ def _run(coro):
         return pool.submit(asyncio.run, coro).result()
 
 
-def _httpx():
-    """httpx, imported where a judge calls out: a trainer without --judge_url starts on a machine without it
-    (huggingface_hub 2.x depends on httpx2, not httpx)."""
-    try:
-        import httpx
-    except ImportError:
-        raise SystemExit("--judge_url: the judge's HTTP client is not installed: pip install "
-                         "'httpx>=0.27,<1' (requirements-common.txt)") from None
-    return httpx
-
-
 def _headers(key: str) -> dict:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-async def _probe(url: str, headers: dict) -> "httpx.Response":
-    async with _httpx().AsyncClient(headers=headers, timeout=PROBE_S) as client:
-        return await asyncio.wait_for(client.get(f"{url}/models"), PROBE_S)
+async def _probe(url: str, headers: dict):
+    async with httpclient.load("--judge_url").AsyncClient(headers=headers) as client:
+        return await httpclient.asend(client, "GET", f"{url}/models", timeout=PROBE_S)
 
 
 def probe(url: str, model: str, key: str, key_env: str) -> str:
     """The judge's model name, once the server at `url` answers GET /models within PROBE_S seconds and serves
     it ('' = the one model it serves); else SystemExit in one line."""
-    httpx = _httpx()
     try:
         r = _run(_probe(url, _headers(key)))
-    except (httpx.HTTPError, asyncio.TimeoutError, OSError) as e:
+    except httpclient.NoAnswer as e:
         raise SystemExit(f"--judge_url {url}: no answer to GET {url}/models within {PROBE_S:g} s "
-                         f"({type(e).__name__}{': ' + str(e) if str(e) else ''})") from None
+                         f"({httpclient.why(e.error)})") from None
     if r.status_code != 200:
         hint = f" (check the key in ${key_env})" if r.status_code in (401, 403) else ""
         raise SystemExit(f"--judge_url {url}: GET /models answered HTTP {r.status_code} "
@@ -177,14 +170,14 @@ def probe(url: str, model: str, key: str, key_env: str) -> str:
 
 class Judge:
     """The batched reward function (make_judge). State: the cache (an LRU dict of inputs -> the judge's
-    answer text) and this rank's counts since the last step_metrics()."""
+    answer text, or _CutOff) and this rank's counts since the last step_metrics()."""
 
     def __init__(self, args, model: str, template: str, key: str):
         self.a, self.model, self.template, self.key = args, model, template, key
         self.cache = collections.OrderedDict()
-        self.jitter = random.Random()  # its own: the run's RNG streams (checkpointed) stay as they are
         self.counts = dict.fromkeys(("judge/calls", "judge/cache_hits", "judge/failures",
-                                     "judge/parse_failures", "judge/retries", "judge/latency_s"), 0.0)
+                                     "judge/parse_failures", "judge/unit_range", "judge/retries",
+                                     "judge/latency_s"), 0.0)
 
     def step_metrics(self) -> dict:
         """This rank's sums since the last call (summed over ranks by the caller). The mean latency of a
@@ -202,39 +195,60 @@ class Judge:
                             f"prompt {prompt_text(prompt)[:60]!r}") from None
 
     def __call__(self, prompts: list, completions: list, examples: list, finished: list) -> list:
+        """The batch's scores. Every rank's call joins one all_sum of the step's counts, whatever happens to
+        its own batch, so that the step's verdict is the global batch's and the same on every rank."""
         a = self.a
         texts = [self.render(p, c, e) for p, c, e in zip(prompts, completions, examples)]
         keys = [(self.model, a.judge_api, t, a.judge_max_tokens, a.judge_temperature) for t in texts]
-        answers = _run(self._batch(keys))
-        scores, worst, first = [], {"failures": 0, "parse_failures": 0}, None
-        for key in keys:
-            answer = answers[key]
-            value = None if isinstance(answer, _Failed) else parse_score(answer, a.judge_parse, a.judge_scale)
+        try:
+            answers, stopped = _run(self._batch(keys)), None
+        except JudgeError as e:  # raised once the other ranks know: they stop too
+            answers, stopped = {}, e
+        # unit range: a raw score in (0, 1] on a larger scale; 0 is the bottom of both, a sign of neither
+        unit = 1 / a.judge_scale if a.judge_parse == "last-number" and a.judge_scale > 1 else -1.0
+        step = dict.fromkeys(("judgements", "failures", "parse_failures", "scored", "at_most_unit",
+                              "unit_range", "stopped"), 0)
+        scores, first = [], None
+        for key in keys if stopped is None else ():
+            value, why = _verdict(answers[key], a)
             if value is None:
-                kind = "failures" if isinstance(answer, _Failed) else "parse_failures"
-                worst[kind] += 1
-                first = first or (f"request failed: {answer}" if kind == "failures" else
-                                  f"no score in the answer {' '.join(answer[:80].split())!r} "
-                                  f"(--judge_parse {a.judge_parse})")
+                step["failures" if isinstance(answers[key], _Failed) else "parse_failures"] += 1
+                first = first or why
+            else:
+                step["scored"] += 1
+                step["at_most_unit"] += value <= unit
+                step["unit_range"] += 0 < value <= unit
             scores.append(0.0 if value is None else value)
-        for kind, n in worst.items():
-            self.counts[f"judge/{kind}"] += n
-        bad = sum(worst.values())
+        for kind in ("failures", "parse_failures", "unit_range"):
+            self.counts[f"judge/{kind}"] += step[kind]
+        step.update(judgements=len(keys), stopped=int(stopped is not None))
+        total = {k: int(v) for k, v in dist.all_sum(step).items()}
+        if stopped is not None:
+            raise stopped
+        if total["stopped"]:
+            raise JudgeError("judge: another rank stopped this step's judgements (its error line says why)")
+        bad, mine = total["failures"] + total["parse_failures"], step["failures"] + step["parse_failures"]
+        first = first or "a judgement failed on another rank"
         if bad and a.judge_on_error == "stop":
             raise JudgeError(f"judge: {first}; stopped (--judge_on_error stop)")
-        if bad * 2 > len(keys):
-            raise JudgeError(f"judge: {bad} of {len(keys)} judgements of this step failed (more than half; "
-                             f"{worst['failures']} failed requests, {worst['parse_failures']} unparseable "
-                             f"answers); the first: {first}; stopped (check --judge_url, --judge_prompt, "
-                             f"--judge_parse)")
-        if bad:
-            print(f"warning: judge: {bad} of {len(keys)} judgements scored 0, the worst value "
-                  f"(--judge_on_error worst; {worst['failures']} failed requests, {worst['parse_failures']} "
+        if bad * 2 > total["judgements"]:
+            raise JudgeError(f"judge: {bad} of {total['judgements']} judgements of this step failed (more "
+                             f"than half; {total['failures']} failed requests, {total['parse_failures']} "
+                             f"unparseable answers); the first: {first}; stopped (check --judge_url, "
+                             f"--judge_prompt, --judge_parse)")
+        if mine:
+            print(f"warning: judge: {mine} of {len(keys)} judgements scored 0, the worst value "
+                  f"(--judge_on_error worst; {step['failures']} failed requests, {step['parse_failures']} "
                   f"unparseable answers); the first: {first}", file=sys.stderr)
+        if total["unit_range"] and total["at_most_unit"] == total["scored"] and dist.rank() == 0:
+            print(f"warning: judge: every score of this step lies in [0, 1] on --judge_scale "
+                  f"{a.judge_scale:g} ({total['unit_range']} of {total['scored']} in (0, 1]), read as at "
+                  f"most {unit:g}: a judge answering on a 0-1 scale needs --judge_scale 1, or a template "
+                  f"asking for 0 to {a.judge_scale:g} (--judge_prompt)", file=sys.stderr)
         return scores
 
     async def _batch(self, keys: list) -> dict:
-        """{key: answer text or _Failed} for the distinct keys; cached ones are not sent. With
+        """{key: answer text, _CutOff or _Failed} for the distinct keys; cached ones are not sent. With
         --judge_on_error stop the first failed request stops the batch (JudgeError), cancelling the others."""
         a, out = self.a, {}
         for key in dict.fromkeys(keys):
@@ -248,15 +262,17 @@ class Judge:
             return out
         gate = asyncio.Semaphore(a.judge_concurrency)
         path = "/chat/completions" if a.judge_api == "chat" else "/completions"
-        httpx = _httpx()
-        limits = httpx.Limits(max_connections=a.judge_concurrency)
-        async with httpx.AsyncClient(base_url=a.judge_url, headers=_headers(self.key),
-                                     timeout=a.judge_timeout, limits=limits) as client:
+        httpx2 = httpclient.load("--judge_url")
+        limits = httpx2.Limits(max_connections=a.judge_concurrency)
+        async with httpx2.AsyncClient(base_url=a.judge_url, headers=_headers(self.key),
+                                      timeout=a.judge_timeout, limits=limits) as client:
             async def one(key):
                 async with gate:
                     start = time.perf_counter()
                     try:
                         out[key] = await self._request(client, path, key)
+                    except _CutOff as e:
+                        out[key] = e
                     except _Failed as e:
                         out[key] = e
                         if a.judge_on_error == "stop":
@@ -264,7 +280,7 @@ class Judge:
                     finally:
                         self.counts["judge/latency_s"] += time.perf_counter() - start
             # every request has its deadline; this bounds the batch even so (waves of `concurrency` requests)
-            per_request = a.judge_timeout * (a.judge_retries + 1) + BACKOFF_CAP_S * a.judge_retries
+            per_request = a.judge_timeout * (a.judge_retries + 1) + httpclient.BACKOFF_CAP_S * a.judge_retries
             bound = per_request * math.ceil(len(todo) / a.judge_concurrency) + SLACK_S
             tasks = [asyncio.create_task(one(k)) for k in todo]
             try:
@@ -281,41 +297,59 @@ class Judge:
                     self.cache.popitem(last=False)
         return out
 
-    async def _request(self, client: "httpx.AsyncClient", path: str, key: tuple) -> str:
-        """The judge's answer text; retries timeouts, connection errors, 429 and 5xx with exponential backoff
-        and jitter; _Failed after the last try or at once on another HTTP error or a malformed answer."""
+    async def _request(self, client, path: str, key: tuple) -> str:
+        """The judge's answer text, by rlmini/httpclient.py's retry rule (timeouts, connection errors, 429 and
+        5xx; each retry counted); _Failed after the last try or at once on another HTTP error or a malformed
+        answer; _CutOff for an answer cut off before its verdict."""
         model, api, text, max_tokens, temperature = key
         body = {"model": model, "max_tokens": max_tokens, "temperature": temperature,
                 **({"messages": [{"role": "user", "content": text}]} if api == "chat" else {"prompt": text})}
         tries = self.a.judge_retries + 1
-        for attempt in range(tries):
-            try:
-                r = await asyncio.wait_for(client.post(path, json=body), self.a.judge_timeout)
-                if r.status_code == 200:
-                    return _answer_text(r, api)
-                why = f"HTTP {r.status_code} {' '.join(r.text[:100].split())}"
-                if r.status_code != 429 and r.status_code < 500:
-                    raise _Failed(why)
-            except asyncio.TimeoutError:
-                why = f"no answer within --judge_timeout {self.a.judge_timeout:g} s"
-            except _httpx().TransportError as e:
-                why = f"{type(e).__name__}{': ' + str(e) if str(e) else ''}"
-            if attempt + 1 < tries:
-                self.counts["judge/retries"] += 1
-                wait = min(BACKOFF_CAP_S, BACKOFF_S * 2 ** attempt)
-                await asyncio.sleep(wait * self.jitter.uniform(0.5, 1.5))
-        raise _Failed(f"{why} ({tries} tries)")
+        try:
+            r = await httpclient.asend(client, "POST", path, json=body, timeout=self.a.judge_timeout,
+                                       retries=self.a.judge_retries, on_retry=self._retried)
+        except httpclient.NoAnswer as e:
+            raise _Failed(str(e)) from None
+        if r.status_code == 200:
+            return _answer_text(r, api, max_tokens)
+        raise _Failed(f"HTTP {r.status_code} {' '.join(r.text[:100].split())}"
+                      f"{f' ({tries} tries)' if httpclient.retryable(r.status_code) else ''}")
+
+    def _retried(self) -> None:
+        self.counts["judge/retries"] += 1
 
 
-def _answer_text(r: "httpx.Response", api: str) -> str:
+def _answer_text(r, api: str, max_tokens: int) -> str:
+    """The text of a judge's OpenAI answer; _Failed if it is none, _CutOff if it stops before its verdict:
+    at the token budget (finish_reason "length", even with a number after the reasoning: the verdict may
+    come later) or inside its reasoning (an unclosed <think>). A number in either is no verdict."""
     try:
         choice = r.json()["choices"][0]
         text = choice["message"]["content"] if api == "chat" else choice["text"]
-    except (ValueError, KeyError, IndexError, TypeError):
+        reason = choice.get("finish_reason")
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         raise _Failed(f"not an OpenAI completion: {' '.join(r.text[:100].split())}") from None
+    start = repr(" ".join(str(text or "")[:80].split()))
+    if reason == "length":
+        raise _CutOff(f"cut off at --judge_max_tokens {max_tokens} (finish_reason length): {start}")
     if not isinstance(text, str):
         raise _Failed(f"no text in the answer: {' '.join(r.text[:100].split())}")
+    if text.rfind("<think>") > text.rfind("</think>"):
+        raise _CutOff(f"cut off inside its reasoning (unclosed <think>): {start}")
     return text
+
+
+def _verdict(answer, a) -> tuple:
+    """(score, '') of an answer of _batch's, or (None, why it gives none)."""
+    if isinstance(answer, _Failed):
+        return None, f"request failed: {answer}"
+    if isinstance(answer, _CutOff):
+        return None, f"the answer was {answer}"
+    value = parse_score(answer, a.judge_parse, a.judge_scale)
+    if value is None:
+        return None, (f"no score in the answer {' '.join(answer[:80].split())!r} "
+                      f"(--judge_parse {a.judge_parse})")
+    return value, ""
 
 
 def make_judge(args, tokenizer=None, columns=None) -> Judge | None:

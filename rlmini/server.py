@@ -14,7 +14,6 @@ VLLM_SERVER_DEV_MODE=1 (vllm/entrypoints/launchers/api_server/routers.py::regist
 docs/scale.md.
 """
 import concurrent.futures
-import http.client
 import json
 import os
 import shutil
@@ -23,14 +22,12 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from rlmini import dist
+from rlmini import dist, httpclient
 from rlmini.data import Rollouts
 from rlmini.engine import PushError, _check_awake, named_weights, stop_ids, trainer_logprobs
 from rlmini.faults import ServerError
@@ -299,22 +296,20 @@ def threaded_map(fn, items: list, workers: int) -> list:
 
 def request(url: str, path: str, body=None, method: str = "POST", timeout: float = 60.0):
     """One HTTP call to the server, its JSON answer (None when empty); a refused connection, a time-out or an
-    error status raises ServerError in one line naming the route."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data=data, method=method,
-                                 headers={"Content-Type": "application/json"} if data else {})
+    error status raises ServerError in one line naming the route. Not retried (rlmini/httpclient.py::send
+    with no retries): a pause or a weight load is not to be sent twice."""
     if not url.startswith(("http://", "https://")):
         raise ServerError(f"--server_url {url!r}: give http://HOST:PORT")
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as answer:
-            text = answer.read()
-    except urllib.error.HTTPError as e:
-        detail = e.read().decode(errors="replace").strip().replace("\n", " ")[:300]
-        raise ServerError(f"{method} {url}{path}: HTTP {e.code}: {detail}") from None
-    except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
-        why = getattr(e, "reason", e)
-        raise ServerError(f"{method} {url}{path}: no answer ({type(why).__name__}: {why}) within "
+        answer = httpclient.send(httpclient.shared("--server_url"), method, url + path, json=body,
+                                 timeout=timeout)
+    except httpclient.NoAnswer as e:
+        raise ServerError(f"{method} {url}{path}: no answer ({httpclient.why(e.error)}) within "
                           f"{timeout:g} s; is the vLLM server running (docs/scale.md)?") from None
+    if not answer.is_success:
+        detail = answer.text.strip().replace("\n", " ")[:300]
+        raise ServerError(f"{method} {url}{path}: HTTP {answer.status_code}: {detail}")
+    text = answer.content
     try:
         return json.loads(text) if text.strip() else None
     except ValueError:
@@ -437,10 +432,12 @@ def wait_local(proc: subprocess.Popen, port: int, timeout: float) -> float:
         if proc.poll() is not None:
             raise ServerError(f"the vLLM server on port {port} exited ({proc.returncode}) at start")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+            if httpclient.send(httpclient.shared("--server_url"), "GET", f"http://127.0.0.1:{port}/health",
+                               timeout=5).is_success:
                 return time.time() - start
-        except OSError:
-            time.sleep(1)
+        except httpclient.NoAnswer:
+            pass
+        time.sleep(1)
     stop_local(proc)
     raise ServerError(f"the vLLM server on port {port} did not answer /health within {timeout:g} s")
 

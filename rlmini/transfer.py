@@ -28,7 +28,6 @@ import socket
 import threading
 from urllib.parse import urlparse
 
-import requests
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
@@ -36,7 +35,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactor
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 from vllm.distributed.weight_transfer.packed_tensor import DEFAULT_PACKED_BUFFER_SIZE_BYTES
 
-from rlmini import dist
+from rlmini import dist, httpclient
 from rlmini.engine import named_weights
 from rlmini.faults import ServerError
 
@@ -53,9 +52,10 @@ def _one_line(text: str, limit: int = 300) -> str:
 
 
 class Client(HTTPVLLMWeightSyncClient):
-    """vLLM's HTTP client for the weight-sync routes, with one-line errors that read the server's answer (the
-    upstream one raises requests' status line, which drops it), the pause routes, and the version a push
-    sets at its finish (vLLM's engine calls finish_weight_update() with no version)."""
+    """vLLM's HTTP client for the weight-sync routes on ours (rlmini/httpclient.py; every upstream route goes
+    through _post), with one-line errors that read the server's answer (the upstream one raises requests'
+    status line, which drops it), the pause routes, and the version a push sets at its finish (vLLM's engine
+    calls finish_weight_update() with no version)."""
 
     def __init__(self, base_url: str, timeout: float):
         super().__init__(base_url, timeout)
@@ -65,9 +65,10 @@ class Client(HTTPVLLMWeightSyncClient):
 
     def _request(self, method: str, path: str, json: dict | None = None) -> dict:
         url = f"{self.base_url}/{path}"
-        try:
-            response = requests.request(method, url, json=json, timeout=self.timeout)
-        except requests.RequestException as e:
+        try:  # not retried: /update_weights runs beside an NCCL broadcast that a second one would not meet
+            response = httpclient.send(httpclient.shared("--server_push nccl"), method, url, json=json,
+                                       timeout=self.timeout)
+        except httpclient.NoAnswer as e:
             raise self._fail(f"{method} {url} failed: {_one_line(e)}") from None
         if response.status_code == 404:
             raise self._fail(f"{url} is not a route of the server: start vllm serve with "

@@ -1,13 +1,16 @@
 """LLM judges (rlmini/judge.py) against a scripted OpenAI-compatible double on 127.0.0.1: the parse rules,
 the template's fields, the start-up probe, retries, timeouts, the failure policies and their counts, the
-cache, the concurrency bound, the key (sent, never in the run folder), a 2-step training run and eval.py with
-the judge as the reward. The real `vllm serve` judge is in tests/test_server.py."""
+cache, the concurrency bound, the key (sent, never in the run folder), answers cut off before their verdict,
+a 0-1 judge under a larger scale, the step's verdict over every rank's judgements (a test double of
+dist.all_sum), a 2-step training run and eval.py with the judge as the reward. The real `vllm serve` judge
+is in tests/test_server.py."""
 import argparse
 import dataclasses
 import json
 import os
 import re
 import socket
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,7 +20,7 @@ import pytest
 import common
 import eval as ev
 import train_grpo
-from rlmini import judge
+from rlmini import dist, httpclient, judge
 from rlmini.faults import JudgeError
 
 KEY = "sk-test-7f3a9c-never-written"
@@ -26,8 +29,10 @@ MODEL = "judge-double"
 
 class Double:
     """A scripted judge server: the completion (between <C> and </C> in the prompt) says what to answer.
-    GOOD<n>: "... <n>"; NONUM: no number; SLOW: sleeps past the timeout; E500: 500 twice, then "8"; R429: 429
-    once, then "5"; A401: 401; anything else: its length mod 11. Records requests, headers, max in flight."""
+    GOOD<n>: "... <n>/10"; UNIT<x>: "<x>" (a judge on a 0-1 scale); NONUM: no number; THINK: a number inside
+    an unclosed <think>; LONG: "... 8" with finish_reason "length"; SLOW: sleeps past the timeout; E500: 500
+    twice, then "8"; R429: 429 once, then "5"; A401: 401; anything else: its length mod 11. Records
+    requests, headers, max in flight."""
 
     def __init__(self, delay=0.05):
         self.delay, self.lock, self.seen, self.auth = delay, threading.Lock(), {}, set()
@@ -57,14 +62,14 @@ class Double:
                     double.in_flight += 1
                     double.max_in_flight = max(double.max_in_flight, double.in_flight)
                 try:
-                    code, text = double.answer(body)
+                    code, text, *finish = double.answer(body)
                 finally:
                     with double.lock:
                         double.in_flight -= 1
                 if code != 200:
                     return self._send(code, {"error": {"message": f"scripted {code}"}})
-                self._send(200, {"choices": [{"index": 0, "message": {"role": "assistant",
-                                                                      "content": text}}]})
+                self._send(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                              "finish_reason": (finish or ["stop"])[0]}]})
 
         class Server(ThreadingHTTPServer):
             request_queue_size = 64  # socketserver's 5 would drop the SYNs of a burst (a 1 s retransmit)
@@ -92,6 +97,12 @@ class Double:
             return 401, ""
         if c.startswith("GOOD"):
             return 200, f"The response is fine. Score: {c[4:]}/10"
+        if c.startswith("UNIT"):
+            return 200, c[4:]
+        if c == "THINK":
+            return 200, "<think>The response is right, so 9"
+        if c == "LONG":
+            return 200, "<think>Short.</think> Score: 8", "length"
         return 200, {"NONUM": "I cannot grade this.", "E500": "8", "R429": "5"}.get(c, str(len(c) % 11))
 
 
@@ -112,7 +123,7 @@ def _args(url, **kw):
 def _judge(url, tmp_path, monkeypatch, **kw):
     (tmp_path / "t.txt").write_text("Grade <C>{completion}</C> for {prompt} (ref {answer}, 0-{scale}).")
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
-    monkeypatch.setattr(judge, "BACKOFF_S", 0.01)
+    monkeypatch.setattr(httpclient, "BACKOFF_S", 0.01)
     return judge.make_judge(_args(url, judge_prompt=str(tmp_path / "t.txt"), **kw), None,
                             columns=["prompt", "answer"])
 
@@ -168,6 +179,13 @@ def test_template_and_probe_are_refused_in_one_line(double, tmp_path, monkeypatc
     listener.close()
 
 
+def test_a_machine_without_the_http_client_is_told_in_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "httpx2", None)  # as if not installed: its import raises ImportError
+    with pytest.raises(SystemExit, match=r"^--judge_url: the HTTP client is not installed: pip install "
+                                         r"'httpx2>=2.0,<3' \(requirements-common.txt\)$"):
+        judge.make_judge(_args("http://127.0.0.1:9/v1"), None)
+
+
 def test_scripted_answers_counts_retries_cache_and_bound(double, tmp_path, monkeypatch, capsys):
     timeout = 0.6  # SLOW sleeps 1 s; a quick answer on a loaded machine must not time out (an extra retry)
     fn, _ = _judge(double.url, tmp_path, monkeypatch, judge_timeout=timeout), double.auth.clear()
@@ -207,6 +225,88 @@ def test_more_than_half_failed_or_on_error_stop_stops(double, tmp_path, monkeypa
         _call(fn, ["GOOD1", "A401", "GOOD2"])
     with pytest.raises(JudgeError, match=r"no score in the answer 'I cannot grade this.'"):
         _call(fn, ["GOOD1", "NONUM"])
+
+
+def test_a_0_1_judge_under_a_larger_scale_is_counted_and_warned(double, tmp_path, monkeypatch, capsys):
+    """"0.9" under --judge_scale 10 reads 0.09: counted (judge/unit_range), and a step whose every score lies
+    in [0, 1] warns in one line naming the scale and the fix. "7/10" is still 7; zeros alone warn nothing."""
+    fn = _judge(double.url, tmp_path, monkeypatch)
+
+    def warned():
+        return [x for x in capsys.readouterr().err.splitlines() if "lies in [0, 1]" in x]
+
+    assert _call(fn, ["UNIT0.9", "UNIT0.5", "GOOD0", "NONUM"]) == pytest.approx([0.09, 0.05, 0, 0])
+    assert fn.step_metrics()["judge/unit_range"] == 2
+    lines = warned()
+    assert len(lines) == 1 and "on --judge_scale 10 (2 of 3 in (0, 1])" in lines[0], lines
+    assert "--judge_scale 1," in lines[0] and "--judge_prompt" in lines[0]
+    assert _call(fn, ["UNIT0.9", "GOOD7"]) == pytest.approx([0.09, 0.7])  # 7/10 is 7: not every score
+    assert fn.step_metrics()["judge/unit_range"] == 1 and warned() == []
+    assert _call(fn, ["GOOD0", "GOOD0"]) == [0, 0] and warned() == []  # 0 is the bottom of either scale
+    fn = _judge(double.url, tmp_path, monkeypatch, judge_scale=1)
+    assert _call(fn, ["UNIT0.9", "UNIT0.5"]) == pytest.approx([0.9, 0.5])
+    assert fn.step_metrics()["judge/unit_range"] == 0 and warned() == []
+
+
+def test_an_answer_cut_off_before_its_verdict_is_a_parse_failure(double, tmp_path, monkeypatch, capsys):
+    """A number inside an unclosed <think>, or an answer the judge's token budget cut (finish_reason
+    "length", a number after the reasoning or not), is no score: a parse failure naming why, cached as the
+    answer."""
+    fn = _judge(double.url, tmp_path, monkeypatch)
+    assert _call(fn, ["THINK", "LONG", "GOOD7", "GOOD8"]) == pytest.approx([0, 0, 0.7, 0.8])
+    m = fn.step_metrics()
+    assert (m["judge/parse_failures"], m["judge/failures"]) == (2, 0)
+    err = capsys.readouterr().err
+    assert "2 of 4 judgements scored 0" in err, err
+    assert "the first: the answer was cut off inside its reasoning (unclosed <think>): '<think>The" in err
+    with pytest.raises(JudgeError, match=r"2 of 2 judgements .* the first: the answer was cut off inside"):
+        _call(fn, ["THINK", "LONG"])
+    m = fn.step_metrics()
+    assert (m["judge/calls"], m["judge/cache_hits"], m["judge/parse_failures"]) == (0, 2, 2)
+    fn = _judge(double.url, tmp_path, monkeypatch, judge_on_error="stop")
+    with pytest.raises(JudgeError, match=r"cut off at --judge_max_tokens 256 \(finish_reason length\): "
+                                         r"'<think>Short.</think> Score: 8'; stopped"):
+        _call(fn, ["GOOD1", "LONG"])
+
+
+def test_the_steps_verdict_is_over_every_ranks_judgements(double, tmp_path, monkeypatch, capsys):
+    """dist.all_sum's test double adds another rank's sums of the step: more than half failed, a failure
+    under --judge_on_error stop and the 0-1 warning are decided on the global batch, alike on every rank;
+    every call joins the sum once, a rank whose own batch stopped too."""
+    other, sums = {}, []
+
+    def all_sum(mine):
+        sums.append(dict(mine))
+        return {k: v + other.get(k, 0) for k, v in mine.items()}
+
+    monkeypatch.setattr(dist, "all_sum", all_sum)
+    fn = _judge(double.url, tmp_path, monkeypatch)
+    other.update(judgements=3, scored=3)
+    assert _call(fn, ["NONUM", "A401", "GOOD5"]) == [0, 0, 0.5]  # 2 of 3 here, 2 of 6 in all: scored
+    assert "2 of 3 judgements scored 0" in capsys.readouterr().err  # this rank's own warning
+    other.clear(), other.update(judgements=4, failures=1, parse_failures=3)
+    with pytest.raises(JudgeError, match=r"judge: 4 of 6 judgements of this step failed \(more than half; 1 "
+                                         r"failed requests, 3 unparseable answers\); the first: a judgement "
+                                         r"failed on another rank; stopped"):
+        _call(fn, ["GOOD5", "GOOD6"])  # all good here
+    other.clear(), other.update(stopped=1)
+    with pytest.raises(JudgeError, match="another rank stopped this step's judgements"):
+        _call(fn, ["GOOD5"])
+    other.clear(), other.update(judgements=1, scored=1)  # the other rank's score is above 1
+    _call(fn, ["UNIT0.9"])
+    assert "lies in [0, 1]" not in capsys.readouterr().err
+    other.update(at_most_unit=1, unit_range=1)
+    _call(fn, ["UNIT0.9"])
+    assert "on --judge_scale 10 (2 of 2 in (0, 1])" in capsys.readouterr().err
+    assert [len(s) for s in sums] == [7] * 5 and [s["judgements"] for s in sums] == [3, 2, 1, 1, 1]
+    fn, sums[:] = _judge(double.url, tmp_path, monkeypatch, judge_on_error="stop"), []
+    other.clear(), other.update(judgements=1, failures=1)
+    with pytest.raises(JudgeError, match=r"judge: a judgement failed on another rank; stopped \(--judge_on_"):
+        _call(fn, ["GOOD5"])
+    other.clear()
+    with pytest.raises(JudgeError, match=r"HTTP 401 .*--judge_on_error stop"):
+        _call(fn, ["A401", "GOOD5"])  # its batch stopped at the failure, after which it joined the sum
+    assert [s["stopped"] for s in sums] == [0, 1]
 
 
 def test_two_steps_trained_on_the_judge_key_never_in_the_run_folder(double, tmp_path, monkeypatch):

@@ -163,8 +163,9 @@ def test_the_server_must_match_the_trainer(served, tmp_path):
 
 def test_a_judge_served_by_vllm(served):
     """--judge_url against the real server (/completions: the tiny model has no chat template): the flow and
-    the counts of 24 distinct completions judged at --judge_concurrency 1 and 8; the random model answers
-    digits, mostly off the 0-10 scale (parse failures), so a step may stop at more than half failed."""
+    the counts of 24 distinct completions judged at --judge_concurrency 1 and 8; the random model's answers
+    run to the 8-token budget (finish_reason length) or off the 0-10 scale (parse failures), so a step may
+    stop at more than half failed."""
     url, path, _ = served
     fields = {f.name: f.default for f in dataclasses.fields(judge.JudgeArgs)}
     n, rates = 24, {}
