@@ -18,9 +18,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 import common
+import rewards
 import eval as ev
 import train_grpo
-from rlmini import dist, httpclient, judge
+from rlmini import dist, httpclient, judge, reward_fns
 from rlmini.faults import JudgeError
 
 KEY = "sk-test-7f3a9c-never-written"
@@ -165,6 +166,12 @@ def test_template_and_probe_are_refused_in_one_line(double, tmp_path, monkeypatc
     (tmp_path / "ok.txt").write_text("{completion} {topic}")  # an example column is a field
     assert judge.make_judge(_args(double.url, judge_prompt=str(tmp_path / "ok.txt")), None,
                             columns=["prompt", "topic"]).model == MODEL
+    # an example without the column: the template cannot render, which stops the run (no NaN to skip)
+    fn = judge.make_judge(_args(double.url, judge_prompt=str(tmp_path / "ok.txt")), None)
+    task = reward_fns.with_reward_functions(rewards.load_task("addition"), "", "", sources={"judge": fn})
+    with pytest.raises(rewards.DataError, match=r"^--judge_prompt: field \{topic\} is not a column of the "
+                                                r"example with prompt '1\+2='$"):
+        task.score_batch(["3"], [{"prompt": "1+2=", "answer": 3}], [True], [None])
     assert f"serves {MODEL}" in refused(judge_model="gpt-9")
     assert judge.make_judge(_args(double.url, judge_model=""), None).model == MODEL  # its one model
     closed = double.url.replace(str(double.server.server_address[1]), "9")  # port 9: nothing listens
@@ -338,11 +345,14 @@ def test_eval_scores_with_the_judge(double, tmp_path, monkeypatch):
 
 
 def test_a_run_whose_judge_fails_stops_in_one_line(double, tmp_path, capsys):
+    """Under --on_nonfinite skip too: a judge that fails scores nothing (before: every update skipped, status
+    0)."""
     (tmp_path / "t.txt").write_text("Grade <C>NONUM</C>, not {completion}")  # every answer unparseable
     with pytest.raises(SystemExit) as e:
         with common.user_errors():
             train_grpo.main(["--engine", "hf", "--steps", "2", "--prompts_per_step", "2", "--group_size", "2",
                              "--out_dir", str(tmp_path), "--wandb", "false", "--judge_url", double.url,
-                             "--judge_model", MODEL, "--judge_prompt", str(tmp_path / "t.txt")])
+                             "--judge_model", MODEL, "--judge_prompt", str(tmp_path / "t.txt"),
+                             "--on_nonfinite", "skip"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and "JudgeError: judge: 4 of 4 judgements of this step failed" in err[-1], err
