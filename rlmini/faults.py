@@ -1,9 +1,13 @@
 """Guards and user errors: a non-finite reward, loss or gradient stops the run (or skips the update), rollouts
 that did not come from the policy stop it, a collapsed policy is warned about, and bad input ends in one line
-naming it (exit 2) instead of a traceback."""
+naming it (exit 2) instead of a traceback; a reward call that never returns ends the process (deadline)."""
 import contextlib
+import faulthandler
 import math
+import os
 import sys
+import threading
+import time
 
 import torch
 
@@ -35,6 +39,49 @@ class JudgeError(RuntimeError):
     """--judge_url: judgements failed beyond --judge_on_error's policy (rlmini/judge.py)."""
 
 
+_WATCH = {"cond": threading.Condition(), "until": None, "what": "", "seconds": 0.0, "thread": None}
+BACKSTOP_S = 10.0  # faulthandler's C timer, this long past a deadline: for a call that holds the GIL
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, what: str):
+    """Past `seconds` the process ends (status 2) with one line naming `what`: a running Python call, or a
+    forward inside FSDP's collectives, cannot be cancelled, and waiting would hang the run. Under torchrun
+    the agent then stops the other ranks (torch/distributed/elastic/agent/server/api.py::
+    SimpleElasticAgent._invoke_run). One watchdog thread serves every call (arming it takes a lock, not a
+    thread); a call that holds the GIL (a regex backtracking in C) keeps that thread from running, so
+    faulthandler's C timer ends the process BACKSTOP_S later, printing where it hung (status 1). os._exit
+    skips atexit (an --env's close(), wandb's finish); checkpoints are written whole or not at all."""
+    w = _WATCH
+    with w["cond"]:
+        if w["thread"] is None:
+            w["thread"] = threading.Thread(target=_watch, daemon=True, name="rlmini-deadline")
+            w["thread"].start()
+        w.update(until=time.monotonic() + seconds, what=what, seconds=seconds)
+        w["cond"].notify()
+    faulthandler.dump_traceback_later(seconds + BACKSTOP_S, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        with w["cond"]:
+            w["until"] = None
+
+
+def _watch() -> None:
+    w = _WATCH
+    with w["cond"]:
+        while w["until"] is None or time.monotonic() < w["until"]:
+            w["cond"].wait(None if w["until"] is None else w["until"] - time.monotonic())
+        print(f"error: {w['what']}: no answer within --reward_timeout {w['seconds']:g} s; a running call "
+              f"cannot be cancelled, so the run ends here (its last checkpoint is intact)", file=sys.stderr,
+              flush=True)
+        os._exit(2)
+
+
+os.register_at_fork(after_in_child=lambda: _WATCH.update(cond=threading.Condition(), until=None, thread=None))
+
+
 def check_rewards(rewards, examples: list, group_size: int, step: int, on_nonfinite: str, scores: list = (),
                   names: list = ()) -> None:
     """Every reward finite, or the run stops naming the first bad one (its prompt, its value, and the --reward
@@ -48,20 +95,24 @@ def check_rewards(rewards, examples: list, group_size: int, step: int, on_nonfin
     counts = dist.all_sum({"bad": len(bad), "n": len(rewards), **raised})
     if not counts["bad"]:
         return
-    msg = f"step {step}: a non-finite reward on another rank"
+    first = None
     if bad:
         k = bad[0]
         why = (scores[k].failed[0][2] if k < len(scores) and scores[k].failed else
-               "from the task's reward, --reward, --format_weight or the overlong penalty")
-        msg = (f"step {step}: {len(bad)} non-finite reward(s), the first {rewards[k].item()} for completion "
-               f"{k % group_size + 1} of prompt {str(examples[k // group_size]['prompt'])[:80]!r} ({why})")
+               "from the task's reward, --reward, --env's get_reward, --format_weight or the overlong "
+               "penalty")
+        first = (f"the first {rewards[k].item()} for completion {k % group_size + 1} of prompt "
+                 f"{str(examples[k // group_size]['prompt'])[:80]!r} ({why})")
+    first = next(m for m in dist.all_gather_objects([first]) if m)  # the lowest rank's: one line, all ranks
+    msg = f"step {step}: {int(counts['bad'])} non-finite reward(s), {first}"
     every = [n for n in names if counts[f"raised/{n}"] == counts["n"]]
     if every:
         raise NonFiniteError(f"{msg}; --reward {every[0]} raised on all {int(counts['n'])} completions of "
                              f"the step: a reward that scores nothing stops the run, whatever --on_nonfinite")
     if on_nonfinite == "stop":
         raise NonFiniteError(f"{msg}; stopped (--on_nonfinite skip would skip the update)")
-    print(f"warning: {msg}; the update of this step is skipped", file=sys.stderr)
+    if dist.rank() == 0:
+        print(f"warning: {msg}; the update of this step is skipped", file=sys.stderr)
 
 
 def check_skipped(run, stats, steps: int = 5) -> None:

@@ -197,12 +197,12 @@ class Judge:
     def __call__(self, prompts: list, completions: list, examples: list, finished: list) -> list:
         """The batch's scores. Every rank's call joins one all_sum of the step's counts, whatever happens to
         its own batch, so that the step's verdict is the global batch's and the same on every rank."""
-        a = self.a
-        texts = [self.render(p, c, e) for p, c, e in zip(prompts, completions, examples)]
-        keys = [(self.model, a.judge_api, t, a.judge_max_tokens, a.judge_temperature) for t in texts]
+        a, keys = self.a, []
         try:
+            texts = [self.render(p, c, e) for p, c, e in zip(prompts, completions, examples)]
+            keys = [(self.model, a.judge_api, t, a.judge_max_tokens, a.judge_temperature) for t in texts]
             answers, stopped = _run(self._batch(keys)), None
-        except JudgeError as e:  # raised once the other ranks know: they stop too
+        except Exception as e:  # a template that cannot render, too: raised once the other ranks know
             answers, stopped = {}, e
         # unit range: a raw score in (0, 1] on a larger scale; 0 is the bottom of both, a sign of neither
         unit = 1 / a.judge_scale if a.judge_parse == "last-number" and a.judge_scale > 1 else -1.0

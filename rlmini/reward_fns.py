@@ -9,7 +9,6 @@ import inspect
 import math
 import os
 import sys
-import threading
 import traceback
 from dataclasses import replace
 
@@ -140,26 +139,6 @@ def run_async(coroutines: list, concurrency: int, timeout: float, what: str) -> 
         raise DataError(f"{what}: no answer within --reward_timeout {timeout:g} s") from None
 
 
-@contextlib.contextmanager
-def watchdog(seconds: float, what: str):
-    """Past `seconds` the process ends (status 2) with one line naming `what`: a running Python call, or a
-    forward inside FSDP's collectives, cannot be cancelled, and waiting would hang the run. Under torchrun
-    each rank runs its own, and the agent stops the others once one exits
-    (torch/distributed/elastic/agent/server/api.py::SimpleElasticAgent._invoke_run)."""
-    def fire():
-        print(f"error: {what}: no answer within --reward_timeout {seconds:g} s; a running call cannot be "
-              f"cancelled, so the run ends here (its last checkpoint is intact)", file=sys.stderr, flush=True)
-        os._exit(2)
-
-    timer = threading.Timer(seconds, fire)
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
-
-
 def _origin(e: BaseException) -> str:
     """' (file.py:line)' where an exception was raised, for its one-line message."""
     tb = traceback.extract_tb(e.__traceback__)
@@ -197,8 +176,9 @@ def _call_batch(name: str, fn, texts: list, examples: list, finished: list, conc
     first = f" (first prompt {str(examples[0]['prompt'])[:60]!r})" if examples else ""
     at = f"{who} on a batch of {len(texts)}{first}"
     is_async = inspect.iscoroutinefunction(fn)
-    guard = (contextlib.nullcontext() if name == "judge" else
-             watchdog(timeout + (ASYNC_GRACE_S if is_async else 0.0), at))
+    # the judge bounds its own requests, the reward model its forwards (after its ranks met)
+    guard = (contextlib.nullcontext() if name in SOURCES else
+             faults.deadline(timeout + (ASYNC_GRACE_S if is_async else 0.0), at))
     if batched(fn):
         kw = dict(prompts=[e["prompt"] for e in examples], completions=texts, examples=examples,
                   finished=finished)
@@ -236,7 +216,7 @@ def with_reward_functions(task: Task, spec: str, weights: str, env: str = "", so
     A function is called per completion as f(prompt=, completion=, example=, finished=), or, batched, once
     per rank's batch as f(prompts=, completions=, examples=, finished=) -> list (batched()); either may be
     `async def`, run concurrently (at most `concurrency` calls in flight, all within `timeout` seconds; a
-    sync call past it ends the run: watchdog). A value is a float or a Score (the first Score's
+    sync call past it ends the run: faults.deadline). A value is a float or a Score (the first Score's
     correct/format_ok replace the verifier's: reward/correct and pass@k read them). A per-completion call
     that raises, or a value that is NaN, inf or beyond float32, makes the reward NaN and is named in
     Score.failed; faults.check_rewards then stops the run or, with --on_nonfinite skip, skips the step's
@@ -261,10 +241,13 @@ def with_reward_functions(task: Task, spec: str, weights: str, env: str = "", so
             return float("nan"), None, (name, "raised", why)
         outcome = out if isinstance(out, Score) else None
         out = out.reward if outcome is not None else out
-        if isinstance(out, (str, bytes)) or not hasattr(out, "__float__"):
-            raise DataError(f"--reward {name} returned {type(out).__name__} {out!r} on {at}: expected a "
-                            f"float or a rewards.Score")
-        v = float(out)
+        try:  # a str would parse; an array of two numbers or 10**400 would raise
+            v = float(out) if not isinstance(out, (str, bytes)) and hasattr(out, "__float__") else None
+        except (TypeError, ValueError, OverflowError):
+            v = None
+        if v is None:
+            raise DataError(f"--reward {name} returned {type(out).__name__} {str(out)[:60]!r} on {at}: "
+                            f"expected a float or a rewards.Score")
         if not abs(v) <= F32_MAX:  # NaN, inf, or a finite value float32 cannot hold
             beyond = ", beyond float32's range (the rewards' type)" if math.isfinite(v) else ""
             return v, outcome, (name, "nonfinite", f"--reward {name} returned {v:g}{beyond} on {at}")

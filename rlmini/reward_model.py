@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-from rlmini import dist, models, reward_fns
+from rlmini import dist, faults, models, reward_fns
 from rlmini.options import arg
 
 PLAIN = "{prompt}\n{completion}"  # what a reward model without a chat template reads
@@ -30,8 +30,8 @@ class RewardArgs:
         "none", "--reward_model's score: raw, z-scored by a running mean/std (all ranks, all steps), or per "
                 "prompt group")
     reward_concurrency: int = arg(32, "async reward functions: calls in flight per rank", ge=1)
-    reward_timeout: float = arg(300.0, "async reward functions and the judge: seconds a batch's calls may "
-                                       "take (then the run stops, naming the function)", gt=0)
+    reward_timeout: float = arg(300.0, "seconds for an async batch's calls, a sync call, the reward model's "
+                                       "forwards (past it the run stops; judge: --judge_timeout)", gt=0)
 
 
 def check(path: str, files: bool = True):
@@ -176,9 +176,11 @@ def make_reward_model(args):
             n = int(dist.all_gather(torch.tensor([n])).max())
         if held["offload"]:
             model.to(device)
-        try:
-            raw = [forward_scores(model, [ids[k] for k in batches[b]] if b < len(batches)
-                                  else [[held["pad"]]], held["pad"], device) for b in range(n)]
+        first = f" (first prompt {str(prompts[0])[:60]!r})" if prompts else ""
+        try:  # timed once the ranks have met (the all_gather): waiting for a slower rank is no hang
+            with faults.deadline(args.reward_timeout, f"--reward_model on a batch of {len(ids)}{first}"):
+                raw = [forward_scores(model, [ids[k] for k in batches[b]] if b < len(batches)
+                                      else [[held["pad"]]], held["pad"], device) for b in range(n)]
             dist.reshard_frozen(model)  # FSDP2 keeps a root gathered after its forward: not into the update
         finally:
             if held["offload"]:

@@ -205,7 +205,10 @@ def rg_task(spec: str, style: str, seed: int, size: int = 1000, task_config: str
 
     def restore(task: Task, saved: dict) -> None:
         """--resume: the checkpoint's level, with the examples the run had at it (level 0: those loaded)."""
-        level = saved.get("level", 0)
+        if "level" not in saved:  # written before the level was saved: level 0 would train on other examples
+            raise SystemExit(f"--resume: the checkpoint holds no --rg_curriculum level (written by an older "
+                             f"version); start the run again")
+        level = saved["level"]
         if not 0 <= level <= top:  # a checkpoint of another --task (--allow_option_changes)
             raise SystemExit(f"--resume: the checkpoint's --rg_curriculum level {level} is not one of "
                              f"rg:{spec}'s (0 to {top})")

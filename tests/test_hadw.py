@@ -92,6 +92,18 @@ def test_anchor_update_on_a_hand_made_sequence():
     assert len(state["history"]) == 3  # the window keeps the last m anchors
 
 
+def test_a_nan_reward_step_leaves_the_anchor_as_it_was():
+    """--on_nonfinite skip skips that step's update; before, its NaN became the anchor, for good (and every
+    later step's advantages NaN)."""
+    state = {}
+    _reweight([1.0, 0.0, 0.0, 0.0], state)
+    kept = dict(state)
+    _, _, info = _reweight([1.0, float("nan"), 0.0, 0.0], state)
+    assert state == kept and info == {}
+    _, new, _ = _reweight([1.0, 0.0, 1.0, 0.0], state)
+    assert torch.isfinite(new).all()
+
+
 def test_cold_start_a_constant_window_cannot_freeze_the_anchor():
     """Read literally (eta_t = eta * std) the anchor would stay at 0 forever after all-zero batches."""
     state = {}

@@ -82,12 +82,15 @@ def test_a_failing_function_is_named_with_the_example_and_the_value(tmp_path, bo
     assert math.isnan(s.reward) and len(s.failed) == 1 and s.failed[0][2].startswith(message)
 
 
-def test_a_value_that_is_not_a_number_stops_at_once(tmp_path):
-    body = "def f(prompt, completion, example, finished):\n    return 'good'\n"
+@pytest.mark.parametrize("value, what", [("'good'", "str 'good'"), ("10 ** 400", "int '1000000000"),
+                                         ("np.array([0.5, 0.5])", "ndarray '[0.5 0.5]'")])
+def test_a_value_that_is_not_a_number_stops_at_once(tmp_path, value, what):
+    body = f"import numpy as np\ndef f(prompt, completion, example, finished):\n    return {value}\n"
     task = reward_fns.with_reward_functions(rewards.load_task("addition"), f"{_module(tmp_path, body)}:f", "")
-    with pytest.raises(rewards.DataError, match="--reward f returned str 'good' on prompt '5\\+7=', "
-                                                "completion '12': expected a float or a rewards.Score"):
+    with pytest.raises(rewards.DataError) as e:
         task.score("12", {"prompt": "5+7=", "answer": 12}, True)
+    assert str(e.value).startswith(f"--reward f returned {what}") and str(e.value).endswith(
+        "on prompt '5+7=', completion '12': expected a float or a rewards.Score")
 
 
 def test_with_skip_a_failing_function_gives_a_nan_reward_and_one_warning_a_step(tmp_path, capsys):

@@ -480,21 +480,43 @@ def test_held_out_scoring_neither_moves_the_running_norm_nor_the_logged_sums(mod
     assert fn.step_metrics() == pytest.approx(sums, abs=1e-6)
 
 
-@pytest.mark.parametrize("spec, who", [("task,{path}:f", "--reward f on a batch of 1"),
-                                       ("", "--reward_model on a batch of 1")])
-def test_a_sync_reward_past_the_deadline_ends_the_process_in_one_line(tmp_path, spec, who):
-    """A sync function (or a reward model's forward) cannot be cancelled: the watchdog ends the process."""
-    path = tmp_path / "slow.py"
-    path.write_text("import time\ndef f(prompt, completion, example, finished):\n    time.sleep(60)\n"
-                    "    return 1.0\ndef rm(prompts, completions, examples, finished):\n    time.sleep(60)\n")
-    code = ("import sys, rewards; from rlmini import reward_fns; sys.path.insert(0, sys.argv[1]); "
-            "import slow; t = reward_fns.with_reward_functions(rewards.load_task('addition'), sys.argv[2], "
-            "'', sources={'rm': None if sys.argv[2] else slow.rm}, timeout=0.5); "
-            "t.score_batch(['3'], [{'prompt': '1+2=', 'answer': 3}], [True], [None]) if t.score_batch else "
-            "t.score('3', {'prompt': '1+2=', 'answer': 3}, True)")
-    p = subprocess.run([sys.executable, "-c", code, str(tmp_path), spec.format(path=path)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=50)
+HANG = """import re, sys, time, torch
+import rewards
+from rlmini import faults, reward_fns, reward_model
+case, example = sys.argv[1], {"prompt": "1+2=", "answer": 3}
+faults.BACKSTOP_S = 0.5  # the C timer's slack past the deadline, short for the test
+
+
+def f(prompt, completion, example, finished):
+    time.sleep(60) if case == "sleep" else re.match(r"(a+)+$", "a" * 40 + "b")  # the regex holds the GIL
+    return 1.0
+
+
+sys.modules["hang"] = sys.modules[__name__]
+sources, spec = {}, "task,hang:f"
+if case == "rm":
+    reward_model.forward_scores = lambda *a, **k: time.sleep(60)
+    fn = reward_model.make_reward_model(reward_model.RewardArgs(reward_model=sys.argv[2], reward_timeout=0.5))
+    fn.load(torch.device("cpu"), torch.float32)
+    sources, spec = {"rm": fn}, ""
+t = reward_fns.with_reward_functions(rewards.load_task("addition"), spec, "", sources=sources, timeout=0.5)
+t.score_batch(["3"], [example], [True], [None]) if t.score_batch else t.score("3", example, True)
+"""
+
+
+@pytest.mark.parametrize("case", ["sleep", "rm", "regex"])
+def test_a_reward_past_the_deadline_ends_the_process_in_one_line(tmp_path, models_built, case):
+    """A sync function or a reward model's forward cannot be cancelled: past --reward_timeout the process
+    ends in one line naming it (status 2); one that holds the GIL (a regex backtracking in C) is ended by
+    faulthandler's C timer, its traceback saying where it hung (status 1)."""
+    (tmp_path / "hang_case.py").write_text(HANG)
+    p = subprocess.run([sys.executable, str(tmp_path / "hang_case.py"), case, RANDOM], cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=120)
+    if case == "regex":
+        assert p.returncode == 1 and "Timeout (0:00:01)!" in p.stderr and 'hang_case.py", line 9 in f' in p.stderr
+        return
+    who = "--reward f on a batch of 1" if case == "sleep" else "--reward_model on a batch of 1"
     assert p.returncode == 2 and p.stdout == ""
-    assert p.stderr.strip() == (f"error: {who} (first prompt '1+2='): no answer within --reward_timeout "
-                                f"0.5 s; a running call cannot be cancelled, so the run ends here (its last "
-                                f"checkpoint is intact)")
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"error: {who} (first prompt '1+2='): no answer within --reward_timeout 0.5 s; a running call cannot "
+        f"be cancelled, so the run ends here (its last checkpoint is intact)")

@@ -134,6 +134,8 @@ def test_the_curriculum_level_is_restored_with_the_examples_the_run_had():
     assert at_start.train is kept
     with pytest.raises(SystemExit, match=r"level 99 is not one of rg:chain_sum's \(0 to 10\)"):
         at_start.restore(at_start, {"level": 99})
+    with pytest.raises(SystemExit, match=r"holds no --rg_curriculum level \(written by an older version\)"):
+        at_start.restore(at_start, {})  # silently level 0 would train on other examples than the run did
 
 
 def _saved(state: dict) -> io.BytesIO:
