@@ -39,7 +39,7 @@ def loss_and_grad(model, run, batch, advantages):
     for mb in common.minibatches(run, batch):
         for micro in mb:
             logp, _ = logprobs.token_logprobs(model, micro.layout, 1.0)
-            token_loss = -logp * micro.per_seq(advantages).unsqueeze(1)
+            token_loss = -logp * micro.advantages(advantages)  # this rank's, or the global batch's
             loss = common.aggregate(token_loss, micro.loss_mask, run.args.loss_agg, mb.n_seqs, mb.n_tokens, 8)
             loss.backward()
             total, seen = total + loss.item(), seen + [(micro.rows, micro.idle)]
@@ -137,3 +137,53 @@ def test_a_rank_with_nothing_kept_joins_with_an_idle_micro_batch(tiny_addition, 
 def test_a_bad_filter_is_refused_in_one_line(keep, message):
     with pytest.raises(ValueError, match=message):
         common.keep_completions(make_batch(list(range(8)), 4), keep)
+
+
+TWO_RANKS = """import os, sys, types, torch
+sys.path[:0] = [{root!r}, os.path.join({root!r}, "tests")]
+from transformers import AutoModelForCausalLM
+import common
+from rlmini import dist
+from test_filter import fake_run, loss_and_grad, make_batch
+torch.set_num_threads(1)
+dist.setup_device(types.SimpleNamespace(dtype="float32", dist_timeout=120))
+model = dist.shard_model(AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32), torch.float32)
+r = dist.rank()
+batch = make_batch(list(range(4 * r, 4 * r + 4)), 4)  # rank 0 the first group, rank 1 the second
+batch = common.keep_completions(batch, torch.tensor({keep}))  # the global batch's: each rank its block
+advantages = torch.tensor({advantages})
+loss, grads, seen = loss_and_grad(model, fake_run(model, 4, micro_batch_size=1), batch, advantages)
+grads = {{n: dist.full_tensor(g).cpu() for n, g in grads.items()}}
+total = dist.all_sum(loss) / 2  # each rank's share of a loss normalised by half the global counts
+torch.save({{"loss": total, "grads": grads, "seen": seen}}, os.path.join({out!r}, "rank%d.pt" % r))
+"""
+
+
+def test_a_rank_with_nothing_kept_under_torchrun_gives_the_one_rank_result(tmp_path, tiny_addition):
+    """2 gloo ranks, FSDP2: rank 0 keeps none of its group, rank 1 two of its completions (micro-batches of
+    1). Rank 0 runs two idle micro-batches of its first row beside rank 1's two (no hang: the collectives
+    match), and the loss and the gathered gradient equal one process's on the global batch."""
+    import os
+    import subprocess
+    import sys
+    from conftest import ROOT
+    keep, advantages = [0, 0, 0, 0, 1, 0, 1, 0], [0.5, -1.0, 2.0, 0.3, -0.7, 1.5, 0.9, -0.2]
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS.format(root=ROOT, path=tiny_addition[2], keep=keep, advantages=advantages,
+                                       out=str(tmp_path)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(script)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    assert ranks[0]["seen"] == [([0], True), ([0], True)] and ranks[1]["seen"] == [([0], False), ([2], False)]
+    model = tiny_addition[0]
+    batch = common.keep_completions(make_batch(list(range(8)), 4), keep)
+    run = fake_run(model, 4, micro_batch_size=1)
+    loss, grads, _ = loss_and_grad(model, run, batch, torch.tensor(advantages))
+    norm = torch.cat([g.flatten() for g in grads.values()]).norm().item()
+    for got in ranks:
+        assert got["loss"] == pytest.approx(loss, rel=1e-5)
+        for name, g in grads.items():
+            assert_grad_close(got["grads"][name], g, rel=1e-5, name=name, floor=norm)
