@@ -3,6 +3,7 @@
     args = common.parse_args(Args)              # the script's Args: these options and its own
     run = common.setup(args, algo="grpo")       # task, model, engine, optimizer, run folder (or --resume)
     batch = common.rollout(run, keep)           # G completions per prompt, scored (keep: resampling)
+    batch = common.keep_completions(batch, kept)  # only these completions in the update (RAFT's filter)
     extra = common.generate(run, batch.examples, 1, temperature=0)  # more, scored alike: before the sleep
     run.engine.sleep()                          # until run.engine.push() the engine refuses to generate
     pre = common.pre_update(run, batch, ref)    # pi_old, the reference's log-probs, entropies
@@ -17,7 +18,7 @@ module); the switches several algorithms share live here.
 """
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar, Literal
 
 import numpy as np
@@ -26,7 +27,7 @@ import torch
 from rlmini import checkpoint as ckpt, memstats, reward_model
 from rlmini import data, dist, engine, faults, memplan, models, optim, runlog, server, tools
 from rlmini.batches import (Batch, Keep, Micro, Minibatch, PreUpdate, Scored, batch_logprobs,
-                            group_permutation, ragged_pass)
+                            group_permutation, ragged_pass, this_ranks)
 
 # what the scripts use as it is: collectives, the entry point's guard, what PPO's critic is built from
 from rlmini.dist import all_gather, all_mean_var, all_sum, local_slice, rank, world_size  # noqa: F401
@@ -314,6 +315,20 @@ def rollout(run, keep: Keep | None = None) -> Batch:
     return resample(run, keep)
 
 
+def keep_completions(batch: Batch, keep) -> Batch:
+    """The batch with only the completions `keep` marks (bool or 0/1, one per completion: this rank's, or the
+    global batch's in all_gather's order) in the update; call it before pre_update. A dropped completion is
+    never computed: not in pre_update's passes nor common.logprobs (its values there are zeros of its
+    length), not in the loss, its normalisers or the update's metrics (minibatches); a minibatch left with
+    none on any rank makes no optimizer step (filter/empty_updates). Calls compose: kept is their product."""
+    mine = this_ranks(torch.as_tensor(keep).flatten().float().cpu(), len(batch))
+    if mine is None or not ((mine == 0) | (mine == 1)).all():
+        raise ValueError(f"common.keep_completions: give one bool or 0/1 per completion, this rank's "
+                         f"{len(batch)} or the global batch's {len(batch) * world_size()} (got "
+                         f"{len(torch.as_tensor(keep).flatten())} values)")
+    return replace(batch, kept=batch.kept * mine, filtered=True)
+
+
 @torch.no_grad()
 def pre_update(run, batch: Batch, ref_model=None, values=None, need_old: bool = False) -> PreUpdate:
     """One pass over the batch before the update: pi_old (recomputed by the trainer, not the sampler's
@@ -337,7 +352,7 @@ def pre_update(run, batch: Batch, ref_model=None, values=None, need_old: bool = 
     pre = PreUpdate(on_policy, out.get("old", [None] * B), ref, out.get("entropy", [None] * B),
                     out.get("values", [None] * B))
     if top_entropy:  # Wang et al. 2025: the top rho share of the global batch's tokens in the loss
-        in_loss = [pre.entropy[i] for i in range(B) if batch.in_loss[i]]
+        in_loss = [pre.entropy[i] for i in range(B) if batch.in_loss[i] and batch.kept[i]]
         pre.tau = dist.top_share_threshold(in_loss, args.top_entropy_quantile)
     return pre
 
@@ -353,15 +368,22 @@ def logprobs(run, batch: Batch, model) -> list:
 
 def minibatches(run, batch: Batch):
     """--updates_per_rollout passes over the batch in a random order of whole groups (a micro-batch shares
-    its prompts), each split into --minibatches optimizer steps."""
+    its prompts), each split into --minibatches optimizer steps. The normalisers count the completions in the
+    loss and kept (keep_completions), over all ranks; a minibatch with none kept on any rank is not yielded
+    (counted in batch.empty_updates): no forward, backward or optimizer step, so the lr schedule, counted in
+    optimizer steps, does not advance either."""
     args = run.args
     shuffle = torch.Generator().manual_seed(args.seed * 1_000_003 + run.step)  # the step's own: resumable
     for epoch in range(args.updates_per_rollout):
         for rows in group_permutation(len(batch), args.group_size, shuffle).chunk(args.minibatches):
             rows = rows.tolist()
-            in_loss = batch.in_loss[rows]
-            n_seqs = max(all_sum(float(in_loss.sum())), 1.0) / world_size()
-            n_tokens = max(all_sum(float((batch.lengths[rows] * in_loss).sum())), 1.0) / world_size()
+            in_loss = batch.in_loss[rows] * batch.kept[rows]
+            n = all_sum({"seqs": float(in_loss.sum()), "tokens": float((batch.lengths[rows] * in_loss).sum()),
+                         "kept": float(batch.kept[rows].sum())})
+            if not n["kept"]:  # AdamW would still move every weight (its momentum): no step at all
+                batch.empty_updates += 1
+                continue
+            n_seqs, n_tokens = max(n["seqs"], 1.0) / world_size(), max(n["tokens"], 1.0) / world_size()
             yield Minibatch(batch, rows, epoch, n_seqs, n_tokens, args.micro_batch_size,
                             args.micro_batch_tokens, run.model, run.device)
 
@@ -484,11 +506,13 @@ def check_sampler(run, batch: Batch, stats: StepStats) -> None:
     from stale or discarded weights), and the loss is finite. Sums the step's diagnostics over ranks."""
     run.times["update_end"] = time.perf_counter()
     memstats.phase_end("update", run.times)  # CUDA: the update's peak memory, vLLM asleep
-    tokens = {"tokens": stats.tokens, "first_pass_tokens": float(batch.lengths.sum())}
+    tokens = {"tokens": stats.tokens, "first_pass_tokens": float((batch.lengths * batch.kept).sum()),
+              "generated_tokens": float(batch.lengths.sum())}  # the update computes the kept ones only
     stats.totals = all_sum({**stats.sums, **tokens})
-    diff = stats.totals["logprob/sampler_diff"] / stats.totals["first_pass_tokens"]
+    computed = stats.totals["first_pass_tokens"]  # 0: the filter kept nothing, nothing to check
     # --async_steps: stale samples differ from the trainer by design; each push was probed instead
-    if batch.pushes is None or not all_sum(float(batch.staleness.sum())):
+    if computed and (batch.pushes is None or not all_sum(float(batch.staleness.sum()))):
+        diff = stats.totals["logprob/sampler_diff"] / computed
         faults.check_sampler_diff(diff, run.step + 1, run.args.sampler_diff_tol)
     faults.nonfinite(stats.totals["loss/policy"], "loss", run.step + 1, run.args.on_nonfinite)
     run.times["push"] = time.perf_counter()

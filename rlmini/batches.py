@@ -50,13 +50,18 @@ class Batch:
     first: tuple            # (rewards, correct, format, --reward parts) of the first round: the policy's
     rounds: int             # sampling rounds (Keep)
     generated: int          # completions sampled over every round
-    spread_on: str          # the values whose spread decides a group ("correct" or "rewards")
+    spread_on: str          # the values whose spread decides a group ("correct", "rewards"; "" without Keep)
     in_loss: torch.Tensor   # 1 for a completion in the loss, 0 for one cut by the limit (--mask_truncated)
     pushes: int | None = None  # --engine server: the weight pushes made when the batch is trained on
+    kept: torch.Tensor | None = None  # 1 for a completion the update computes, 0 for one a filter dropped
+    filtered: bool = False  # a filter (common.keep_completions) chose `kept`: the filter/* metrics
+    empty_updates: int = 0  # minibatches the filter left empty on every rank: no step (common.minibatches)
 
     def __post_init__(self):
         """lengths and sampler_logp count the policy's tokens only (with tools, their output is context)."""
         r = self.rollouts
+        if self.kept is None:
+            self.kept = torch.ones(len(r.completion_ids))
         masks = r.policy_mask or [None] * len(r.completion_ids)
         self.lengths = torch.tensor([len(c) if m is None else sum(m)
                                      for c, m in zip(r.completion_ids, masks)], dtype=torch.float32)
@@ -102,12 +107,18 @@ class Micro:
         the global batch, all_gather's order) -> [b, 1]. A loss takes either with `adv = advantages`."""
         if isinstance(adv, (list, tuple)):
             return self.per_token(adv)
-        if len(adv) == self.size * world_size() != self.size:  # the global batch: this rank's block
-            adv = adv[local_slice(self.size)]
-        elif len(adv) != self.size:
+        if this_ranks(adv, self.size) is None:
             raise ValueError(f"Micro.advantages: {len(adv)} advantages for {self.size} completions per rank "
                              f"({world_size()} ranks): give one per completion or a list per token")
-        return self.per_seq(adv).unsqueeze(1)
+        return self.per_seq(this_ranks(adv, self.size)).unsqueeze(1)
+
+
+def this_ranks(values, n: int):
+    """One value per completion, of this rank's n or of the global batch (all_gather's order) -> this rank's
+    n (dist.local_slice); None for any other length."""
+    if len(values) == n * world_size() != n:  # the global batch: this rank's block
+        return values[local_slice(n)]
+    return values if len(values) == n else None
 
 
 def micro_batch(batch: Batch, rows: list, model, device, epoch: int = 0) -> Micro:
@@ -123,19 +134,23 @@ def micro_batch(batch: Batch, rows: list, model, device, epoch: int = 0) -> Micr
 
 @torch.no_grad()
 def ragged_pass(batch: Batch, forward, max_seqs: int, max_tokens: int, model, device) -> dict:
-    """`forward(micro)` -> {name: [b, T-1] values} over this rank's whole batch in micro-batches (micro_rows),
-    without gradient -> {name: one CPU 1-D tensor per completion, laid out like batch.sampler_logp} (a None
-    value is left out). Under torchrun every rank runs as many micro-batches, a rank with fewer repeating its
-    last one and dropping what it gives: a FSDP2-sharded model's forward is a collective of every rank."""
-    rows = micro_rows(batch, list(range(len(batch))), max_seqs, max_tokens)
-    count = most_micro_batches(rows)
+    """`forward(micro)` -> {name: [b, T-1] values} over this rank's kept completions (batch.kept) in
+    micro-batches (update_schedule), without gradient -> {name: one CPU 1-D tensor per completion, laid out
+    like batch.sampler_logp} (a None value is left out); a dropped completion's are zeros, never computed.
+    Under torchrun every rank runs as many micro-batches, a rank with fewer repeating one and dropping what
+    it gives: a FSDP2-sharded model's forward is a collective of every rank."""
     out = {}
-    for k in range(count):
-        micro = micro_batch(batch, rows[min(k, len(rows) - 1)], model, device)
+    for rows, idle in update_schedule(batch, list(range(len(batch))), max_seqs, max_tokens):
+        micro = micro_batch(batch, rows, model, device)
         values = forward(micro)
-        for name, v in values.items() if k < len(rows) else ():
+        for name, v in values.items() if not idle else ():
             if v is not None:  # one copy to the host per micro-batch, then split there (no sync per row)
-                out.setdefault(name, []).extend(to_ragged(v.detach().cpu(), micro.mask.cpu()))
+                got = out.setdefault(name, [None] * len(batch))
+                for i, x in zip(rows, to_ragged(v.detach().cpu(), micro.mask.cpu())):
+                    got[i] = x
+    for got in out.values():  # dropped completions: zeros of their length, so the lists stay aligned
+        for i in (i for i, x in enumerate(got) if x is None):
+            got[i] = torch.zeros(int(batch.lengths[i]), dtype=torch.float32)
     return out
 
 
@@ -148,7 +163,8 @@ def batch_logprobs(batch: Batch, model, temperature: float, max_seqs: int, max_t
     def forward(micro):
         with autocast(device, dtype):
             return {"logp": token_logprobs(model, micro.layout, temperature)[0]}
-    out = ragged_pass(batch, forward, max_seqs, max_tokens, model, device).get("logp", [])
+    out = ragged_pass(batch, forward, max_seqs, max_tokens, model, device).get("logp")
+    out = out or [torch.zeros(int(n)) for n in batch.lengths]  # the filter kept nothing: none computed
     reshard_frozen(model)  # a frozen model's root is not left gathered until its next pass
     return out
 
@@ -169,13 +185,13 @@ class Minibatch:
     device: torch.device
 
     def __iter__(self):
-        """Under torchrun every rank yields as many micro-batches (FSDP2's forward and backward are
-        collectives): a rank with fewer repeats its last one with every mask zero, so its loss, gradient
-        and statistics add nothing."""
-        rows = micro_rows(self.batch, self.rows, self.micro_batch_size, self.micro_batch_tokens)
-        for k in range(most_micro_batches(rows)):
-            micro = micro_batch(self.batch, rows[min(k, len(rows) - 1)], self.model, self.device, self.epoch)
-            if k >= len(rows):
+        """Its kept completions' micro-batches (update_schedule): under torchrun every rank yields as many
+        (FSDP2's forward and backward are collectives), a rank with fewer repeating its last one, and a rank
+        with none one of its rows, with every mask zero, so its loss, gradient and statistics add nothing."""
+        schedule = update_schedule(self.batch, self.rows, self.micro_batch_size, self.micro_batch_tokens)
+        for rows, idle in schedule:
+            micro = micro_batch(self.batch, rows, self.model, self.device, self.epoch)
+            if idle:
                 micro = replace(micro, loss_mask=torch.zeros_like(micro.loss_mask), computed=0, padded=0,
                                 idle=True)
             yield micro
@@ -184,6 +200,16 @@ class Minibatch:
 def most_micro_batches(rows: list) -> int:
     """The most micro-batches any rank has (this rank's `rows`, a list of micro-batches)."""
     return int(all_gather(torch.tensor([len(rows)])).max()) if world_size() > 1 else len(rows)
+
+
+def update_schedule(batch: Batch, rows: list, max_seqs: int, max_tokens: int = 0):
+    """Yields (a micro-batch's rows, idle): the kept of `rows` (batch.kept) cut into micro-batches
+    (micro_rows), as many as any rank has (most_micro_batches): past its own, a rank repeats its last one,
+    or with none kept the first of `rows`, idle (the caller drops what it computes). Dropped rows cost
+    nothing."""
+    cut = micro_rows(batch, [i for i in rows if batch.kept[i]], max_seqs, max_tokens)
+    for k in range(most_micro_batches(cut)):
+        yield (cut[min(k, len(cut) - 1)] if cut else rows[:1]), k >= len(cut)
 
 
 def micro_rows(batch: Batch, rows: list, max_seqs: int, max_tokens: int = 0) -> list:

@@ -167,7 +167,10 @@ def check_sampler_diff(diff: float, step: int, tol: float) -> None:
 def warn_on_collapse(run, metrics: dict, steps: int = 5) -> None:
     """Warn once per streak when the policy has had no gradient, or an entropy at its floor, for `steps` steps
     in a row: a collapsed policy (an --lr far too high) or a reward that never varies trains on and learns
-    nothing, silently."""
+    nothing, silently. A step that computed nothing (a filter kept no completion: no entropy) neither counts
+    nor breaks the streak."""
+    if "entropy" not in metrics:
+        return
     grad_norm = metrics.get("grad_norm", float("nan"))  # absent: every update was skipped (not quiet)
     quiet = grad_norm < 1e-12 or metrics["entropy"] < 1e-4
     run.quiet_steps = run.quiet_steps + 1 if quiet else 0

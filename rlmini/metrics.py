@@ -19,10 +19,10 @@ class StepStats:
     host sync, and add() would cost about ten per micro-batch."""
 
     def __init__(self):
-        names = ["loss/policy", "clip_frac", "kl", "kl/old", "entropy", "logprob/sampler_diff", "is/mean",
-                 "is/clip_frac", "is/kl", "perf/computed", "perf/padded"]
+        names = ["loss/policy", "entropy", "logprob/sampler_diff", "is/mean", "is/clip_frac", "is/kl",
+                 "perf/computed", "perf/padded"]  # and clip_frac, kl, kl/old once a loss's info gives them
         self.sums = dict.fromkeys(names, 0.0)
-        self.tokens, self.updates, self.skipped, self.grad_norm, self.has_kl = 0.0, 0, 0, 0.0, False
+        self.tokens, self.updates, self.skipped, self.grad_norm = 0.0, 0, 0, 0.0
         self.totals = {}
 
     def _add(self, name: str, value) -> None:
@@ -31,19 +31,21 @@ class StepStats:
     def add(self, micro: Micro, loss, old, entropy, info: dict, is_info: dict, value_loss=None,
             value_clipped=None) -> None:
         """One micro-batch: its loss (this rank's share), pi_old and the entropies of its tokens, the
-        surrogate's `info` (clipped, ratio, kl), the rollout correction's `is_info`; PPO's value loss and
-        clipped values."""
+        surrogate's `info`, the rollout correction's `is_info`; PPO's value loss and clipped values. Each key
+        of `info` is optional, its metric logged only when given: "clipped" (1 where the clipped branch is
+        active: clip_frac), "ratio" (pi / pi_old: kl/old), "kl" (per-token KL to the reference: kl)."""
         s, mask, add = self.sums, micro.mask, self._add
         s["perf/computed"] += micro.computed
         s["perf/padded"] += micro.padded
         self.tokens = self.tokens + mask.sum().double()
         add("loss/policy", loss.detach().double() / world_size())  # this rank's share (FSDP2 averages)
-        add("clip_frac", (info["clipped"] * mask).sum())
-        self.has_kl = self.has_kl or "kl" in info
+        if "clipped" in info:
+            add("clip_frac", (info["clipped"] * mask).sum())
         if "kl" in info:
             add("kl", (info["kl"] * mask).sum())
-        log_r = torch.log(info["ratio"].clamp(min=1e-30))
-        add("kl/old", ((torch.exp(-log_r) + log_r - 1) * mask).sum())
+        if "ratio" in info:
+            log_r = torch.log(info["ratio"].clamp(min=1e-30))
+            add("kl/old", ((torch.exp(-log_r) + log_r - 1) * mask).sum())
         if micro.epoch == 0:  # once per rollout token: the sampler against pi_old
             add("entropy", (entropy * mask).sum())
             add("logprob/sampler_diff", ((micro.sampler_logp - old).abs() * mask).sum())
@@ -54,21 +56,22 @@ class StepStats:
             add("value/clip_frac", value_clipped.sum())
 
 
-def step_metrics(run, batch: Batch, pre: PreUpdate, stats: StepStats, advantages, extra=None) -> dict:
+def step_metrics(run, batch: Batch, pre: PreUpdate, stats: StepStats, advantages=None, extra=None) -> dict:
     """The step's metrics over the global batch: per-completion values gathered from every rank, and token
     sums over ranks, so each equals its 1-rank value on the same batch (docs/metrics.md); a metric that does
     not apply to the run is absent. `advantages`: one per completion (1-D, the global batch's or this rank's)
-    or per token (this rank's, a list like batch.sampler_logp): advantage_metrics. `extra`: the script's own
-    metrics (global_means). Also writes --log_completions and warns about a collapsed policy."""
+    or per token (this rank's, a list like batch.sampler_logp): advantage_metrics; None: no adv/* metrics.
+    `extra`: the script's own metrics (global_means). Also writes --log_completions and warns about a
+    collapsed policy."""
     now, t, G, tot = time.perf_counter(), run.times, run.args.group_size, stats.totals
     first = [all_gather(x) for x in batch.first]  # reward/* logs the first sampling round: the policy's rates
     rewards, lengths = all_gather(batch.rewards), all_gather(batch.lengths)
-    trained = all_gather(getattr(batch, batch.spread_on)).view(-1, G)  # the groups trained on (Keep's filter)
     finished = all_gather(torch.tensor(batch.rollouts.finished, dtype=torch.float32))
     first_groups = first[0].view(-1, G)
     stale = all_gather(batch.staleness)  # --async_steps: pushes between sampling and this update
-    updates, n = stats.updates + stats.skipped, tot["first_pass_tokens"]
-    adv_metrics, local_adv = advantage_metrics(advantages, batch, rewards, run.task.pass_threshold)
+    updates, n, tokens = stats.updates + stats.skipped, tot["first_pass_tokens"], tot["tokens"]
+    adv_metrics, local_adv = (advantage_metrics(advantages, batch, rewards, run.task.pass_threshold)
+                              if advantages is not None else ({}, None))
     metrics = {
         "reward/mean": first[0].mean().item(),
         "reward/std": first[0].std().item() if len(first[0]) > 1 else 0.0,
@@ -76,21 +79,30 @@ def step_metrics(run, batch: Batch, pre: PreUpdate, stats: StepStats, advantages
         **{f"reward/{name}": first[3][:, j].mean().item() for j, name in enumerate(run.task.reward_names)},
         "frac_reward_zero_std": (first_groups.amax(1) == first_groups.amin(1)).float().mean().item(),  # TRL's
         "sampling/rounds": batch.rounds, "sampling/extra_rollouts": all_sum(batch.generated - len(batch)),
-        "sampling/kept_zero_std": (trained.amax(1) == trained.amin(1)).float().mean().item(),
-        **adv_metrics, "loss/policy": tot["loss/policy"] / updates, "nonfinite/skipped": stats.skipped,
-        "kl/old": tot["kl/old"] / tot["tokens"], "clip_frac": tot["clip_frac"] / tot["tokens"],
-        "entropy": tot["entropy"] / n, "logprob/sampler_diff": tot["logprob/sampler_diff"] / n,
-        "is/mean": tot["is/mean"] / n, "is/clip_frac": tot["is/clip_frac"] / n, "is/kl": tot["is/kl"] / n,
-        "lr": run.scheduler.get_last_lr()[0],
+        **adv_metrics, "nonfinite/skipped": stats.skipped, "lr": run.scheduler.get_last_lr()[0],
         "len/mean": lengths.mean().item(), "len/truncated": 1.0 - finished.mean().item(),
         "rollout/staleness": stale.mean().item(), "rollout/staleness_max": stale.max().item(),  # pushes
         "time/rollout": t["update"] - t["start"], "time/update": t["update_end"] - t["update"],
         "time/push": now - t["push"],  # this rank's clock (rank 0 logs)
-        "perf/tokens_per_s": n / (now - t["start"]),  # every rank's tokens
+        "perf/tokens_per_s": tot["generated_tokens"] / (now - t["start"]),  # every rank's tokens
         "perf/pad_frac": tot["perf/padded"] / max(tot["perf/computed"], 1.0),  # the update's forwards
+        "perf/update_tokens": tot["perf/computed"],
     }
-    if stats.has_kl:  # a KL term (or a logged KL): the reference was loaded
-        metrics["kl"] = tot["kl"] / tot["tokens"]
+    if updates:  # else a filter left nothing to update (filter/empty_updates)
+        metrics["loss/policy"] = tot["loss/policy"] / updates
+    if n:  # over the tokens the update computed (the kept completions'): none, none of these
+        metrics.update({name: tot[name] / n for name in ("entropy", "logprob/sampler_diff", "is/mean",
+                                                         "is/clip_frac", "is/kl")})
+    # what the loss's info gave (StepStats.add): a KL term or a logged KL (the reference was loaded), ...
+    metrics.update({k: tot[k] / tokens for k in ("kl/old", "clip_frac", "kl") if k in tot and tokens})
+    if batch.spread_on:  # a Keep resampling filter: the trained groups left without a spread
+        trained = all_gather(getattr(batch, batch.spread_on)).view(-1, G)
+        metrics["sampling/kept_zero_std"] = (trained.amax(1) == trained.amin(1)).float().mean().item()
+    if batch.filtered:  # common.keep_completions: the share of completions and of groups it kept
+        kept = all_gather(batch.kept).view(-1, G)
+        metrics.update({"filter/kept_frac": kept.mean().item(),
+                        "filter/kept_groups": (kept.amax(1) > 0).float().mean().item(),
+                        "filter/empty_updates": batch.empty_updates})
     if stats.updates:  # else every optimizer step was skipped (--on_nonfinite skip)
         metrics["grad_norm"] = stats.grad_norm / stats.updates
     if not math.isnan(pre.tau):  # --top_entropy_quantile < 1
@@ -108,7 +120,7 @@ def step_metrics(run, batch: Batch, pre: PreUpdate, stats: StepStats, advantages
     faults.warn_on_collapse(run, metrics)  # no gradient or no entropy for several steps in a row
     faults.check_skipped(run, stats)  # every update skipped for several steps in a row: stop
     runlog.log_completions(run, batch.examples, batch.rollouts, batch.rewards, batch.correct, batch.fmt,
-                           local_adv, run.args.log_completions)
+                           local_adv, run.args.log_completions, batch.kept if batch.filtered else None)
     return metrics
 
 

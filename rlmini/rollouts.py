@@ -113,5 +113,5 @@ def resample(run, keep: Keep | None = None) -> Batch:
     # DAPO's overlong filtering (Yu et al. 2025, sec. 3.4): completions cut by the length limit leave the loss
     in_loss = torch.tensor(rollouts.finished, dtype=torch.float32)
     in_loss = in_loss if args.mask_truncated else torch.ones(len(rewards))
-    return Batch(examples, rollouts, rewards, correct, fmt, first, rounds, generated, on, in_loss,
-                 getattr(run.engine, "pushes", None))
+    return Batch(examples, rollouts, rewards, correct, fmt, first, rounds, generated, on if keep else "",
+                 in_loss, getattr(run.engine, "pushes", None))

@@ -96,11 +96,13 @@ def run_id(run_dir: str, args) -> str:
     return f"{args.run_name.replace('/', '-')}-{secrets.token_hex(4)}"  # the OS's randomness: no RNG consumed
 
 
-def log_completions(run, examples: list, rollouts, reward_values, correct, fmt, advantages, n: int) -> None:
+def log_completions(run, examples: list, rollouts, reward_values, correct, fmt, advantages, n: int,
+                    kept=None) -> None:
     """n completions of this step's global batch, drawn by a generator seeded with (seed, step), written by
     rank 0 to rollouts.jsonl (and wandb): step, prompt, completion, reward, correct, format, advantage (per
-    completion; PPO: its tokens' mean), length, truncated; with --tools, the turns (policy and tool text) and
-    the trajectory's tool_stats. Every rank passes its own shard."""
+    completion; PPO: its tokens' mean; None: left out), length, truncated; with --tools, the turns (policy
+    and tool text) and the trajectory's tool_stats; with `kept` (common.keep_completions), whether the
+    update kept it. Every rank passes its own shard."""
     if n == 0:
         return
     B, G = len(rollouts.completion_ids), run.args.group_size
@@ -116,8 +118,10 @@ def log_completions(run, examples: list, rollouts, reward_values, correct, fmt, 
                          "answer": str(example.get("answer", "")),
                          "completion": run.tokenizer.decode(completion, skip_special_tokens=True),
                          "reward": float(reward_values[k]), "correct": float(correct[k]),
-                         "format": float(fmt[k]), "advantage": float(advantages[k]),
-                         "length": len(completion), "truncated": not rollouts.finished[k]})
+                         "format": float(fmt[k]),
+                         **({"advantage": float(advantages[k])} if advantages is not None else {}),
+                         "length": len(completion), "truncated": not rollouts.finished[k],
+                         **({"kept": bool(kept[k])} if kept is not None else {})})
             if rollouts.policy_mask is not None:  # --tools: the policy's turns and the tools' outputs
                 rows[-1]["turns"] = data.turns_text(run.tokenizer, completion, rollouts.policy_mask[k])
                 rows[-1]["tool_stats"] = rollouts.tool_stats[k]

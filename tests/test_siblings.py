@@ -1,6 +1,7 @@
 """RLOO, CoRPO, GPG and PPO: hand-computed advantages, their losses, and short learning runs; every train_*.py
 runs a step; a new algorithm (ReMax) built as docs/algorithms.md says."""
 import glob
+import json
 import importlib
 import sys
 import os
@@ -417,3 +418,122 @@ def test_a_distillation_script_written_as_the_docs_say_lowers_its_reverse_kl(tmp
         common.load_frozen(run, str(tmp_path / "scorer"))
     with pytest.raises(SystemExit, match="nowhere: no such file or folder"):
         common.load_frozen(run, str(tmp_path / "nowhere"))
+
+
+# (lines of train_rloo.py, what train_raft.py has instead): RAFT++ (Xiong et al. 2025), docs/algorithms.md
+RAFT = [
+    ('"""RLOO (Kool et al. 2019; Ahmadian et al. 2024) in one file: GRPO\'s loop with the leave-one-out '
+     'baseline, an\nunbiased advantage (Bereket & Leskovec 2025), and the KL to a frozen reference in the '
+     'loss or in the reward.\n\n'
+     "    python train_rloo.py                                       # the built-in tiny model on `addition` "
+     "(CPU)\n"
+     "    python train_rloo.py --task calibration                    # RLOO stays calibrated (Bereket 2025)\n"
+     "    python train_rloo.py --model",
+     '"""RAFT++ (Xiong et al. 2025) in one file: RLOO\'s loop trained on the correct completions only '
+     '(rejection\nsampling), each with advantage 1 under the clipped importance ratio; the others are never '
+     'computed.\n\n'
+     "    python train_raft.py                                       # the built-in tiny model on `addition` "
+     "(CPU)\n"
+     "    python train_raft.py --updates_per_rollout 2 --minibatches 2   # off-policy: the clipped ratio "
+     "acts\n"
+     "    python train_raft.py --model"),
+    ('    kl_in_reward: bool = arg(False, "subtract beta * sum_t log(pi / ref) from the reward '
+     '(Ahmadian 2024)")\n', ""),
+    ("    min_group_size: ClassVar[int] = 2  # the group baseline needs two completions of a prompt\n",
+     "    min_group_size: ClassVar[int] = 1\n"),
+    (DISTILL[3][0],
+     "def compute_advantages(correct):\n"
+     '    """RAFT++ (Xiong et al. 2025, sec. 2): maximise 1/|D| sum_{a in D} 1/|a| sum_t min(s_t, clip(s_t, '
+     "1 - eps,\n    1 + eps)), D the correct completions: the clipped surrogate with advantage 1 on them, "
+     'none on the rest."""\n'
+     "    return (correct > 0).float()  # common.keep_completions takes it as the filter\n"),
+    DISTILL[5],
+    ('algo="rloo"', 'algo="raft"'),
+    ("        batch = common.rollout(run, keep)\n",
+     "        batch = common.rollout(run, keep)\n"
+     "        advantages = compute_advantages(batch.correct)  # ALGORITHM: this rank's; 1 on the correct "
+     "ones\n"
+     "        batch = common.keep_completions(batch, advantages)  # the others leave the update: never "
+     "computed\n"),
+    ("        pre = common.pre_update(run, batch, ref_model, need_old=args.kl_in_reward)  # pi_old, pi_ref, "
+     "...\n",
+     "        pre = common.pre_update(run, batch, ref_model)  # pi_old (off-policy), pi_ref, entropies: the "
+     "kept\n"),
+    ("        # ---- ALGORITHM: advantages over the global batch (every rank's groups), then this rank's "
+     "rows\n"
+     + DISTILL[9][0] + "\n", ""),
+    ("micro.per_seq(local)", "micro.per_seq(advantages)"),
+    ("        metrics = common.step_metrics(run, batch, pre, stats, advantages)\n",
+     "        metrics = common.step_metrics(run, batch, pre, stats)  # no adv/*: the filter/* metrics say "
+     "it\n"),
+]
+
+
+def raft_script(tmp_path) -> str:
+    """train_rloo.py with RAFT's lines, each added line shown as it is in docs/algorithms.md; its text."""
+    docs = open(os.path.join(ROOT, "docs", "algorithms.md")).read()
+    text = open(os.path.join(ROOT, "train_rloo.py")).read()
+    for old, new in RAFT:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+        added = [line.strip() for line in new.splitlines() if line.strip() and line not in old.splitlines()]
+        assert all(line in docs for line in added), new
+    (tmp_path / "train_raft.py").write_text(text)
+    return text
+
+
+def test_a_raft_script_written_as_the_docs_say_trains_on_the_correct_completions_only(tmp_path, monkeypatch):
+    """train_rloo.py copied, with the RAFT++ lines of docs/algorithms.md (common.keep_completions), on the
+    rollout double (a quarter of the completions correct; at step 2 none): step 1 computes the correct
+    completions only, in pi_old's pass and the update (its loss is -1: the ratio is 1 on-policy), a share
+    of RLOO's tokens on the same batch; step 2 keeps nothing, computes nothing, and moves no weight nor the
+    optimizer's state, logging filter/empty_updates 1, no update metric, and no collapse."""
+    from rlmini import batches
+    from rlmini.engine import HFEngine
+    from rollout_double import generate_double, with_trainer_logprobs
+    raft_script(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "train_raft", raising=False)
+    raft = importlib.import_module("train_raft")
+    calls, computed, before = [], [], {}
+
+    def double(engine, *a, **k):  # the second call (step 2): every completion unfinished, so wrong
+        r = generate_double(engine, *a, **k)
+        calls.append(len(calls))
+        if len(calls) == 2:
+            nine = engine.tokenizer.convert_tokens_to_ids("9")
+            r.completion_ids, r.finished = [[nine] * 3 for _ in r.completion_ids], [False] * len(r.finished)
+            r = with_trainer_logprobs(r, engine.model, 1.0, engine.device, engine.dtype)
+            before.update({n: p.detach().clone() for n, p in engine.model.named_parameters()})
+        computed.append([])
+        return r
+
+    micro_batch = batches.micro_batch
+    monkeypatch.setattr(HFEngine, "generate", double)
+    monkeypatch.setattr(batches, "micro_batch", lambda batch, rows, *a, **k: computed[-1].append(list(rows))
+                        or micro_batch(batch, rows, *a, **k))
+    argv = ["--prompts_per_step", "8", "--group_size", "4", "--micro_batch_size", "4", "--log_completions",
+            "32", "--run_name", "raft"]
+    run = train(raft, tmp_path, "--steps", "2", *argv)
+    one, two = read_metrics(run.run_dir)
+    logged = [json.loads(line) for line in open(os.path.join(run.run_dir, "rollouts.jsonl"))]
+    correct = [x["index"] for x in logged if x["step"] == 1 and x["correct"] > 0]
+    assert all(x["kept"] == (x["correct"] > 0) for x in logged) and 0 < len(correct) < 32
+    assert one["filter/kept_frac"] == len(correct) / 32 and 0 < one["filter/kept_groups"] <= 1
+    assert sorted(i for rows in computed[0] for i in rows) == sorted(correct * 2)  # pi_old pass, update
+    assert one["filter/empty_updates"] == 0 and one["loss/policy"] == pytest.approx(-1.0, abs=1e-6)
+    assert one["clip_frac"] == 0 and one["kl/old"] == pytest.approx(0, abs=1e-6) and one["grad_norm"] > 0
+    assert "adv/mean" not in one and "sampling/kept_zero_std" not in one
+    # step 2: nothing kept, nothing computed, nothing moved
+    assert computed[1] == [] and two["filter/kept_frac"] == 0 and two["filter/empty_updates"] == 1
+    update = {"loss/policy", "grad_norm", "entropy", "logprob/sampler_diff", "is/mean", "clip_frac", "kl/old"}
+    assert not update & set(two) and two["perf/update_tokens"] == 0 and two["nonfinite/skipped"] == 0
+    assert all(torch.equal(before[n], p.detach()) for n, p in run.model.named_parameters())
+    assert [s["step"].item() for s in run.optimizer.state.values()] == [1] * len(run.optimizer.state)
+    assert run.scheduler.last_epoch == 1 and run.quiet_steps == 0 and run.skipped_steps == 0
+    # RLOO on the same batch computes every completion: RAFT's share of its update tokens
+    calls.clear()
+    rloo = read_metrics(train(train_rloo, tmp_path, "--steps", "1", *argv[:-1], "rloo").run_dir)[0]
+    share = one["perf/update_tokens"] / rloo["perf/update_tokens"]
+    print(f"RAFT computes {share:.3f} of RLOO's update tokens ({len(correct)} of 32 completions kept)")
+    assert len(correct) / 32 <= share < 0.5
