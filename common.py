@@ -104,7 +104,8 @@ class Args(data.TaskArgs, tools.ToolArgs, server.ServerArgs, memplan.PlanArgs, r
     eval_limit: int = arg(0, "held-out prompts used in evaluation (0 = all)", ge=0)
     save_every: int = arg(50, "checkpoint every N steps and at the end (0: only at the end; -1: never, nor "
                               "final/)", ge=-1)
-    resume: bool = arg(False, "continue from out_dir/run_name/checkpoint.pt")
+    resume: bool = arg(False, "continue from out_dir/run_name/checkpoint.pt (one process, either engine; "
+                              "torchrun: checkpoint/)")
     format_weight: float = arg(0.0, "add this times the format score to the reward")
     reward: str = arg("", "your reward functions, module:function[,...] ('task' = the task's verifier)")
     reward_weights: str = arg("", "--reward: comma-separated weights, one per function (default 1 each)")
@@ -262,7 +263,8 @@ def add_critic(run, critic, lr: float) -> None:
 
 
 def checkpoint(run) -> None:
-    """checkpoint.pt (torchrun: checkpoint/ in shards), atomically: everything --resume needs."""
+    """checkpoint.pt (one process, either engine; torchrun: checkpoint/ in shards), atomically: everything
+    --resume needs."""
     ckpt.save(run)
 
 

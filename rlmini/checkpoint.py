@@ -204,18 +204,31 @@ def sharded_checkpoint_dir(run_dir: str) -> str:
     return path if os.path.exists(path) or not os.path.exists(f"{path}.old") else f"{path}.old"
 
 
+def reads_shards(run_dir: str) -> bool:
+    """Whether --resume reads checkpoint/ (save's rule): under torchrun; in a plain process only without a
+    checkpoint.pt (before save followed dist.sharded, a one-process --engine vllm run wrote checkpoint/:
+    vLLM's in-process group of one took the torchrun branch)."""
+    return dist.sharded() or not os.path.exists(os.path.join(run_dir, "checkpoint.pt"))
+
+
 def load_resumed(run_dir: str) -> dict:
-    """The saved state of a --resume run (torchrun: its meta.pt; the shards are read by restore)."""
-    if dist.distributed():
-        return load_checkpoint(os.path.join(sharded_checkpoint_dir(run_dir), "meta.pt"))
-    return load_checkpoint(os.path.join(run_dir, "checkpoint.pt"))
+    """The saved state of a --resume run (checkpoint/: its meta.pt; the shards are read by restore)."""
+    pt, folder = os.path.join(run_dir, "checkpoint.pt"), sharded_checkpoint_dir(run_dir)
+    if not reads_shards(run_dir):
+        return load_checkpoint(pt)
+    if os.path.exists(pt) and not os.path.exists(folder):  # torchrun, on a plain process's run
+        raise SystemExit(f"--resume: {pt} was written by a plain process (python train_*.py): resume it "
+                         f"the same way, not under torchrun")
+    return load_checkpoint(os.path.join(folder, "meta.pt"))
 
 
 def save(run) -> None:
     """Everything needed to continue: the policy and its optimizer, PPO's critic and its optimizer, the
-    scheduler, RNGs, step, data position, HA-DW's state and the task's (Task.state). One process:
-    checkpoint.pt, written by rank 0. torchrun: checkpoint/, each rank writing its shards
-    (torch.distributed.checkpoint)."""
+    scheduler, RNGs, step, data position, HA-DW's state and the task's (Task.state). The layout follows how
+    the run was launched, whatever the engine (dist.sharded): a plain process writes checkpoint.pt (with
+    --engine vllm too, whose in-process group of one is not torchrun's); torchrun, with any number of ranks
+    (one included: FSDP2's DTensors do not load back from plain state dicts), writes checkpoint/, each rank
+    its shards (torch.distributed.checkpoint)."""
     pairs = {"critic": (run.critic, run.critic_optimizer)} if run.critic is not None else {}
     meta = {"scheduler": run.scheduler.state_dict(), "rng": rng_state(), "step": run.step,
             # --async_steps: the batches in flight are not saved; --resume draws their prompts again
@@ -229,7 +242,7 @@ def save(run) -> None:
     if bad:
         raise NonFiniteError(f"step {run.step}: the policy holds {int(bad)} non-finite weights; no "
                              f"checkpoint was written (the last one is intact)")
-    if dist.distributed():
+    if dist.sharded():
         from torch.distributed.checkpoint.state_dict import get_state_dict
         state = {}
         for key, (module, optimizer) in {"policy": (run.model, run.optimizer), **pairs}.items():
@@ -273,8 +286,8 @@ def _state_options(module):
 
 def restore(run, key: str, module, optimizer) -> None:
     """Load the (module, optimizer) pair saved under `key` ("policy" or "critic") from the checkpoint of a
-    --resume run, in place; under torchrun each rank reads its shards."""
-    if not dist.distributed():  # taken out of run.resumed: the run keeps no second copy of the weights
+    --resume run, in place; from checkpoint/ (reads_shards) each rank reads its shards."""
+    if not reads_shards(run.run_dir):  # taken out of run.resumed: the run keeps no second copy of the weights
         state = run.resumed if key == "policy" else run.resumed["algo_state"].pop(key)
         load_model_state(module, state.pop("model"))
         # load_state_dict builds the whole new state before dropping the old: drop the materialised zeros
@@ -325,7 +338,7 @@ def save_final(model, tokenizer, path: str, style: str = "chat", since: float | 
         merged = named_weights(model, base_dtype)
         state = {n: w.cpu() for n, w in merged if dist.rank() == 0}
         adapters = adapter_state(model)
-    elif dist.distributed():
+    elif dist.sharded():  # not vLLM's group of one: a plain model saves its own weights, no second copy
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.rank() != 0:

@@ -40,7 +40,7 @@ def setup_device(args) -> tuple[torch.device, torch.dtype]:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if (world_size() > 1 or "TORCHELASTIC_RUN_ID" in os.environ) and not torch.distributed.is_initialized():
+    if torchrun() and not torch.distributed.is_initialized():
         timeout = _TIMEOUT[0] = datetime.timedelta(seconds=getattr(args, "dist_timeout", 1800))
         cuda = {"device_id": device} if device.type == "cuda" else {}  # gloo: lazy as before, nothing to bind
         torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=timeout, **cuda)
@@ -68,6 +68,18 @@ def _end_process_group() -> None:
 
 def distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def torchrun() -> bool:
+    """Launched by torchrun, any number of ranks (one included): setup_device starts its process group."""
+    return world_size() > 1 or "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def sharded() -> bool:
+    """torchrun's process group is up, whatever its number of ranks: models are FSDP2-sharded (shard_model),
+    checkpoints and final/ saved from shards (rlmini/checkpoint.py). Not in a plain process, where
+    distributed() is true too once vLLM has started its own in-process group of one."""
+    return torchrun() and distributed()
 
 
 def many_ranks() -> bool:
@@ -187,8 +199,9 @@ def shard_model(model, dtype):
     fp32, compute runs in `dtype`, gradients are reduced in fp32. The root unit keeps its parameters gathered
     from forward to backward (reshard_after_forward=False; FSDP2's own default for the root), so
     token_logprobs' chunked projection, which runs after the forward, reads the whole output embedding, and
-    its gradient is reduce-scattered with the root's."""
-    if not distributed():
+    its gradient is reduce-scattered with the root's. In a plain process, vLLM's group of one (started
+    before a critic or reference loads) shards nothing: sharded()."""
+    if not sharded():
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)

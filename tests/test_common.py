@@ -310,6 +310,17 @@ def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
         ckpt.load_checkpoint(str(tmp_path / "missing" / "checkpoint.pt"))
 
 
+def test_each_launch_resumes_its_own_layout(tmp_path, monkeypatch):
+    """A plain process reads checkpoint.pt (else an older one-process vLLM run's checkpoint/); torchrun reads
+    checkpoint/, and refuses a plain process's checkpoint.pt in one line naming it."""
+    ckpt.save_checkpoint(str(tmp_path / "checkpoint.pt"), {"step": 3})
+    assert ckpt.load_resumed(str(tmp_path))["step"] == 3
+    monkeypatch.setattr(ckpt.dist, "sharded", lambda: True)
+    plain = r"checkpoint.pt was written by a plain process \(python train_\*.py\): resume it the same way"
+    with pytest.raises(SystemExit, match=rf"^--resume: .*{plain}, not under torchrun$"):
+        ckpt.load_resumed(str(tmp_path))
+
+
 def test_building_the_tiny_model_leaves_the_callers_rng_alone(tmp_path):
     """A fresh cache used to reseed the global torch RNG (to 0), so a run's draws depended on whether the
     tiny model was already built."""

@@ -266,6 +266,20 @@ def test_finish_saves_then_waits_for_every_rank(monkeypatch, capsys):
 # ---------------------------------------------------------------------------------------------- helpers
 
 
+def test_vllms_process_group_of_one_is_not_torchruns(tmp_path, monkeypatch):
+    """A plain process in which vLLM started its process group of one: the models loaded after it (a critic,
+    a reference) stay plain, checkpoints are checkpoint.pt (dist.sharded); torchrun's group of one shards."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False), monkeypatch.delenv("WORLD_SIZE", raising=False)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(2, 2)
+        assert dist.distributed() and not dist.sharded() and dist.shard_model(model, torch.float32) is model
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "one-rank")
+        assert dist.sharded()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 def test_shard_blocks_concatenate_to_the_list(monkeypatch):
     items = list(range(7))
     blocks = []

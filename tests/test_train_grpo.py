@@ -2,12 +2,14 @@
 import json
 import math
 import os
+import shutil
 
 import pytest
 import torch
 
 import train_grpo
 from conftest import mean_of, read_metrics, run_script, undocumented
+from rlmini import checkpoint, dist
 
 SHARED_METRICS = {"reward/mean", "reward/correct", "reward/format", "adv/mean", "adv/abs_mean",
                   "loss/policy", "grad_norm", "clip_frac", "entropy", "len/mean", "time/rollout",
@@ -75,12 +77,15 @@ OFF_POLICY = ["--updates_per_rollout", "2", "--minibatches", "2", "--prompts_per
 def test_resume_gives_the_same_metrics_hf(tmp_path):
     train(tmp_path, "--engine", "hf", "--steps", "6", "--save_every", "3", "--run_name", "straight",
           *OFF_POLICY)
-    train(tmp_path, "--engine", "hf", "--steps", "3", "--save_every", "3", "--run_name", "split", *OFF_POLICY)
+    half = train(tmp_path, "--engine", "hf", "--steps", "3", "--save_every", "3", "--run_name", "split",
+                 *OFF_POLICY)
+    _save_as_a_vllm_run_did(half, tmp_path / "legacy")
     # a crash after step 3's checkpoint: the resumed run rewrites steps 4.. and matches
-    train(tmp_path, "--engine", "hf", "--steps", "6", "--save_every", "3", "--run_name", "split", "--resume",
-          "true",
-          *OFF_POLICY)
-    _same(_rows_without_timing(tmp_path / "straight"), _rows_without_timing(tmp_path / "split"))
+    for name in ("split", "legacy"):
+        train(tmp_path, "--engine", "hf", "--steps", "6", "--save_every", "3", "--run_name", name, "--resume",
+              "true", *OFF_POLICY)
+        _same(_rows_without_timing(tmp_path / "straight"), _rows_without_timing(tmp_path / name))
+    assert (tmp_path / "legacy" / "checkpoint.pt").exists()  # its next saves: a plain process's file
     a = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=False)
     b = torch.load(tmp_path / "split" / "checkpoint.pt", weights_only=False)
     assert a["step"] == b["step"] == 6 and a["data_pos"] == b["data_pos"]
@@ -88,13 +93,32 @@ def test_resume_gives_the_same_metrics_hf(tmp_path):
         assert torch.equal(a["model"][k], b["model"][k]), k
 
 
+def _save_as_a_vllm_run_did(run, run_dir):
+    """A copy of `run` whose checkpoint is the checkpoint/ folder a one-process --engine vllm run wrote before
+    save followed dist.sharded (vLLM's in-process group of one took the torchrun branch)."""
+    shutil.copytree(run.run_dir, run_dir, ignore=shutil.ignore_patterns("checkpoint.pt", ".lock"))
+    run.run_dir = str(run_dir)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{run_dir}.store", rank=0, world_size=1)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(dist, "sharded", lambda: True)
+            checkpoint.save(run)
+    finally:
+        torch.distributed.destroy_process_group()
+    assert sorted(os.listdir(run_dir / "checkpoint")) == [".metadata", "__0_0.distcp", "meta.pt"]
+
+
 def test_resume_gives_the_same_metrics_vllm(tmp_path):
     common_args = ["--engine", "vllm", "--save_every", "2", "--out_dir", str(tmp_path), "--wandb", "false",
                    "--prompts_per_step", "8"]
     run_script("train_grpo.py", [*common_args, "--steps", "4", "--run_name", "straight"])
     run_script("train_grpo.py", [*common_args, "--steps", "2", "--run_name", "split"])
+    # one process: checkpoint.pt, as with --engine hf, though vLLM started a process group of one
+    split = tmp_path / "split"
+    assert (split / "checkpoint.pt").exists() and not (split / "checkpoint").exists()
     run_script("train_grpo.py", [*common_args, "--steps", "4", "--run_name", "split", "--resume", "true"])
-    _same(_rows_without_timing(tmp_path / "straight"), _rows_without_timing(tmp_path / "split"))
+    _same(_rows_without_timing(tmp_path / "straight"), _rows_without_timing(split))
+    assert torch.load(split / "checkpoint.pt", weights_only=True)["step"] == 4
 
 
 @pytest.mark.parametrize("extra", [
