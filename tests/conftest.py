@@ -1,6 +1,8 @@
+import collections
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -80,9 +82,30 @@ def undocumented(keys, algo: str, page: str = "") -> list:
     return sorted(k for k in keys if k != "step" and f"`{k}`" not in pages)
 
 
+Block = collections.namedtuple("Block", "page line lang lines copy")
+
+
+def code_blocks(page: str) -> list:
+    """Every fenced code block of a docs page (path from the root), as a Block: its first line's number, its
+    language (may be ""), its lines, and the (source, copy) of the last `cp train_X.py train_Y.py` before it
+    (its worked example), or None."""
+    blocks, copy, inside = [], None, False
+    for number, line in enumerate(open(os.path.join(ROOT, page)).read().splitlines(), 1):
+        if line.lstrip().startswith("```") and (not inside or line.strip() == "```"):
+            inside = not inside
+            blocks += [Block(page, number + 1, line.strip()[3:], [], copy)] if inside else []
+        elif inside:
+            blocks[-1].lines.append(line)
+        else:
+            copy = (re.findall(r"`cp (train_\w+\.py) (train_\w+\.py)`", line) or [copy])[-1]
+    assert not inside, f"{page}:{blocks[-1].line}: a code block never closed"
+    return blocks
+
+
 def mean_of(rows, key, lo, hi):
     vals = [r[key] for r in rows[lo:hi]]
     return sum(vals) / len(vals)
 
 
-__all__ = ["read_metrics", "run_script", "mean_of", "assert_grad_close", "undocumented", "docs_page", "json"]
+__all__ = ["read_metrics", "run_script", "mean_of", "assert_grad_close", "undocumented", "docs_page",
+           "code_blocks", "json"]

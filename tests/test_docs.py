@@ -1,14 +1,21 @@
 """The docs stay true: every `file.py::name` citation names a definition that holds the quoted code, every
 relative link resolves, docs/options.md is what the scripts' Args say, the README's file map counts the lines
-the files have, and every Python line fits in 110 columns."""
+the files have, and every Python line fits in 110 columns. Every fenced code block of docs/algorithms.md and
+docs/loop.md is a worked example's, built from the blocks' own lines and trained (tests/test_siblings.py); a
+line of the real loop is quoted inline as a citation instead, so a block of any other kind fails here."""
 import ast
+import difflib
 import glob
+import inspect
 import os
 import re
 import subprocess
 import sys
 
-from conftest import ROOT, docs_page
+import common
+import test_siblings
+from conftest import ROOT, code_blocks, docs_page
+from test_siblings import EXAMPLES, worked_example
 
 CITE = re.compile(r"`([\w./]+\.py)::([\w.]+)`(?:: `([^`]+)`)?")
 PAGES = sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))) + [os.path.join(ROOT, "README.md")]
@@ -119,3 +126,30 @@ def test_every_python_line_fits_in_110_columns():
             if len(line) > 110:
                 long.append(f"{os.path.relpath(path, ROOT)}:{number} ({len(line)})")
     assert not long, f"{len(long)} lines over 110 columns: {long[:10]}"
+
+
+def test_every_code_block_of_the_loop_pages_is_a_worked_example_built_from_its_lines_and_trained():
+    """Each block follows a `cp train_X.py train_Y.py` whose train_Y.py tests/test_siblings.py::worked_example
+    builds from the blocks' lines (each placed, each hunk between `...` lines contiguous in the script) and a
+    test there trains; each compiles, every `common.X` it calls exists (fast, before the training runs), and
+    the `diff` size the page states is the built script's."""
+    trained = inspect.getsource(test_siblings)
+    for block in (b for page in ("docs/algorithms.md", "docs/loop.md") for b in code_blocks(page)):
+        name = block.copy[1][len("train_"):-len(".py")] if block.copy else None
+        assert name in EXAMPLES and f'worked_example("{name}", tmp_path)' in trained, \
+            f"{block.page}:{block.line}: a ```{block.lang} block that no test builds and runs: quote the " \
+            "loop's lines inline (`file.py::function`: `line`, checked above), or make it a worked example " \
+            "(EXAMPLES in tests/test_siblings.py) that a test there trains"
+    built = {name: worked_example(name) for name in EXAMPLES}
+    for name, text in built.items():
+        calls = {n.attr for n in ast.walk(ast.parse(text, f"train_{name}.py"))
+                 if isinstance(n, ast.Attribute) and getattr(n.value, "id", "") == "common"}
+        assert calls <= set(dir(common)), f"train_{name}.py calls common.{calls - set(dir(common))}"
+    size = r"`diff (train_\w+\.py)\s+train_(\w+)\.py` is (\d+) lines \((\d+) removed, (\d+) added\)"
+    stated = re.findall(size, open(os.path.join(ROOT, "docs", "algorithms.md")).read())
+    assert sorted(name for _, name, *_ in stated) == sorted(EXAMPLES)  # a stale context line adds a line
+    for source, name, *counts in stated:
+        diff = list(difflib.unified_diff(open(os.path.join(ROOT, source)).read().splitlines(),
+                                         built[name].splitlines(), n=0))[2:]
+        removed, added = (sum(line.startswith(c) for line in diff) for c in "-+")
+        assert [int(c) for c in counts] == [removed + added, removed, added], (name, removed, added)

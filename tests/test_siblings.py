@@ -1,5 +1,6 @@
 """RLOO, CoRPO, GPG and PPO: hand-computed advantages, their losses, and short learning runs; every train_*.py
-runs a step; a new algorithm (ReMax) built as docs/algorithms.md says."""
+runs a step; the worked examples of docs/algorithms.md (ReMax, distillation, RAFT++) built from its code
+blocks' own lines and trained."""
 import glob
 import json
 import importlib
@@ -16,7 +17,7 @@ import train_gpg
 import train_grpo
 import train_ppo
 import train_rloo
-from conftest import ROOT, docs_page, mean_of, read_metrics, undocumented
+from conftest import ROOT, code_blocks, docs_page, mean_of, read_metrics, undocumented
 from rlmini import data, packing
 from test_train_grpo import SHARED_METRICS, _rows_without_timing, _same
 
@@ -268,36 +269,84 @@ def test_every_script_runs_a_step(tmp_path, script):
                         f"{docs_page(script)}; add them there"
 
 
-# (a line of train_rloo.py, what train_remax.py has instead): ReMax (Li et al. 2024), docs/algorithms.md
-REMAX = [
-    ("        batch = common.rollout(run, keep)\n",
-     "        batch = common.rollout(run, keep)\n"
-     "        greedy = common.generate(run, batch.examples, 1, temperature=0)"
-     "  # ALGORITHM: before the sleep\n"),
-    ("        advantages = compute_advantages(common.all_gather(rewards), args.group_size)\n",
-     "        baseline = common.all_gather(greedy.rewards).repeat_interleave(args.group_size)\n"
-     "        advantages = common.all_gather(rewards) - baseline\n"
-     '        extra = {"remax/baseline": baseline.mean().item()}  # logged beside the shared metrics\n'),
-    ("        metrics = common.step_metrics(run, batch, pre, stats, advantages)\n",
-     "        metrics = common.step_metrics(run, batch, pre, stats, advantages, extra)\n"),
-    ("    min_group_size: ClassVar[int] = 2  # the group baseline needs two completions of a prompt\n",
-     "    min_group_size: ClassVar[int] = 1\n"),
-    ('algo="rloo"', 'algo="remax"'),
-]
+DOCS = None  # in an edit of EXAMPLES: the worked example's next run of lines in docs/algorithms.md
+
+# {name: edits of the copied script, in the docs' order}: (the key of a line, or of its first and last lines,
+# DOCS) puts the docs' next run in their place, (key, "") deletes them (the docs say so in words), (old, new)
+# replaces text, new as the docs' prose gives it
+EXAMPLES = {
+    "remax": [("batch = common.rollout(", DOCS), ("advantages = compute_advantages(common.all_gather", DOCS),
+              ("metrics = common.step_metrics(", DOCS), ('algo="rloo"', 'algo="remax"'),
+              ("min_group_size: ClassVar[int] = 2  # the group baseline needs two completions of a prompt",
+               "min_group_size: ClassVar[int] = 1")],
+    "distill": [(('"""RLOO (Kool', "unbiased advantage (Bereket"), DOCS), ("kl_in_reward: bool", DOCS),
+                ("min_group_size", DOCS), (("def compute_advantages(", "return advantages.flatten()"), DOCS),
+                ("adv = advantages.unsqueeze(1)", DOCS), ("token_loss = token_loss + (0.0 if", DOCS),
+                ("ref_model = common.load_reference(", DOCS), ("pre = common.pre_update(", DOCS),
+                (("rewards = batch.rewards", "local = advantages["), DOCS),
+                ("token_loss, info = policy_loss(", DOCS), ("metrics = common.step_metrics(", DOCS),
+                ('algo="rloo"', 'algo="distill"')],
+    "raft": [(('"""RLOO (Kool', "python train_rloo.py --model"), DOCS), ("kl_in_reward: bool", ""),
+             ("min_group_size", DOCS), (("def compute_advantages(", "return advantages.flatten()"), DOCS),
+             ("token_loss = token_loss + (0.0 if", DOCS), ("batch = common.rollout(", DOCS),
+             (("run.engine.sleep()", "local = advantages["), DOCS), ("token_loss, info = policy_loss(", DOCS),
+             ("metrics = common.step_metrics(", DOCS), ('algo="rloo"', 'algo="raft"')],
+}
+
+
+def hunks(lines: list) -> list:
+    """A code block's lines split at its `...` lines (the script's lines it leaves out)."""
+    out = [[]]
+    for line in lines:
+        out[-1].append(line) if line.strip() != "..." else out.append([])
+    return [h for h in out if h]
+
+
+def worked_example(name: str, tmp_path=None) -> str:
+    """train_<name>.py built from the code blocks docs/algorithms.md shows after `cp train_X.py
+    train_<name>.py`: each run of their lines that train_X.py lacks (with the script's line just before it in
+    the block, if any) goes where EXAMPLES[name] says; then each block's hunks must be lines of the result, in
+    order. Its text, also written to tmp_path/train_<name>.py if given."""
+    blocks = [b for b in code_blocks("docs/algorithms.md") if b.copy and b.copy[1] == f"train_{name}.py"]
+    text = open(os.path.join(ROOT, blocks[0].copy[0])).read()
+    docs = open(os.path.join(ROOT, "docs", "algorithms.md")).read()
+    known, runs = {line for line in text.splitlines() if line.strip()}, []
+    for hunk in (h for b in blocks for h in hunks(b.lines)):
+        for i, line in enumerate(hunk):
+            if line in known:
+                continue
+            if i and hunk[i - 1] not in known:
+                runs[-1].append(line)
+            else:
+                runs.append(hunk[i - 1:i + 1] if i else [line])
+    for old, new in EXAMPLES[name]:
+        if new is not DOCS and new:
+            assert text.count(old) == 1 and new in docs, (name, old, new)
+            text = text.replace(old, new)
+            continue
+        lines = text.splitlines(keepends=True)
+        keys = [old] if isinstance(old, str) else old
+        at = [[i for i, line in enumerate(lines) if key in line] for key in keys]
+        assert all(len(i) == 1 for i in at), f"{name}: {old} is not one line of the script: {at}"
+        assert new == "" or runs, f"{name}: {old}: docs/algorithms.md has no run of lines left for it"
+        text = "".join(lines[:at[0][0]] + [line + "\n" for line in (runs.pop(0) if new is DOCS else [])]
+                       + lines[at[-1][0] + 1:])
+    assert not runs, f"docs/algorithms.md: the {name} example's lines {runs} have no place in EXAMPLES"
+    for block in blocks:
+        at = 0
+        for hunk in hunks(block.lines):
+            at = ("\n" + text).find("\n" + "\n".join(hunk) + "\n", at) + 1
+            assert at, f"docs/algorithms.md:{block.line}: not lines of train_{name}.py as built: {hunk}"
+    if tmp_path is not None:
+        (tmp_path / f"train_{name}.py").write_text(text)
+    return text
 
 
 def test_a_remax_script_written_as_the_docs_say_trains_on_its_greedy_baseline(tmp_path, monkeypatch):
     """train_rloo.py copied, with the ReMax lines of docs/algorithms.md (the greedy completion's reward as
     each prompt's baseline, from one common.generate call before the sleep): it trains with one sample per
     prompt or several, and its advantages are the rewards less the baselines."""
-    docs = open(os.path.join(ROOT, "docs", "algorithms.md")).read()
-    text = open(os.path.join(ROOT, "train_rloo.py")).read()
-    for old, new in REMAX:
-        assert text.count(old) == 1, old
-        text = text.replace(old, new)
-    for _, new in REMAX[:3]:  # the docs show these lines as they are here
-        assert all(line in docs for line in new.splitlines()), new
-    (tmp_path / "train_remax.py").write_text(text)
+    worked_example("remax", tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "train_remax", raising=False)  # another test's module of that name
     remax = importlib.import_module("train_remax")
@@ -309,75 +358,6 @@ def test_a_remax_script_written_as_the_docs_say_trains_on_its_greedy_baseline(tm
         assert run.algo == "remax" and run.extra_calls == (0, 1)  # one call of its own in the step
 
 
-# (lines of train_rloo.py, what train_distill.py has instead): on-policy distillation, docs/algorithms.md
-DISTILL = [
-    ('"""RLOO (Kool et al. 2019; Ahmadian et al. 2024) in one file: GRPO\'s loop with the leave-one-out '
-     'baseline, an\nunbiased advantage (Bereket & Leskovec 2025), and the KL to a frozen reference in the '
-     'loss or in the reward.\n',
-     '"""On-policy distillation (Agarwal et al. 2024; Gu et al. 2024) in one file: RLOO\'s loop; a token\'s\n'
-     'advantage is the teacher\'s log-prob less the student\'s, on the student\'s own samples.\n'),
-    ('    kl_in_reward: bool = arg(False, "subtract beta * sum_t log(pi / ref) from the reward '
-     '(Ahmadian 2024)")\n',
-     '    teacher: str = arg("", "the teacher: a causal LM folder that shares the policy\'s tokenizer")\n'
-     '    frozen_models: ClassVar[tuple] = ("teacher",)  # the memory plan counts the teacher\n'),
-    ("    min_group_size: ClassVar[int] = 2  # the group baseline needs two completions of a prompt\n",
-     "    min_group_size: ClassVar[int] = 1\n"),
-    ("def compute_advantages(rewards, group_size):\n"
-     '    """RLOO: A_i = r_i - mean_{j != i} r_j = G/(G-1) (r_i - mean(r)) (Kool et al. 2019, eq. 9; '
-     "Ahmadian et al.\n    2024, eq. 6); Bereket & Leskovec's notebook divides by G, we follow the paper's "
-     'G-1 (both unbiased)."""\n'
-     "    r = rewards.double().view(-1, group_size)  # float64: an all-equal group's mean is exact, so A = 0 "
-     "exactly\n"
-     "    advantages = (r - r.mean(dim=1, keepdim=True)) * group_size / (group_size - 1)\n"
-     "    return advantages.flatten().to(rewards.dtype)\n",
-     "def compute_advantages(teacher_logp, student_logp):\n"
-     '    """A_t = log p_T(y_t) - log p_S(y_t), y ~ p_S: its mean is -KL(p_S || p_T) per token, the '
-     "reverse KL that\n    the policy gradient lowers (Gu et al. 2024, eq. 1-2; Agarwal et al. 2024, sec. 3: "
-     'lambda = 1)."""\n'
-     "    return [t - s for t, s in zip(teacher_logp, student_logp)]  # per token, like "
-     "batch.sampler_logp\n"),
-    ("    adv = advantages.unsqueeze(1)\n",
-     "    adv = advantages  # [b, 1] per completion or [b, T-1] per token (micro.advantages)\n"),
-    ("        token_loss = token_loss + (0.0 if args.kl_in_reward else args.beta) * kl  # else: in the "
-     "reward\n",
-     "        token_loss = token_loss + args.beta * kl\n"),
-    ('algo="rloo"', 'algo="distill"'),
-    ("    ref_model = common.load_reference(run) if args.beta > 0 else None  # the initial policy\n",
-     "    ref_model = common.load_reference(run) if args.beta > 0 else None  # the initial policy\n"
-     "    teacher = common.load_frozen(run, args.teacher)  # frozen, sharded; refused if its tokenizer "
-     "differs\n"),
-    ("need_old=args.kl_in_reward)  # pi_old, pi_ref, ...\n",
-     "need_old=True)  # pi_old: the student's log-probs\n"),
-    ("        rewards = batch.rewards\n"
-     "        if ref_model is not None and args.kl_in_reward:  # r - beta sum_t log(pi / ref): k1 (Ahmadian "
-     "2024)\n"
-     "            log_ratio = torch.stack([(o - r).sum() for o, r in zip(pre.old, pre.ref)]).cpu()\n"
-     "            rewards = rewards - args.beta * log_ratio\n"
-     "        advantages = compute_advantages(common.all_gather(rewards), args.group_size)\n"
-     "        local = advantages[common.local_slice(len(batch))]\n",
-     "        advantages = compute_advantages(common.logprobs(run, batch, teacher), pre.old)  # this rank's "
-     "tokens\n"
-     '        extra = {"distill/reverse_kl": [-a for a in advantages]}  # its mean over every '
-     'rank\'s tokens\n'),
-    ("micro.per_seq(local)", "micro.advantages(advantages)"),
-    ("        metrics = common.step_metrics(run, batch, pre, stats, advantages)\n",
-     "        metrics = common.step_metrics(run, batch, pre, stats, advantages, extra)\n"),
-]
-
-
-def distill_script(tmp_path) -> str:
-    """train_rloo.py with DISTILL's lines, each shown as it is in docs/algorithms.md; its text."""
-    docs = open(os.path.join(ROOT, "docs", "algorithms.md")).read()
-    text = open(os.path.join(ROOT, "train_rloo.py")).read()
-    for old, new in DISTILL:
-        assert text.count(old) == 1, old
-        text = text.replace(old, new)
-        added = [line.strip() for line in new.splitlines() if line.strip() and line not in old.splitlines()]
-        assert all(line in docs for line in added), new
-    (tmp_path / "train_distill.py").write_text(text)
-    return text
-
-
 def test_a_distillation_script_written_as_the_docs_say_lowers_its_reverse_kl(tmp_path, monkeypatch):
     """train_rloo.py copied, with the on-policy distillation lines of docs/algorithms.md (common.load_frozen,
     common.logprobs, per-token advantages): the student's reverse KL to a teacher (the tiny model with another
@@ -387,7 +367,7 @@ def test_a_distillation_script_written_as_the_docs_say_lowers_its_reverse_kl(tmp
 
     from rewards import load_task
     from rlmini import models
-    distill_script(tmp_path)
+    worked_example("distill", tmp_path)
     student = models.build_tiny_model(load_task("addition").alphabet)
     teacher = AutoModelForCausalLM.from_pretrained(student)
     with torch.no_grad():  # another output layer, 4x sharper: a reverse KL of ~8.6 nats per token at start
@@ -420,68 +400,6 @@ def test_a_distillation_script_written_as_the_docs_say_lowers_its_reverse_kl(tmp
         common.load_frozen(run, str(tmp_path / "nowhere"))
 
 
-# (lines of train_rloo.py, what train_raft.py has instead): RAFT++ (Xiong et al. 2025), docs/algorithms.md
-RAFT = [
-    ('"""RLOO (Kool et al. 2019; Ahmadian et al. 2024) in one file: GRPO\'s loop with the leave-one-out '
-     'baseline, an\nunbiased advantage (Bereket & Leskovec 2025), and the KL to a frozen reference in the '
-     'loss or in the reward.\n\n'
-     "    python train_rloo.py                                       # the built-in tiny model on `addition` "
-     "(CPU)\n"
-     "    python train_rloo.py --task calibration                    # RLOO stays calibrated (Bereket 2025)\n"
-     "    python train_rloo.py --model",
-     '"""RAFT++ (Xiong et al. 2025) in one file: RLOO\'s loop trained on the correct completions only '
-     '(rejection\nsampling), each with advantage 1 under the clipped importance ratio; the others are never '
-     'computed.\n\n'
-     "    python train_raft.py                                       # the built-in tiny model on `addition` "
-     "(CPU)\n"
-     "    python train_raft.py --updates_per_rollout 2 --minibatches 2   # off-policy: the clipped ratio "
-     "acts\n"
-     "    python train_raft.py --model"),
-    ('    kl_in_reward: bool = arg(False, "subtract beta * sum_t log(pi / ref) from the reward '
-     '(Ahmadian 2024)")\n', ""),
-    ("    min_group_size: ClassVar[int] = 2  # the group baseline needs two completions of a prompt\n",
-     "    min_group_size: ClassVar[int] = 1\n"),
-    (DISTILL[3][0],
-     "def compute_advantages(correct):\n"
-     '    """RAFT++ (Xiong et al. 2025, sec. 2): maximise 1/|D| sum_{a in D} 1/|a| sum_t min(s_t, clip(s_t, '
-     "1 - eps,\n    1 + eps)), D the correct completions: the clipped surrogate with advantage 1 on them, "
-     'none on the rest."""\n'
-     "    return (correct > 0).float()  # common.keep_completions takes it as the filter\n"),
-    DISTILL[5],
-    ('algo="rloo"', 'algo="raft"'),
-    ("        batch = common.rollout(run, keep)\n",
-     "        batch = common.rollout(run, keep)\n"
-     "        advantages = compute_advantages(batch.correct)  # ALGORITHM: this rank's; 1 on the correct "
-     "ones\n"
-     "        batch = common.keep_completions(batch, advantages)  # the others leave the update: never "
-     "computed\n"),
-    ("        pre = common.pre_update(run, batch, ref_model, need_old=args.kl_in_reward)  # pi_old, pi_ref, "
-     "...\n",
-     "        pre = common.pre_update(run, batch, ref_model)  # pi_old (off-policy), pi_ref, entropies: the "
-     "kept\n"),
-    ("        # ---- ALGORITHM: advantages over the global batch (every rank's groups), then this rank's "
-     "rows\n"
-     + DISTILL[9][0] + "\n", ""),
-    ("micro.per_seq(local)", "micro.per_seq(advantages)"),
-    ("        metrics = common.step_metrics(run, batch, pre, stats, advantages)\n",
-     "        metrics = common.step_metrics(run, batch, pre, stats)  # no adv/*: the filter/* metrics say "
-     "it\n"),
-]
-
-
-def raft_script(tmp_path) -> str:
-    """train_rloo.py with RAFT's lines, each added line shown as it is in docs/algorithms.md; its text."""
-    docs = open(os.path.join(ROOT, "docs", "algorithms.md")).read()
-    text = open(os.path.join(ROOT, "train_rloo.py")).read()
-    for old, new in RAFT:
-        assert text.count(old) == 1, old
-        text = text.replace(old, new)
-        added = [line.strip() for line in new.splitlines() if line.strip() and line not in old.splitlines()]
-        assert all(line in docs for line in added), new
-    (tmp_path / "train_raft.py").write_text(text)
-    return text
-
-
 def test_a_raft_script_written_as_the_docs_say_trains_on_the_correct_completions_only(tmp_path, monkeypatch):
     """train_rloo.py copied, with the RAFT++ lines of docs/algorithms.md (common.keep_completions), on the
     rollout double (a quarter of the completions correct; at step 2 none): step 1 computes the correct
@@ -491,7 +409,7 @@ def test_a_raft_script_written_as_the_docs_say_trains_on_the_correct_completions
     from rlmini import batches
     from rlmini.engine import HFEngine
     from rollout_double import generate_double, with_trainer_logprobs
-    raft_script(tmp_path)
+    worked_example("raft", tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "train_raft", raising=False)
     raft = importlib.import_module("train_raft")
