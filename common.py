@@ -479,7 +479,7 @@ def hadw_reweight(rewards, advantages, state, args):
     mean of the last m batch accuracies (docs/hadw.md)."""
     group_size, eta, window, lam = args.group_size, args.hadw_eta, args.hadw_window, args.hadw_lambda
     y = rewards.float().mean().item()
-    if not np.isfinite(y):  # a NaN reward's update is skipped (--on_nonfinite skip): keep it out of the anchor
+    if not np.isfinite(y):  # its update is skipped (--on_nonfinite skip): keep the NaN out of the anchor
         return advantages, {}
     prior = y if state.get("anchor") is None else state["anchor"]  # C_t^-
     if args.hadw_anchor == "mean":  # appendix F: the anchor is a moving average of recent batch accuracies
