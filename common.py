@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from rlmini import checkpoint as ckpt, memstats, reward_model
-from rlmini import data, dist, engine, faults, memplan, models, optim, runlog, server, tools
+from rlmini import data, dist, engine, faults, memplan, models, optim, quiet, runlog, server, tools
 from rlmini.batches import (Batch, Keep, Micro, Minibatch, PreUpdate, Scored, batch_logprobs,
                             group_permutation, ragged_pass, this_ranks)
 
@@ -139,7 +139,8 @@ class Args(data.TaskArgs, tools.ToolArgs, server.ServerArgs, memplan.PlanArgs, r
     overwrite: bool = arg(False, "replace an existing run of the same out_dir/run_name (default: refuse)")
     allow_option_changes: bool = arg(False, "--resume with options that change the experiment (listed)")
     print_every: int = arg(10, "without a terminal (cluster job, nohup, CI): a line every N steps", ge=0)
-    verbose: bool = arg(False, "show vLLM's warnings (most are hints the user cannot act on)")
+    verbose: bool = arg(False, "the libraries' output (vLLM, transformers, warnings, progress bars) on the "
+                               "terminal instead of in the run folder's logs/ (rlmini/quiet.py)")
     min_group_size: ClassVar[int] = 1  # scripts with a group baseline raise it to 2
     trains: ClassVar[bool] = True  # eval.py's options sample only: --dtype float16 is allowed there
     # what the generic tests (tests/test_siblings.py, tests/test_docs.py) need of a script: its page
@@ -196,6 +197,7 @@ def setup(args, algo: str) -> Run:
     check_ranks(args)
     data.seed_everything(args.seed)
     runlog.startup()  # rank 0 prints each start-up phase: model, engine, first step, with their seconds
+    quiet.start(args)  # the libraries' output to a log (the run folder's below), our lines to the terminal
     model_tag = os.path.basename(args.model.rstrip("/"))
     args.run_name = args.run_name or f"{algo}-{args.task.split(':')[0]}-{model_tag}-s{args.seed}"
     style = models.prompt_style(args.model)
@@ -205,6 +207,7 @@ def setup(args, algo: str) -> Run:
     tokenizer = models.load_tokenizer(path)
     data.check_vocabulary(task, tokenizer, style, args.model, args.task)  # a tiny checkpoint on another task
     run_dir = ckpt.prepare_run_dir(args)  # after the data and the model's tokenizer: no folder left by either
+    quiet.to_run_dir(run_dir, args.resume)  # logs/rank<R>.log
     args.server_push_dir = args.server_push_dir or os.path.join(run_dir, "push")
     device, dtype = dist.setup_device(args)
     args.rollout_correction = engine.correction_for(args, dtype)

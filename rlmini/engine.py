@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from rlmini import dist, memplan, memstats
+from rlmini import dist, memplan, memstats, quiet
 from rlmini.data import Rollouts, rng_state, set_rng_state
 from rlmini.faults import EngineStateError, PushError  # noqa: F401 (raised here, caught by user_errors)
 from rlmini.logprobs import token_logprobs
@@ -168,8 +168,10 @@ class HFEngine:
 def _start_vllm(args, path: str, device, dtype, max_len: int, share: float = 0.0):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: weights reachable
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB, CPU backend only
-    # vLLM's start-up hints (NUMA, LD_PRELOAD, set_num_threads) are not the user's to act on: errors only
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if args.verbose else "ERROR")
+    # all vLLM says, in the run's log (rlmini/quiet.py) or with --verbose; elsewhere (a test) errors only
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if args.verbose or quiet.active() else "ERROR")
+    if quiet.active():  # its handler on the descriptor (the log), not on sys.stdout (the terminal)
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.__stdout__")
     import vllm
     from vllm.model_executor.models import ModelRegistry
     arch = (_read_config(path).get("architectures") or ["?"])[0]
@@ -187,7 +189,7 @@ def _start_vllm(args, path: str, device, dtype, max_len: int, share: float = 0.0
                   enforce_eager=not cuda,
                   # log-probs after temperature, as the trainer computes them
                   logprobs_mode="processed_logprobs",
-                  enable_prefix_caching=True)
+                  enable_prefix_caching=True, use_tqdm_on_load=not quiet.active())  # bars: sys.stderr
     kwargs.update(max_num_seqs=memplan.engine_batch(args, dist.world_size()))  # prefill in large chunks
     if cuda:
         # asleep, the CUDA graphs go to host memory too (resident by default), at level 2 as well

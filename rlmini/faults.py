@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from rlmini import dist
+from rlmini import dist, quiet
 from rlmini.task import DataError
 
 
@@ -185,9 +185,11 @@ def warn_on_collapse(run, metrics: dict, steps: int = 5) -> None:
 def user_errors():
     """A train_*.py entry point: bad data, non-finite values and a failed guard (rollouts not from the policy,
     a weight push that did not take effect) end in one line naming the problem and exit status 2, not a
-    traceback (a traceback is for our bugs)."""
+    traceback (a traceback is for our bugs). Within it common.setup moves the libraries' output to the run
+    folder's log (rlmini/quiet.py), the terminal restored before an error is printed."""
     try:
-        yield
+        with quiet.entry_point():
+            yield
     except (DataError, NonFiniteError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from rlmini import data, datafiles, dist
+from rlmini import data, datafiles, dist, quiet
 from rlmini.checkpoint import atomic_write_text
 
 
@@ -41,7 +41,8 @@ class RunLog:
             tags = [t.strip() for t in args.wandb_tags.split(",") if t.strip()]
             self.wandb = wandb.init(project=args.wandb_project, name=args.run_name, id=config["run_id"],
                                     group=args.wandb_group or None, tags=tags or None, config=config,
-                                    dir=run_dir, mode=mode, resume="allow")
+                                    dir=run_dir, mode=mode, resume="allow",
+                                    settings=wandb.Settings(quiet=quiet.active()))  # no summary table
         from tqdm import tqdm
         self.bar = tqdm(total=total, initial=start_step, dynamic_ncols=True, disable=not sys.stderr.isatty()
                         and not os.environ.get("RLMINI_PROGRESS"))
@@ -187,7 +188,9 @@ def startup(phase: str = "", detail: str = "") -> None:
     if not phase or last is None or dist.rank() != 0:
         return
     spent = f"; torch.compile {compiled - since:.1f} s of it" if compiled - since >= 0.05 else ""
-    print(f"start-up: {phase} {now - last:.1f} s{detail}{spent}", flush=True)
+    from tqdm import tqdm
+    tqdm.write(f"start-up: {phase} {now - last:.1f} s{detail}{spent}")  # above the bar the first step finds
+    sys.stdout.flush()
 
 
 def first_step(times: dict, now: float) -> None:

@@ -102,10 +102,22 @@ def code_blocks(page: str) -> list:
     return blocks
 
 
+# the lines a trainer prints itself (rlmini/quiet.py); any other line on the terminal is a library's
+OUR_LINES = re.compile(r"(memory plan per rank|start-up: (model|engine|first step) |step \d+/\d+ \| |"
+                       r"training reward |saved |nothing saved |warning: |error: )")
+VLLM_INFO = re.compile(r"\(\S+ pid=\d+\) INFO ")  # a line of vLLM's logging (vllm/logger.py::_FORMAT)
+
+
+def not_ours(*outputs: str) -> list:
+    """The lines of a run's stdout and stderr that the trainer did not print itself."""
+    lines = [line for text in outputs for line in text.splitlines() if line.strip()]
+    return [line for line in lines if not OUR_LINES.match(line)]
+
+
 def mean_of(rows, key, lo, hi):
     vals = [r[key] for r in rows[lo:hi]]
     return sum(vals) / len(vals)
 
 
-__all__ = ["read_metrics", "run_script", "mean_of", "assert_grad_close", "undocumented", "docs_page",
-           "code_blocks", "json"]
+__all__ = ["read_metrics", "run_script", "not_ours", "VLLM_INFO", "mean_of", "assert_grad_close",
+           "undocumented", "docs_page", "code_blocks", "json"]

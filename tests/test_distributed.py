@@ -18,7 +18,7 @@ import common
 import train_grpo
 import train_ppo
 from chat_model import build_reward_model
-from conftest import ROOT, tool_sandbox
+from conftest import ROOT, VLLM_INFO, not_ours, tool_sandbox
 from rlmini import dist, engine, runlog
 from test_train_grpo import _rows_without_timing, _same
 
@@ -384,6 +384,8 @@ def vllm_runs(tmp_path_factory):
                               env={**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"})
         assert proc.returncode == 0, proc.stderr[-6000:]
         assert "Traceback" not in proc.stderr, proc.stderr[-6000:]  # vLLM's groups end before the world's
+        assert not not_ours(proc.stdout, proc.stderr), proc.stderr[-3000:]  # the libraries': a log per rank
+        assert all(VLLM_INFO.search(open(out / f"tp{tp}" / "logs" / f"rank{r}.log").read()) for r in (0, 1))
     return out
 
 
