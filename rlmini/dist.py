@@ -76,10 +76,10 @@ def torchrun() -> bool:
 
 
 def sharded() -> bool:
-    """torchrun's process group is up, whatever its number of ranks: models are FSDP2-sharded (shard_model),
+    """A process group of several ranks, or torchrun's of one, is up: models are FSDP2-sharded (shard_model),
     checkpoints and final/ saved from shards (rlmini/checkpoint.py). Not in a plain process, where
     distributed() is true too once vLLM has started its own in-process group of one."""
-    return torchrun() and distributed()
+    return distributed() and (torchrun() or torch.distributed.get_world_size() > 1)
 
 
 def many_ranks() -> bool:

@@ -59,13 +59,27 @@ def deadline(seconds: float, what: str):
             w["thread"].start()
         w.update(until=time.monotonic() + seconds, what=what, seconds=seconds)
         w["cond"].notify()
-    faulthandler.dump_traceback_later(seconds + BACKSTOP_S, exit=True)
+    out = _fault_file()
+    if out is not None:  # a notebook's or pytest's stderr has no descriptor: no backstop there
+        faulthandler.dump_traceback_later(seconds + BACKSTOP_S, exit=True, file=out)
     try:
         yield
     finally:
-        faulthandler.cancel_dump_traceback_later()
+        if out is not None:
+            faulthandler.cancel_dump_traceback_later()
         with w["cond"]:
             w["until"] = None
+
+
+def _fault_file():
+    """Where faulthandler writes: stderr, else the process's own, when it has a file descriptor; else None."""
+    for stream in (sys.stderr, sys.__stderr__):
+        try:
+            stream.fileno()
+            return stream
+        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last two
+            continue
+    return None
 
 
 def _watch() -> None:

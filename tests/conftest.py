@@ -102,6 +102,19 @@ def code_blocks(page: str) -> list:
     return blocks
 
 
+_ENV_AT_START = set(os.environ)
+
+
+@pytest.fixture(autouse=True)
+def _no_vllm_logging_left_behind():
+    """An engine started in this process sets vLLM's logging variables (rlmini/engine.py::_start_vllm):
+    a trainer started later in a subprocess would inherit them instead of choosing its own."""
+    yield
+    for key in ("VLLM_LOGGING_LEVEL", "VLLM_LOGGING_STREAM"):
+        if key not in _ENV_AT_START:
+            os.environ.pop(key, None)
+
+
 # the lines a trainer prints itself (rlmini/quiet.py); any other line on the terminal is a library's
 OUR_LINES = re.compile(r"(memory plan per rank|start-up: (model|engine|first step) |step \d+/\d+ \| |"
                        r"training reward |saved |nothing saved |warning: |error: )")
