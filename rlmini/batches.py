@@ -107,10 +107,11 @@ class Micro:
         the global batch, all_gather's order) -> [b, 1]. A loss takes either with `adv = advantages`."""
         if isinstance(adv, (list, tuple)):
             return self.per_token(adv)
-        if this_ranks(adv, self.size) is None:
+        mine = this_ranks(adv, self.size)
+        if mine is None:
             raise ValueError(f"Micro.advantages: {len(adv)} advantages for {self.size} completions per rank "
                              f"({world_size()} ranks): give one per completion or a list per token")
-        return self.per_seq(this_ranks(adv, self.size)).unsqueeze(1)
+        return self.per_seq(mine).unsqueeze(1)
 
 
 def this_ranks(values, n: int):
@@ -207,7 +208,8 @@ def update_schedule(batch: Batch, rows: list, max_seqs: int, max_tokens: int = 0
     (micro_rows), as many as any rank has (most_micro_batches): past its own, a rank repeats its last one,
     or with none kept the first of `rows`, idle (the caller drops what it computes). Dropped rows cost
     nothing."""
-    cut = micro_rows(batch, [i for i in rows if batch.kept[i]], max_seqs, max_tokens)
+    kept = batch.kept.tolist()  # one copy, not a tensor index per row (thousands of rows a step)
+    cut = micro_rows(batch, [i for i in rows if kept[i]], max_seqs, max_tokens)
     for k in range(most_micro_batches(cut)):
         yield (cut[min(k, len(cut) - 1)] if cut else rows[:1]), k >= len(cut)
 
