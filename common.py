@@ -290,27 +290,36 @@ def finish(run) -> None:
 # ---------------------------------------------------------------------------------------------- a step
 
 
-def generate(run, examples: list, n: int, temperature: float | None = None,
-             seed: int | None = None) -> Scored:
+def generate(run, examples: list, n: int, temperature: float | None = None, seed: int | None = None,
+             prefixes: list | None = None) -> Scored:
     """n completions of each of this rank's `examples`, sampled by the engine from the weights it was last
     pushed (with --tools, multi-turn), scored and shaped exactly as training rollouts are (the format bonus,
     the overlong penalty; a NaN/inf reward stops the run or warns, every rank alike). temperature: None is
-    --temperature, 0 greedy. seed: None is the convention for a script's own calls, the k-th of the step
-    drawing with data.extra_seed(--seed, step, rank, k), apart from the training rounds' seeds.
+    --temperature, 0 greedy. seed: None is extra_seed(run)'s, apart from the training rounds' seeds.
+    prefixes: one partial completion per example (token ids, e.g. a slice of a batch row's completion):
+    n continuations of prompt + prefix each, with the budget left (--max_new_tokens less the prefix), returned
+    whole (prefix + continuation, scored whole; rollouts.prefix_lengths marks where sampling began, the
+    prefix's sampler log-probs zeros); one that ends in EOS or fills the budget comes back as it is, scored.
 
     Call it before run.engine.sleep(): from there to run.engine.push() the engine refuses to generate
     (EngineStateError). Under torchrun every rank calls it (the HF engine's forwards are collectives), a
     rank without examples on a stand-in it drops. For batch.examples (as many on every rank),
     all_gather(scored.rewards) is the global batch's, its prompts in all_gather(batch.rewards)'s order."""
-    args = run.args
-    temperature = args.temperature if temperature is None else temperature
+    temperature = run.args.temperature if temperature is None else temperature
     if n < 1 or not temperature >= 0:
         raise ValueError(f"common.generate: n {n}, temperature {temperature}: n must be >= 1 and the "
                          f"temperature >= 0 (0: greedy)")
-    if seed is None:  # a script's own call: the k-th of this step
-        k = run.extra_calls[1] if run.extra_calls[0] == run.step else 0
-        run.extra_calls, seed = (run.step, k + 1), data.extra_seed(args.seed, run.step, rank(), k)
-    return score(run, examples, n, sample(run, examples, n, temperature, seed))
+    seed = extra_seed(run) if seed is None else seed
+    return score(run, examples, n, sample(run, examples, n, temperature, seed, prefixes))
+
+
+def extra_seed(run) -> int:
+    """The seed of the next common.generate call without one, counted as that call: the k-th of a step draws
+    with rlmini/data.py::extra_seed(--seed, step, rank, k). A script sampling through run.engine itself
+    takes its seeds here, drawing what common.generate would."""
+    k = run.extra_calls[1] if run.extra_calls[0] == run.step else 0
+    run.extra_calls = (run.step, k + 1)
+    return data.extra_seed(run.args.seed, run.step, rank(), k)
 
 
 def rollout(run, keep: Keep | None = None) -> Batch:

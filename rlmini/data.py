@@ -187,6 +187,7 @@ class Rollouts:
     tool_stats: list | None = None   # with tools: per completion {turns, calls, errors, ...} (tools.STATS)
     versions: list | None = None     # --engine server: per completion the weight push it was sampled from
     env_rewards: list | None = None  # --env with get_reward: per completion its value (None: discarded)
+    prefix_lengths: list | None = None  # common.generate(prefixes=): per completion, its given tokens
 
     def lists(self) -> tuple:
         """The per-completion fields present (what groups are cut from and joined into)."""
@@ -194,7 +195,7 @@ class Rollouts:
 
 
 _PER_COMPLETION = ("prompt_ids", "completion_ids", "sampler_logprobs", "finished", "policy_mask",
-                   "tool_stats", "versions", "env_rewards")
+                   "tool_stats", "versions", "env_rewards", "prefix_lengths")
 
 
 class Group(typing.NamedTuple):

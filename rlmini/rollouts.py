@@ -1,5 +1,7 @@
 """A rollout's plumbing behind common.rollout and common.generate: sampling through the engine (with
---tools, multi-turn), scoring and shaping the rewards, and --async_steps' requests ahead of the update."""
+--tools, multi-turn), continuing partial completions, scoring and shaping the rewards, and --async_steps'
+requests ahead of the update."""
+import numbers
 import sys
 import time
 
@@ -20,9 +22,12 @@ def overlong_penalty(rollouts, limit: int, buffer: int, penalty: float) -> torch
     return penalty * ((limit - buffer - length) / buffer).clamp(-1.0, 0.0)
 
 
-def sample(run, examples: list, n: int, temperature: float, seed: int) -> data.Rollouts:
+def sample(run, examples: list, n: int, temperature: float, seed: int, prefixes=None) -> data.Rollouts:
     """generate's sampling: the engine's (with --tools, multi-turn) completions, not yet scored; what
-    --async_steps runs in the background (the server engine makes no collective)."""
+    --async_steps runs in the background (the server engine makes no collective). `prefixes`: continue one
+    partial completion per example instead (continue_prefixes)."""
+    if prefixes is not None:
+        return _continue(run, examples, prefixes, n, temperature, seed)
     mine = examples or run.task.train[:1]  # FSDP2: a rank with nothing still joins every forward
     pool = run.toolbox.env if run.toolbox is not None else None
     instances, prompts, per = None, [e["prompt"] for e in mine], n
@@ -38,6 +43,73 @@ def sample(run, examples: list, n: int, temperature: float, seed: int) -> data.R
     for f in rollouts.lists() if not examples else ():  # the stand-in's completions are dropped
         setattr(rollouts, f, [])
     return rollouts
+
+
+def check_prefixes(prefixes, examples: list, budget: int, vocab: int) -> list:
+    """common.generate's `prefixes` as lists of ints, one per example, each a token id of the model and no
+    longer than the budget; else one line naming the example."""
+    if not isinstance(prefixes, (list, tuple)) or len(prefixes) != len(examples):
+        got = len(prefixes) if isinstance(prefixes, (list, tuple)) else type(prefixes).__name__
+        raise ValueError(f"common.generate: prefixes: one list of token ids per example ({len(examples)} "
+                         f"examples, got {got}); repeat an example for several prefixes")
+    out = []
+    for k, (prefix, example) in enumerate(zip(prefixes, examples)):
+        name = f"common.generate: the prefix of example {k} ({str(example.get('prompt', ''))[:40]!r})"
+        if isinstance(prefix, torch.Tensor) and prefix.dim() == 1 and not prefix.is_floating_point():
+            prefix = prefix.tolist()
+        if not isinstance(prefix, (list, tuple)) or not all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prefix):
+            raise ValueError(f"{name} is not a list of token ids (ints): {str(prefix)[:60]}")
+        if any(not 0 <= t < vocab for t in prefix):
+            bad = next(t for t in prefix if not 0 <= t < vocab)
+            raise ValueError(f"{name} holds token id {bad}, outside the model's vocabulary of {vocab}")
+        if len(prefix) > budget:
+            raise ValueError(f"{name} is {len(prefix)} tokens, longer than the budget of {budget} "
+                             f"(--max_new_tokens, else the task's)")
+        out.append([int(t) for t in prefix])
+    return out
+
+
+def continue_prefixes(engine, prompt_ids: list, prefixes: list, n: int, budget: int, temperature: float,
+                      seed: int, stand_in: list) -> data.Rollouts:
+    """n continuations of each prompt + prefix (a partial completion, token ids), each with what is left of
+    the budget, in one engine call. Each completion returned is prefix + continuation; prefix_lengths says
+    where the sampled part starts; sampler_logprobs are the continuation's, after prefix_lengths zeros (the
+    prefix was not sampled here). A prefix that ends in EOS or fills the budget comes back as it is, nothing
+    sampled. A rank with nothing to continue still calls the engine once, on `stand_in` (the HF engine's
+    forwards are collectives under torchrun, and so is --vllm_tp's request exchange), and drops it."""
+    eos = engine.eos_ids
+    live = [i for i, x in enumerate(prefixes) if len(x) < budget and not (x and x[-1] in eos)]
+    r = engine.generate([list(prompt_ids[i]) + prefixes[i] for i in live] or [stand_in], n,
+                        [budget - len(prefixes[i]) for i in live] or [1], temperature, seed)
+    at = {i: k * n for k, i in enumerate(live)}  # the first of prompt i's n rows in the engine's output
+    out = data.Rollouts([], [], [], [], engine.pad_id, prefix_lengths=[])
+    out.versions = [] if r.versions is not None else None
+    for i, (prompt, prefix) in enumerate(zip(prompt_ids, prefixes)):
+        for j in range(n):
+            k = at[i] + j if i in at else None
+            out.prompt_ids.append(list(prompt))
+            out.completion_ids.append(prefix + (r.completion_ids[k] if k is not None else []))
+            out.sampler_logprobs.append([0.0] * len(prefix) + (r.sampler_logprobs[k] if k is not None else []))
+            out.finished.append(r.finished[k] if k is not None else bool(prefix) and prefix[-1] in eos)
+            out.prefix_lengths.append(len(prefix))
+            if out.versions is not None:
+                out.versions.append(r.versions[k if k is not None else 0])
+    return out
+
+
+def _continue(run, examples: list, prefixes, n: int, temperature: float, seed: int) -> data.Rollouts:
+    if run.toolbox is not None:
+        raise ValueError("common.generate: prefixes with --tools or --env: a partial trajectory's tool calls "
+                         "and environment state are not replayed; sample whole trajectories instead")
+    config = getattr(run.model, "config", None)
+    vocab = getattr(config, "vocab_size", None) or len(run.tokenizer)
+    prefixes = check_prefixes(prefixes, examples, run.max_new_tokens, vocab)
+    chat = run.style == "chat"
+    prompt_ids = data.encode_prompts(run.tokenizer, [e["prompt"] for e in examples], chat)
+    stand_in = data.encode_prompts(run.tokenizer, [run.task.train[0]["prompt"]], chat)[0]
+    return continue_prefixes(run.engine, prompt_ids, prefixes, n, run.max_new_tokens, temperature, seed,
+                             stand_in)
 
 
 def score(run, examples: list, n: int, rollouts: data.Rollouts) -> Scored:

@@ -11,7 +11,11 @@ gradient it is given, before clipping, into OUT/<name>.rank<r>.pt. A run with "g
 script's own common.generate calls (greedy, 2 per prompt) on the first 4, 3 and 1 held-out prompts, shared
 out over the ranks (2 + 2, 2 + 1, 1 + none), and common.logprobs of a rollout batch on micro-batches of 1
 (rank 0) and 64 (rank 1), gathered into OUT/<name>.generate.rank<r>.pt. A run with "uneven": on 2 ranks,
-rank 0 trains on micro-batches of 1 (the update's micro-batch counts differ between the ranks). Then
+rank 0 trains on micro-batches of 1 (the update's micro-batch counts differ between the ranks). A run with
+"prefixes": after training, the real HF engine (FSDP2's collective forwards) continues partial completions
+of 3 held-out prompts (1 + 2 over 2 ranks): rank 0's only prefix is a whole completion, so it has nothing to
+sample and joins rank 1's forwards on a stand-in, rank 1's cut to their first token; the completions, the sampler's and the trainer's log-probs
+(common.logprobs) go to OUT/<name>.prefixes.rank<r>.pt. Then
 dist.top_share_threshold of fixed values split unevenly over the ranks (one rank may hold none) goes to
 OUT/thresholds.rank<r>.json.
 """
@@ -42,6 +46,7 @@ def recording_clip(parameters, *a, **k):
     return clip(params, *a, **k)
 
 
+real_generate = HFEngine.generate
 HFEngine.generate = generate_double
 torch.nn.utils.clip_grad_norm_ = recording_clip
 for spec in runs:
@@ -67,6 +72,22 @@ for spec in runs:
                            for lp in (common.logprobs(run, batch, run.model), batch.sampler_logp)]
         out["logprobs"].append(dist.all_gather_objects(batch.rollouts.policy_mask))
         torch.save(out, os.path.join(out_dir, f"{spec['name']}.generate.rank{dist.rank()}.pt"))
+
+    if spec.get("prefixes"):
+        HFEngine.generate = real_generate
+        rows = run.task.test[:3]
+        mine = dist.shard(rows)
+        whole = common.generate(run, mine, 1, seed=7).rollouts.completion_ids
+        cut = [[t for t in c[:1] if t not in run.engine.eos_ids] for c in whole]  # a token, or none if EOS
+        prefixes = [c if ex is rows[0] else first for ex, c, first in zip(mine, whole, cut)]
+        s = common.generate(run, mine, 2, seed=8, prefixes=prefixes)
+        batch = common.Batch(s.examples, s.rollouts, s.rewards, s.correct, s.fmt, None, 1, len(s), "",
+                             torch.ones(len(s)))
+        out = {"prefixes": prefixes, "ids": s.rollouts.completion_ids, "at": s.rollouts.prefix_lengths,
+               "trainer": [x.tolist() for x in common.logprobs(run, batch, run.model)],
+               "sampler": s.rollouts.sampler_logprobs, "finished": s.rollouts.finished}
+        torch.save(out, os.path.join(out_dir, f"{spec['name']}.prefixes.rank{dist.rank()}.pt"))
+        HFEngine.generate = generate_double
 
 values = torch.rand(1000, generator=torch.Generator().manual_seed(0)).round(decimals=2)  # ties too
 cuts = {1: [(0, 1000)], 2: [(0, 300), (300, 1000)]}[dist.world_size()]

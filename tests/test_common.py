@@ -3,6 +3,7 @@ decoding, common.generate."""
 import copy
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -202,6 +203,83 @@ def test_generate_is_the_rollouts_path_and_seeds_a_scripts_own_calls_apart(tmp_p
     for n, t in ((0, 1.0), (1, -0.5)):
         with pytest.raises(ValueError, match=f"n {n}, temperature {t}: n must be >= 1"):
             common.generate(run, batch.examples, n, temperature=t)
+
+
+def trainer_logprobs_after(model, r, temperature) -> list:
+    """The trainer's log-probs of each completion's sampled part (after r.prefix_lengths), prompt + whole
+    completion in one forward: what check_sampler compares with the sampler's."""
+    batch = packing.make_batch(r.prompt_ids, r.completion_ids, 0, torch.device("cpu"))
+    with torch.no_grad():
+        lp, _ = logprobs.token_logprobs(model, batch, temperature)
+    return [lp[i][batch["mask"][i] > 0][k:] for i, k in enumerate(r.prefix_lengths)]
+
+
+def test_generate_continues_partial_completions_as_the_engine_would_have(tmp_path):
+    """common.generate(prefixes=...): a greedy completion cut anywhere and continued greedily is the same
+    completion token for token, its reward the same; sampled continuations keep their prefix, stay within the
+    budget left, and their sampler log-probs equal the trainer's on prompt + prefix + continuation; a prefix
+    ending in EOS or filling the budget comes back scored with nothing sampled (a call with none to continue
+    still runs the engine once, on a stand-in); extra_seed(run) is the next call's seed; bad prefixes and
+    --tools are refused in one line naming the example."""
+    run = hf_run(tmp_path, "--max_new_tokens", "12")
+    run.model.load_state_dict(perturbed(run.model).state_dict())  # varied greedy completions, no near-ties
+    examples = run.task.test[:6]
+    whole = common.generate(run, examples, 1, temperature=0).rollouts
+    assert len({tuple(c) for c in whole.completion_ids}) > 2
+    for cut in (lambda c: [], lambda c: c[:1], lambda c: c[:len(c) // 2], lambda c: c[:-1]):
+        prefixes = [cut(c) for c in whole.completion_ids]
+        again = common.generate(run, examples, 2, temperature=0, prefixes=prefixes)
+        r = again.rollouts
+        assert r.completion_ids == [c for c in whole.completion_ids for _ in range(2)]
+        assert r.finished == [f for f in whole.finished for _ in range(2)]
+        assert r.prefix_lengths == [len(p) for p in prefixes for _ in range(2)]
+        assert torch.equal(again.rewards, common.generate(run, examples, 2, temperature=0).rewards)
+    for temperature in (1.0, 0.7):
+        prefixes = [c[:k] for k, c in enumerate(whole.completion_ids)]  # 0 to 5 tokens
+        scored = common.generate(run, examples, 3, temperature=temperature, prefixes=prefixes)
+        r = scored.rollouts
+        assert len(scored) == 18 and r.prompt_ids == [p for p in whole.prompt_ids for _ in range(3)]
+        for k, (c, lp) in enumerate(zip(r.completion_ids, r.sampler_logprobs)):
+            assert c[:k // 3] == prefixes[k // 3] and len(c) <= 12 and len(lp) == len(c)
+            assert lp[:k // 3] == [0.0] * (k // 3)
+        sampled = [torch.tensor(lp[k:]) for lp, k in zip(r.sampler_logprobs, r.prefix_lengths)]
+        assert sum(map(len, sampled)) > 20
+        torch.testing.assert_close(torch.cat(sampled), torch.cat(trainer_logprobs_after(run.model, r,
+                                                                                        temperature)),
+                                   atol=1e-4, rtol=0)
+    eos = run.tokenizer.eos_token_id
+    ended, full = [5, 6, eos], [7] * 12  # nothing to sample: both come back, scored, on a stand-in call
+    calls = []
+    generate = run.engine.generate
+    run.engine.generate = lambda *a, **k: calls.append(a[:4]) or generate(*a, **k)
+    done = common.generate(run, examples[:2], 2, prefixes=[ended, full])
+    run.engine.generate = generate
+    assert done.rollouts.completion_ids == [ended, ended, full, full] and len(calls) == 1
+    assert calls[0][1:4] == (2, [1], run.args.temperature) and calls[0][0] != [ended, full]  # the stand-in
+    assert done.rollouts.finished == [True, True, False, False]
+    texts = [run.tokenizer.decode(c, skip_special_tokens=True) for c in done.rollouts.completion_ids]
+    expected = [run.task.score(t, examples[k // 2], f).reward
+                for k, (t, f) in enumerate(zip(texts, done.rollouts.finished))]
+    assert done.rewards.tolist() == pytest.approx(expected)
+    # the seed convention: extra_seed(run) is the next call's, and counts as one
+    run.step, run.extra_calls = 3, (0, 0)
+    assert common.extra_seed(run) == data.extra_seed(0, 3, 0, 0) and run.extra_calls == (3, 1)
+    drawn = common.generate(run, examples, 1, prefixes=[[]] * 6).rollouts.completion_ids
+    assert run.extra_calls == (3, 2) and drawn == common.generate(
+        run, examples, 1, seed=data.extra_seed(0, 3, 0, 1)).rollouts.completion_ids
+    two = re.escape(f"the prefix of example 1 ({examples[1]['prompt'][:40]!r})")
+    for prefixes, message in [([[1]], r"one list of token ids per example \(2 examples, got 1\)"),
+                              ([[1], "12"], f"{two} is not a list of token ids \\(ints\\): 12"),
+                              ([[1], [1.0]], f"{two} is not a list of token ids"),
+                              ([[1], [True]], f"{two} is not a list of token ids"),
+                              ([[1], [10 ** 6]], f"{two} holds token id 1000000, outside the model's"),
+                              ([[1], [1] * 13], f"{two} is 13 tokens, longer than the budget of 12")]:
+        with pytest.raises(ValueError, match=message):
+            common.generate(run, examples[:2], 1, prefixes=prefixes)
+    assert common.generate(run, examples[:1], 1, prefixes=[torch.tensor([5, 6])]).rollouts.prefix_lengths == [2]
+    run.toolbox = object()
+    with pytest.raises(ValueError, match="prefixes with --tools or --env: a partial trajectory's tool calls"):
+        common.generate(run, examples[:1], 1, prefixes=[[]])
 
 
 def test_args_from_config_file_with_command_line_override(tmp_path):

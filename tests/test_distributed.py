@@ -60,12 +60,14 @@ RESUME = [  # on 2 ranks: 4 steps straight, and 2 steps + resume to 4 (HA-DW's a
 
 
 GENERATE = {"grpo-tools"}  # after training: a script's own common.generate calls (tests/dist_worker.py)
+PREFIXES = {"grpo"}  # after training: common.generate(prefixes=...) on the real HF engine (dist_worker.py)
 UNEVEN = {"ppo"}  # 2 ranks: rank 0 on micro-batches of 1, rank 1 of 4 (tests/dist_worker.py)
 
 
 def launch(out, runs, ranks, timeout=600):
     path = os.path.join(out, "runs.json")
-    json.dump([{"name": n, "script": s, "argv": a, "generate": n in GENERATE, "uneven": n in UNEVEN}
+    json.dump([{"name": n, "script": s, "argv": a, "generate": n in GENERATE, "uneven": n in UNEVEN,
+                "prefixes": n in PREFIXES}
                for n, s, a in runs],
               open(path, "w"))
     worker = os.path.join(ROOT, "tests", "dist_worker.py")
@@ -137,6 +139,28 @@ def test_a_scripts_own_generate_calls_under_torchrun_give_the_one_rank_completio
     assert a == b == c
     assert [len(a[k][0]) for k in (4, 3, 1)] == [8, 6, 2] and a["tensor"] == a[4][0]
     assert any(0 in m for m in a[4][3])  # tool output in the completions
+
+
+def test_partial_completions_continue_under_torchrun_when_a_rank_has_nothing_to_sample(one_and_two_ranks):
+    """common.generate(prefixes=...) on 2 FSDP2 ranks with the real HF engine, rank 0's one prefix a whole
+    completion (nothing to sample: it joins rank 1's forwards on a stand-in, else a hang) and rank 1's two cut
+    to their first token: every completion keeps its prefix, the whole one comes back as it was, and the sampler's
+    log-probs of each continuation equal the trainer's (common.logprobs, every rank joining), as in one
+    process."""
+    one, two = one_and_two_ranks
+    (name,) = PREFIXES
+    parts = [torch.load(d / f"{name}.prefixes.rank{r}.pt") for d, r in ((one, 0), (two, 0), (two, 1))]
+    assert [len(p["prefixes"]) for p in parts] == [3, 1, 2]
+    assert parts[1]["ids"] == [parts[1]["prefixes"][0]] * 2  # rank 0: nothing sampled
+    sampled = 0
+    for p in parts:
+        for k, (ids, at, trainer, sampler) in enumerate(zip(p["ids"], p["at"], p["trainer"], p["sampler"])):
+            assert at == len(p["prefixes"][k // 2]) and ids[:at] == p["prefixes"][k // 2]
+            assert len(trainer) == len(sampler) == len(ids) and sampler[:at] == [0.0] * at
+            torch.testing.assert_close(torch.tensor(trainer[at:]), torch.tensor(sampler[at:]), atol=1e-4,
+                                       rtol=0)
+            sampled += len(ids) - at
+    assert sampled > 6
 
 
 def test_logprobs_under_torchrun_are_the_one_rank_ones_aligned_with_the_sampler(one_and_two_ranks):

@@ -392,3 +392,35 @@ def test_greedy_evaluation_through_the_server_is_transformers_greedy_and_of_the_
         run_script("eval.py", ["--model", path, "--task", TASK, "--engine", "server", "--server_url", url,
                                "--temperature", "0", "--limit", "2"])
     assert "Traceback" not in str(e.value)
+
+
+def test_the_server_continues_a_partial_completion_as_it_would_have(served, tmp_path):
+    """common.generate(prefixes=...)'s engine call through the server (rlmini/rollouts.py::continue_prefixes):
+    a greedy completion cut in half and continued greedily is the same completion; sampled continuations keep
+    their prefix, record the push they were sampled from, and their log-probs equal the trainer's."""
+    from test_common import perturbed, trainer_logprobs_after
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from rlmini import rollouts
+    url, path, _ = served
+    tok = AutoTokenizer.from_pretrained(path)
+    model = perturbed(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))  # varied completions
+    args = common.parse_args(train_grpo.Args, _args(tmp_path, url))
+    args.server_push_dir = str(tmp_path / "push")
+    held = server.check_server(url, args, tok, torch.float32, 512, 30)
+    sampler = server.ServerEngine(args, model, tok, torch.device("cpu"), torch.float32, held)  # pushes it
+    try:
+        prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in rewards.load_task(TASK).test[:3]
+                   for p in [p["prompt"]]]
+        whole = sampler.generate(prompts, 1, 16, 0.0, 3)
+        prefixes = [c[:len(c) // 2] for c in whole.completion_ids]
+        again = rollouts.continue_prefixes(sampler, prompts, prefixes, 1, 16, 0.0, 5, prompts[0])
+        sampled = rollouts.continue_prefixes(sampler, prompts, prefixes, 3, 16, 1.0, 5, prompts[0])
+    finally:
+        sampler.close()
+    assert again.completion_ids == whole.completion_ids and min(map(len, prefixes)) > 0
+    assert sampled.versions == [sampler.pushes] * 9
+    for k, c in enumerate(sampled.completion_ids):
+        assert c[:len(prefixes[k // 3])] == prefixes[k // 3] and len(c) <= 16
+    ours = [torch.tensor(lp[k:]) for lp, k in zip(sampled.sampler_logprobs, sampled.prefix_lengths)]
+    torch.testing.assert_close(torch.cat(ours), torch.cat(trainer_logprobs_after(model, sampled, 1.0)),
+                               atol=1e-4, rtol=0)

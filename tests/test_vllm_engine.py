@@ -76,6 +76,33 @@ def test_greedy_decoding_agrees_with_the_hf_engine(vllm_setup):
     torch.testing.assert_close(vllm_lp, trainer, atol=LOGPROB_TOL, rtol=0)
 
 
+def test_vllm_continues_a_partial_completion_as_it_would_have_and_the_trainer_agrees(vllm_setup):
+    """common.generate(prefixes=...)'s engine call on vLLM (rlmini/rollouts.py::continue_prefixes): a greedy
+    completion cut in half and continued greedily is the same completion; sampled continuations keep their
+    prefix, stay within the budget left, and their log-probs equal the trainer's on the whole sequence."""
+    from rlmini import rollouts
+    from test_common import perturbed, trainer_logprobs_after
+    sampler, model, tok, prompts = vllm_setup
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(perturbed(model).state_dict())
+    try:
+        sampler.push()
+        whole = sampler.generate(prompts, 1, 12, 0.0, 3)
+        prefixes = [c[:len(c) // 2] for c in whole.completion_ids]
+        again = rollouts.continue_prefixes(sampler, prompts, prefixes, 1, 12, 0.0, 5, prompts[0])
+        sampled = rollouts.continue_prefixes(sampler, prompts, prefixes, 4, 12, 0.7, 5, prompts[0])
+        trainer = trainer_logprobs_after(model, sampled, 0.7)
+    finally:
+        model.load_state_dict(saved)
+        sampler.push()
+    assert again.completion_ids == whole.completion_ids and again.finished == whole.finished
+    assert len({tuple(c) for c in whole.completion_ids}) == 3 and min(map(len, prefixes)) > 0
+    for k, c in enumerate(sampled.completion_ids):
+        assert c[:len(prefixes[k // 4])] == prefixes[k // 4] and len(c) <= 12
+    ours = [torch.tensor(lp[k:]) for lp, k in zip(sampled.sampler_logprobs, sampled.prefix_lengths)]
+    torch.testing.assert_close(torch.cat(ours), torch.cat(trainer), atol=LOGPROB_TOL, rtol=0)
+
+
 def test_per_request_seeds_reproduce(vllm_setup, monkeypatch):
     """--vllm_seed request (the default): a request's samples are fixed by the seed, whatever ran before."""
     sampler, _, _, prompts = vllm_setup
