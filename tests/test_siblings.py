@@ -291,6 +291,13 @@ EXAMPLES = {
              ("token_loss = token_loss + (0.0 if", DOCS), ("batch = common.rollout(", DOCS),
              (("run.engine.sleep()", "local = advantages["), DOCS), ("token_loss, info = policy_loss(", DOCS),
              ("metrics = common.step_metrics(", DOCS), ('algo="rloo"', 'algo="raft"')],
+    "vineppo": [(('"""RLOO (Kool', "python train_rloo.py --model"), DOCS), ("kl_in_reward: bool", DOCS),
+                ("min_group_size", DOCS), (("def compute_advantages(", "return advantages.flatten()"), DOCS),
+                ("adv = advantages.unsqueeze(1)", DOCS), ("token_loss = token_loss + (0.0 if", DOCS),
+                ("batch = common.rollout(", DOCS), (("run.engine.sleep()", "pre = common.pre_update("), DOCS),
+                (("# ---- ALGORITHM: advantages over", "local = advantages["), DOCS),
+                ("token_loss, info = policy_loss(", DOCS), ("metrics = common.step_metrics(", DOCS),
+                ('algo="rloo"', 'algo="vineppo"')],
 }
 
 
@@ -455,3 +462,43 @@ def test_a_raft_script_written_as_the_docs_say_trains_on_the_correct_completions
     share = one["perf/update_tokens"] / rloo["perf/update_tokens"]
     print(f"RAFT computes {share:.3f} of RLOO's update tokens ({len(correct)} of 32 completions kept)")
     assert len(correct) / 32 <= share < 0.5
+
+
+def test_a_vineppo_script_written_as_the_docs_say_values_each_chunk_by_its_continuations(tmp_path,
+                                                                                         monkeypatch):
+    """train_rloo.py copied, with the VinePPO lines of docs/algorithms.md (common.generate with prefixes):
+    each step continues M times from every chunk start of its completions (the empty prefix included), and the
+    logged advantages are, token by token, V(next chunk) - V(own chunk) computed here from the continuations'
+    rewards (the last chunk's next value: the completion's reward); compute_advantages by hand."""
+    worked_example("vineppo", tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "train_vineppo", raising=False)
+    vineppo = importlib.import_module("train_vineppo")
+    values, rewards = [torch.tensor([0.25, 0.5]), torch.tensor([0.75])], torch.tensor([1.0, 0.0])
+    adv = vineppo.compute_advantages(values, rewards, [[0, 2], [0]], torch.tensor([5.0, 1.0]))
+    assert [a.tolist() for a in adv] == [[0.25, 0.25, 0.5, 0.5, 0.5], [-0.75]]
+    seen = []
+    rollout, generate = common.rollout, common.generate
+    monkeypatch.setattr(common, "rollout", lambda *a, **k: seen.append(rollout(*a, **k)) or seen[-1])
+    monkeypatch.setattr(common, "generate",
+                        lambda *a, **k: seen.append((a, k, generate(*a, **k))) or seen[-1][2])
+    run = train(vineppo, tmp_path, "--steps", "2", "--prompts_per_step", "4", "--group_size", "2", "--chunks",
+                "3", "--continuations", "3", "--format_weight", "0.5", "--max_new_tokens", "6")
+    rows = read_metrics(run.run_dir)
+    assert run.algo == "vineppo" and len(seen) == 4 and len(rows) == 2
+    for step, (batch, ((_, examples, n), kwargs, vines), r) in enumerate(zip(seen[::2], seen[1::2], rows)):
+        starts = [sorted({len(c) * i // 3 for i in range(3)}) for c in batch.rollouts.completion_ids]
+        prefixes = [c[:s] for c, js in zip(batch.rollouts.completion_ids, starts) for s in js]
+        assert n == 3 and kwargs["prefixes"] == prefixes and len(vines) == 3 * len(prefixes)
+        owners = [j for j, js in enumerate(starts) for _ in js]
+        assert [e["prompt"] for e in examples] == [batch.examples[j // 2]["prompt"] for j in owners]
+        values, at, tokens = vines.rewards.view(-1, 3).mean(1).tolist(), 0, []
+        for j, js in enumerate(starts):
+            v = values[at:at + len(js)] + [batch.rewards[j].item()]
+            ends = js[1:] + [len(batch.rollouts.completion_ids[j])]
+            tokens += [v[i + 1] - v[i] for i in range(len(js)) for _ in range(ends[i] - js[i])]
+            at += len(js)
+        assert r["adv/mean"] == pytest.approx(sum(tokens) / len(tokens), abs=1e-6)
+        assert r["vineppo/continuations"] == len(vines) and r["grad_norm"] > 0
+        v0 = [values[sum(map(len, starts[:j]))] for j in range(len(starts))]
+        assert r["vineppo/v0"] == pytest.approx(sum(v0) / len(v0), abs=1e-6)
