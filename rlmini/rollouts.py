@@ -88,9 +88,10 @@ def continue_prefixes(engine, prompt_ids: list, prefixes: list, n: int, budget: 
     for i, (prompt, prefix) in enumerate(zip(prompt_ids, prefixes)):
         for j in range(n):
             k = at[i] + j if i in at else None
+            tokens, logps = (r.completion_ids[k], r.sampler_logprobs[k]) if k is not None else ([], [])
             out.prompt_ids.append(list(prompt))
-            out.completion_ids.append(prefix + (r.completion_ids[k] if k is not None else []))
-            out.sampler_logprobs.append([0.0] * len(prefix) + (r.sampler_logprobs[k] if k is not None else []))
+            out.completion_ids.append(prefix + tokens)
+            out.sampler_logprobs.append([0.0] * len(prefix) + logps)
             out.finished.append(r.finished[k] if k is not None else bool(prefix) and prefix[-1] in eos)
             out.prefix_lengths.append(len(prefix))
             if out.versions is not None:

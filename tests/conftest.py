@@ -74,10 +74,17 @@ def docs_page(script: str) -> str:
     return importlib.import_module(script).Args.docs_page or f"docs/{script[len('train_'):]}.md"
 
 
+def no_page(script: str, page: str) -> str:
+    """The one line a train_*.py without its page gets (tests/test_docs.py, test_siblings.py)."""
+    return f"{script}.py: no docs page {page}; add it, or set Args.docs_page in {script}.py"
+
+
 def undocumented(keys, algo: str, page: str = "") -> list:
     """The logged metric names that neither docs/metrics.md nor the algorithm's page (default
-    docs/<algo>.md) names (in backticks)."""
+    docs/<algo>.md) names (in backticks); a missing page fails in one line saying what to add."""
     paths = ("docs/metrics.md", page or f"docs/{algo}.md")
+    if not os.path.exists(os.path.join(ROOT, paths[1])):
+        raise AssertionError(no_page(f"train_{algo}", paths[1]))
     pages = "".join(open(os.path.join(ROOT, p)).read() for p in paths)
     return sorted(k for k in keys if k != "step" and f"`{k}`" not in pages)
 
@@ -133,4 +140,4 @@ def mean_of(rows, key, lo, hi):
 
 
 __all__ = ["read_metrics", "run_script", "not_ours", "VLLM_INFO", "mean_of", "assert_grad_close",
-           "undocumented", "docs_page", "code_blocks", "json"]
+           "undocumented", "docs_page", "code_blocks", "no_page", "json"]

@@ -14,8 +14,8 @@ out over the ranks (2 + 2, 2 + 1, 1 + none), and common.logprobs of a rollout ba
 rank 0 trains on micro-batches of 1 (the update's micro-batch counts differ between the ranks). A run with
 "prefixes": after training, the real HF engine (FSDP2's collective forwards) continues partial completions
 of 3 held-out prompts (1 + 2 over 2 ranks): rank 0's only prefix is a whole completion, so it has nothing to
-sample and joins rank 1's forwards on a stand-in, rank 1's cut to their first token; the completions, the sampler's and the trainer's log-probs
-(common.logprobs) go to OUT/<name>.prefixes.rank<r>.pt. Then
+sample and joins rank 1's forwards on a stand-in, rank 1's cut to their first token; the completions, the
+sampler's and the trainer's log-probs (common.logprobs) go to OUT/<name>.prefixes.rank<r>.pt. Then
 dist.top_share_threshold of fixed values split unevenly over the ranks (one rank may hold none) goes to
 OUT/thresholds.rank<r>.json.
 """

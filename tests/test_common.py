@@ -276,7 +276,8 @@ def test_generate_continues_partial_completions_as_the_engine_would_have(tmp_pat
                               ([[1], [1] * 13], f"{two} is 13 tokens, longer than the budget of 12")]:
         with pytest.raises(ValueError, match=message):
             common.generate(run, examples[:2], 1, prefixes=prefixes)
-    assert common.generate(run, examples[:1], 1, prefixes=[torch.tensor([5, 6])]).rollouts.prefix_lengths == [2]
+    tensor = common.generate(run, examples[:1], 1, prefixes=[torch.tensor([5, 6])])  # a tensor's slice too
+    assert tensor.rollouts.prefix_lengths == [2]
     run.toolbox = object()
     with pytest.raises(ValueError, match="prefixes with --tools or --env: a partial trajectory's tool calls"):
         common.generate(run, examples[:1], 1, prefixes=[[]])

@@ -144,8 +144,8 @@ def test_a_scripts_own_generate_calls_under_torchrun_give_the_one_rank_completio
 def test_partial_completions_continue_under_torchrun_when_a_rank_has_nothing_to_sample(one_and_two_ranks):
     """common.generate(prefixes=...) on 2 FSDP2 ranks with the real HF engine, rank 0's one prefix a whole
     completion (nothing to sample: it joins rank 1's forwards on a stand-in, else a hang) and rank 1's two cut
-    to their first token: every completion keeps its prefix, the whole one comes back as it was, and the sampler's
-    log-probs of each continuation equal the trainer's (common.logprobs, every rank joining), as in one
+    to their first token: every completion keeps its prefix, the whole one comes back as it was, and the
+    sampler's log-probs of each continuation equal the trainer's (common.logprobs, every rank joining), as in one
     process."""
     one, two = one_and_two_ranks
     (name,) = PREFIXES

@@ -12,9 +12,11 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 import common
 import test_siblings
-from conftest import ROOT, code_blocks, docs_page
+from conftest import ROOT, code_blocks, docs_page, no_page, undocumented
 from test_siblings import EXAMPLES, worked_example
 
 CITE = re.compile(r"`([\w./]+\.py)::([\w.]+)`(?:: `([^`]+)`)?")
@@ -61,7 +63,7 @@ def page_problems(script: str) -> list:
     README's link to it."""
     page = docs_page(script)
     if not os.path.exists(os.path.join(ROOT, page)):
-        return [f"{script}.py: no docs page {page}; add it, or set Args.docs_page in {script}.py"]
+        return [no_page(script, page)]
     if f"({page})" not in open(os.path.join(ROOT, "README.md")).read():
         return [f"{script}.py: README.md does not link {page}; add a row to its table of algorithms"]
     return []
@@ -92,15 +94,22 @@ def test_a_new_scripts_options_and_page_are_found_and_checked(tmp_path, monkeypa
     (tmp_path / "train_remax.py").write_text(
         "from dataclasses import dataclass\n\nimport train_rloo\nfrom common import arg\n\n\n@dataclass\n"
         "class Args(train_rloo.Args):\n    baseline_n: int = arg(1, 'greedy completions per prompt', ge=1)\n")
+    (tmp_path / "train_vine.py").write_text("from train_rloo import Args  # noqa: F401\n")  # a second one
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "train_remax", raising=False)  # another test's module of that name
-    assert table.scripts(str(tmp_path)) == ["train_remax"]
+    for name in ("train_remax", "train_vine"):
+        monkeypatch.delitem(sys.modules, name, raising=False)  # another test's module of that name
+    assert table.scripts(str(tmp_path)) == ["train_remax", "train_vine"]
     text = table.page(table.scripts() + table.scripts(str(tmp_path)))
     assert "## `train_remax.py`" in text and "| `--baseline_n` | `1` | int >= 1 | greedy completions" in text
     ok, why = table.check(open(table.PAGE).read(), text)  # whether the page is current: the test above
-    assert not ok and why.startswith("docs/options.md is stale (no section for train_remax.py)"), why
-    assert page_problems("train_remax") == ["train_remax.py: no docs page docs/remax.md; add it, or set "
-                                            "Args.docs_page in train_remax.py"]
+    missing = re.match(r"docs/options.md is stale \(no section for ([\w., ]+)\): python scripts/", why)
+    assert not ok and missing and {"train_remax.py", "train_vine.py"} <= set(missing.group(1).split(", "))
+    for name in ("train_remax", "train_vine"):
+        assert page_problems(name) == [f"{name}.py: no docs page docs/{name[6:]}.md; add it, or set "
+                                       f"Args.docs_page in {name}.py"]
+    with pytest.raises(AssertionError, match=r"^train_vine.py: no docs page docs/vine.md; add it, or set "
+                                             r"Args.docs_page in train_vine.py$"):
+        undocumented({"reward/mean"}, "vine")  # what the step test meets first for a script without a page
     (tmp_path / "train_remax.py").write_text("from typing import ClassVar\n" + (tmp_path / "train_remax.py")
                                              .read_text() + "    docs_page: ClassVar[str] = 'docs/rloo.md'\n")
     monkeypatch.delitem(sys.modules, "train_remax")
@@ -153,3 +162,27 @@ def test_every_code_block_of_the_loop_pages_is_a_worked_example_built_from_its_l
                                          built[name].splitlines(), n=0))[2:]
         removed, added = (sum(line.startswith(c) for line in diff) for c in "-+")
         assert [int(c) for c in counts] == [removed + added, removed, added], (name, removed, added)
+
+
+def changed_lines(a: str, b: str) -> int:
+    """`diff a b | grep -c '^[<>]'`, the command the docs give (difflib pairs some lines otherwise)."""
+    out = subprocess.run(["diff", a, b], cwd=ROOT, capture_output=True, text=True).stdout
+    return sum(line.startswith(("<", ">")) for line in out.splitlines())
+
+
+def test_the_sibling_diff_counts_the_docs_state_are_current():
+    """docs/algorithms.md's `RLOO N, CoRPO N, GPG N (its loss), PPO N` and each page's `diff train_grpo.py
+    train_X.py` (N changed lines) are what diff counts today."""
+    text = open(os.path.join(ROOT, "docs", "algorithms.md")).read()
+    stated = re.search(r"RLOO (\d+), CoRPO (\d+), GPG (\d+) \(its loss\), PPO (\d+)", text)
+    assert stated, "docs/algorithms.md: the form `RLOO N, CoRPO N, GPG N (its loss), PPO N` is gone"
+    measured = [changed_lines("train_grpo.py", f"train_{x}.py") for x in ("rloo", "corpo", "gpg", "ppo")]
+    assert [int(n) for n in stated.groups()] == measured, f"docs/algorithms.md: diff counts {measured}"
+    for name in ("rloo", "corpo", "gpg", "ppo"):
+        page = open(os.path.join(ROOT, "docs", f"{name}.md")).read()
+        found = re.search(rf"`diff train_grpo.py train_{name}.py`[^.]*?\(?(\d+) changed lines", page, re.S)
+        assert found, f"docs/{name}.md: no `diff train_grpo.py train_{name}.py` (N changed lines)"
+        assert int(found.group(1)) == changed_lines("train_grpo.py", f"train_{name}.py"), \
+            f"docs/{name}.md: {found.group(1)} changed lines, diff counts " \
+            f"{changed_lines('train_grpo.py', f'train_{name}.py')}"
+
