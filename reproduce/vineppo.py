@@ -1,12 +1,14 @@
 """VinePPO, the worked example of docs/algorithms.md (train_vineppo.py built from the page's own lines),
-against GRPO on the built-in tiny model: the same task, steps, prompts per step, completions per prompt and seeds.
-Per run: the training reward (first and last 10 steps), held-out pass@1 at the end (45 sums, 8 samples
-each), the continuations VinePPO samples per step, the rollout's share of a step's time, and the minutes.
+against GRPO on the built-in tiny model: the same task, steps, prompts per step, completions per prompt and
+seeds. Per run: the training reward (first and last 10 steps), held-out pass@1 at the end (45 sums, 8
+samples each), the continuations VinePPO samples per step, the rollout's share of a step, the minutes.
 
-    python reproduce/vineppo.py                          # seeds 0 1 2, both arms (~10 min on 2 cores)
-    python reproduce/vineppo.py --seeds 3 --steps 50     # other seeds or budgets: other run folders
+    python reproduce/vineppo.py                          # seeds 0-4, both arms (~17 min on 2 cores)
+    python reproduce/vineppo.py --seeds 5 6 --steps 50  # other seeds or budgets: other run folders
 
-A finished run (its metrics.jsonl reaching --steps) is reused. Writes OUT/results.json and OUT/table.md.
+A finished run (its metrics.jsonl reaching --steps) is reused. Writes OUT/results.json and OUT/table.md: the
+per-run table, then `eval.py compare`'s verdict over the seeds (IQM of held-out pass@1 with 95% stratified-
+bootstrap intervals, and P(VinePPO beats GRPO)).
 """
 import argparse
 import json
@@ -58,7 +60,7 @@ def summary(algo: str, seed: int, rows: list, minutes: float) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--prompts_per_step", type=int, default=32)
     p.add_argument("--group_size", type=int, default=8)
@@ -70,10 +72,11 @@ def main():
     from test_siblings import worked_example
     script = os.path.join(args.out, "train_vineppo.py")
     open(script, "w").write(worked_example("vineppo"))  # as docs/algorithms.md builds it, today
-    results = []
+    results, folders = [], {"grpo": [], "vineppo": []}
     for seed in args.seeds:
         for algo, path in (("grpo", os.path.join(ROOT, "train_grpo.py")), ("vineppo", script)):
             name = f"{algo}-s{seed}-{args.steps}x{args.prompts_per_step}x{args.group_size}"
+            folders[algo].append(os.path.join(args.out, name))
             rows, minutes = train(path, name, flags(args, seed), args.out, args.steps)
             results.append(summary(algo, seed, rows, minutes))
             r = results[-1]
@@ -86,8 +89,15 @@ def main():
     lines += [f"| {r['algo']} | {r['seed']} | {r['reward_first10']:.3f} -> {r['reward_last10']:.3f} | "
               f"{r['heldout_pass@1']:.3f} | {r['continuations_per_step']:.0f} | {r['rollout_share']:.0%} | "
               f"{r['minutes']:.1f} |" for r in results]
-    open(os.path.join(args.out, "table.md"), "w").write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    compare = subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), "compare", "--out",
+                              os.path.join(args.out, "compare"), "--metric", "eval/pass@1,reward/mean"]
+                             + [f"--group={a}={','.join(f)}" for a, f in folders.items()],
+                             cwd=ROOT, capture_output=True, text=True)
+    if compare.returncode:
+        sys.exit(f"eval.py compare failed:\n{compare.stderr[-2000:]}")
+    verdict = compare.stdout[compare.stdout.index("Per group"):] if len(args.seeds) > 1 else ""
+    open(os.path.join(args.out, "table.md"), "w").write("\n".join(lines) + "\n\n" + verdict)
+    print("\n".join(lines) + "\n\n" + verdict)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import numbers
 import sys
 import time
 
+import numpy as np
 import torch
 
 from rlmini import data, dist, faults, tools
@@ -55,8 +56,7 @@ def check_prefixes(prefixes, examples: list, budget: int, vocab: int) -> list:
     out = []
     for k, (prefix, example) in enumerate(zip(prefixes, examples)):
         name = f"common.generate: the prefix of example {k} ({str(example.get('prompt', ''))[:40]!r})"
-        if isinstance(prefix, torch.Tensor) and prefix.dim() == 1 and not prefix.is_floating_point():
-            prefix = prefix.tolist()
+        prefix = prefix.tolist() if isinstance(prefix, (torch.Tensor, np.ndarray)) else prefix  # a row's slice
         if not isinstance(prefix, (list, tuple)) or not all(
                 isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prefix):
             raise ValueError(f"{name} is not a list of token ids (ints): {str(prefix)[:60]}")
