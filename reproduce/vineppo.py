@@ -8,7 +8,7 @@ samples each), the continuations VinePPO samples per step, the rollout's share o
 
 A finished run (its metrics.jsonl reaching --steps) is reused. Writes OUT/results.json and OUT/table.md: the
 per-run table, then `eval.py compare`'s verdict over the seeds (IQM of held-out pass@1 with 95% stratified-
-bootstrap intervals, and P(VinePPO beats GRPO)).
+bootstrap intervals, and P(GRPO beats VinePPO)).
 """
 import argparse
 import json

@@ -56,7 +56,8 @@ def check_prefixes(prefixes, examples: list, budget: int, vocab: int) -> list:
     out = []
     for k, (prefix, example) in enumerate(zip(prefixes, examples)):
         name = f"common.generate: the prefix of example {k} ({str(example.get('prompt', ''))[:40]!r})"
-        prefix = prefix.tolist() if isinstance(prefix, (torch.Tensor, np.ndarray)) else prefix  # a row's slice
+        if isinstance(prefix, (torch.Tensor, np.ndarray)):  # e.g. a slice of a tensor row
+            prefix = prefix.tolist()
         if not isinstance(prefix, (list, tuple)) or not all(
                 isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prefix):
             raise ValueError(f"{name} is not a list of token ids (ints): {str(prefix)[:60]}")
@@ -105,7 +106,13 @@ def _continue(run, examples: list, prefixes, n: int, temperature: float, seed: i
                          "and environment state are not replayed; sample whole trajectories instead")
     config = getattr(run.model, "config", None)
     vocab = getattr(config, "vocab_size", None) or len(run.tokenizer)
-    prefixes = check_prefixes(prefixes, examples, run.max_new_tokens, vocab)
+    try:
+        prefixes, refused = check_prefixes(prefixes, examples, run.max_new_tokens, vocab), None
+    except ValueError as e:
+        refused = e
+    if dist.all_sum(float(refused is not None)):  # every rank stops, none waits in the engine's collectives
+        raise refused or ValueError("common.generate: another rank's prefixes were refused (its line names "
+                                    "the example)")
     chat = run.style == "chat"
     prompt_ids = data.encode_prompts(run.tokenizer, [e["prompt"] for e in examples], chat)
     stand_in = data.encode_prompts(run.tokenizer, [run.task.train[0]["prompt"]], chat)[0]

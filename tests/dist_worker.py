@@ -15,7 +15,8 @@ rank 0 trains on micro-batches of 1 (the update's micro-batch counts differ betw
 "prefixes": after training, the real HF engine (FSDP2's collective forwards) continues partial completions
 of 3 held-out prompts (1 + 2 over 2 ranks): rank 0's only prefix is a whole completion, so it has nothing to
 sample and joins rank 1's forwards on a stand-in, rank 1's cut to their first token; the completions, the
-sampler's and the trainer's log-probs (common.logprobs) go to OUT/<name>.prefixes.rank<r>.pt. Then
+sampler's and the trainer's log-probs (common.logprobs), and the line each rank stops with when the last
+rank's prefix is refused, go to OUT/<name>.prefixes.rank<r>.pt. Then
 dist.top_share_threshold of fixed values split unevenly over the ranks (one rank may hold none) goes to
 OUT/thresholds.rank<r>.json.
 """
@@ -86,6 +87,11 @@ for spec in runs:
         out = {"prefixes": prefixes, "ids": s.rollouts.completion_ids, "at": s.rollouts.prefix_lengths,
                "trainer": [x.tolist() for x in common.logprobs(run, batch, run.model)],
                "sampler": s.rollouts.sampler_logprobs, "finished": s.rollouts.finished}
+        try:  # the last rank's prefix is refused: every rank stops, none waits in the engine's forwards
+            last = dist.rank() == dist.world_size() - 1
+            common.generate(run, rows[:1], 1, prefixes=[[10**9] if last else []])
+        except ValueError as e:
+            out["refused"] = str(e)
         torch.save(out, os.path.join(out_dir, f"{spec['name']}.prefixes.rank{dist.rank()}.pt"))
         HFEngine.generate = generate_double
 

@@ -272,7 +272,7 @@ def test_generate_continues_partial_completions_as_the_engine_would_have(tmp_pat
                               ([[1], "12"], f"{two} is not a list of token ids \\(ints\\): 12"),
                               ([[1], [1.0]], f"{two} is not a list of token ids"),
                               ([[1], torch.tensor([1.0])], f"{two} is not a list of token ids"),
-                              ([[1], torch.ones(1, 2, dtype=torch.long)], f"{two} is not a list of token ids"),
+                              ([[1], torch.ones(1, 2).long()], f"{two} is not a list of token ids"),
                               ([[1], [True]], f"{two} is not a list of token ids"),
                               ([[1], [10 ** 6]], f"{two} holds token id 1000000, outside the model's"),
                               ([[1], [1] * 13], f"{two} is 13 tokens, longer than the budget of 12")]:

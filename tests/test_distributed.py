@@ -145,8 +145,8 @@ def test_partial_completions_continue_under_torchrun_when_a_rank_has_nothing_to_
     """common.generate(prefixes=...) on 2 FSDP2 ranks with the real HF engine, rank 0's one prefix a whole
     completion (nothing to sample: it joins rank 1's forwards on a stand-in, else a hang) and rank 1's two cut
     to their first token: every completion keeps its prefix, the whole one comes back as it was, and the
-    sampler's log-probs of each continuation equal the trainer's (common.logprobs, every rank joining), as in one
-    process."""
+    sampler's log-probs of each continuation equal the trainer's (common.logprobs, every rank joining), as in
+    one process; a prefix refused on one rank stops both in one line (no rank left waiting in a forward)."""
     one, two = one_and_two_ranks
     (name,) = PREFIXES
     parts = [torch.load(d / f"{name}.prefixes.rank{r}.pt") for d, r in ((one, 0), (two, 0), (two, 1))]
@@ -161,6 +161,11 @@ def test_partial_completions_continue_under_torchrun_when_a_rank_has_nothing_to_
                                        rtol=0)
             sampled += len(ids) - at
     assert sampled > 6
+    # a prefix refused on the last rank only: every rank raises, the other naming no example of its own
+    assert parts[0]["refused"].startswith("common.generate: the prefix of example 0") and "1000000000" in \
+        parts[0]["refused"] and parts[2]["refused"] == parts[0]["refused"]
+    other = "common.generate: another rank's prefixes were refused (its line names the example)"
+    assert parts[1]["refused"] == other
 
 
 def test_logprobs_under_torchrun_are_the_one_rank_ones_aligned_with_the_sampler(one_and_two_ranks):

@@ -191,9 +191,9 @@ def test_the_plan_holds_against_the_gpu_runs():
     for run in runs:
         args = common.parse_args(train_grpo.Args, [*run["argv"], "--model", "m", "--wandb", "false"])
         c = memplan.count(memplan.load_config(os.path.join(ROOT, run["config"])))
-        args.micro_batch_tokens = tokens = run["micro_batch_tokens"]  # common.setup's, a chat model
+        args.micro_batch_tokens = tokens = run["micro_batch_tokens"]  # startup.build's, a chat model
         prompt, new = run["prompt_tokens"], run["completion_tokens"]
-        max_len = min(c["context"], 2 * prompt + new + 8)  # common.setup's bound
+        max_len = min(c["context"], 2 * prompt + new + 8)  # startup.build's bound
         p, _ = memplan.plan_for(args, "grpo", c, ranks=1, dtype=torch.bfloat16, max_len=max_len,
                                 gpu_bytes=run["gpu_memory_gib"] * GiB)
         per, seqs = tokens // (prompt + new), args.prompts_per_step * args.group_size  # batches.micro_rows
