@@ -1,13 +1,16 @@
 # `make demo` and `make test` create the environment if it is missing (cached under ~/.cache/rlmini).
 PY = "$$(bash scripts/setup_env.sh)/bin/python"
 
-.PHONY: demo test bench gpu-check reproduce env
+.PHONY: demo test test-fast bench gpu-check reproduce env
 
 demo:  ## GRPO on the built-in tiny model, sums of 0..14 (CPU, offline, vLLM rollouts), held-out pass@1 at the end
 	$(PY) train_grpo.py --run_name demo --task addition:14 --eval_every 50 --eval_n 8 --overwrite true --wandb false $(ARGS)
 
 test:  ## the whole test suite (CPU, offline)
 	$(PY) -m pytest -q --durations=15 tests $(ARGS)
+
+test-fast:  ## the edit loop's tier: every test file's fast tests, the `slow` ones left out (CPU, offline)
+	$(PY) -m pytest -q -m "not slow" --durations=5 tests $(ARGS)
 
 bench:  ## throughput table for each engine
 	$(PY) benchmarks/bench_engines.py $(ARGS)

@@ -20,6 +20,11 @@ from rlmini import models, runlog, sandbox  # noqa: E402
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: left out of `make test-fast` (2 s or more on 2 cores; every "
+                                       "file keeps one test in the fast tier)")
+
+
 def tool_sandbox() -> str:
     """--tool_sandbox for tests that run the python tool: auto where the machine confines it (Landlock and
     seccomp), else none (the audit hook), where tests/test_sandbox.py says in its skips what is missing."""

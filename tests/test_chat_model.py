@@ -89,6 +89,7 @@ def test_a_bad_message_is_named_with_its_line_and_position(tmp_path):
         rewards.load_task(f"jsonl:{bad}", prompt_column="m", answer_column="a")
 
 
+@pytest.mark.slow
 def test_system_prompt_and_the_template(chat_model):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(chat_model)
@@ -134,6 +135,7 @@ def boxed_double(seen):
     return generate
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SCRIPTS))
 def test_every_script_applies_the_template_and_scores_boxed_answers(name, chat_model, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -153,6 +155,7 @@ def test_every_script_applies_the_template_and_scores_boxed_answers(name, chat_m
     assert AutoTokenizer.from_pretrained(final).chat_template and models.prompt_style(final) == "chat"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SCRIPTS))
 def test_every_script_trains_the_chat_model_with_vllm(name, chat_model, tmp_path):
     """Real sampling from the random chat model: it rarely ends its turn within 8 tokens (truncations), the
@@ -171,6 +174,7 @@ def test_every_script_trains_the_chat_model_with_vllm(name, chat_model, tmp_path
     AutoModelForCausalLM.from_pretrained(tmp_path / name / "final")
 
 
+@pytest.mark.slow
 def test_the_hf_engine_samples_the_chat_model(chat_model, tmp_path):
     run = train_grpo.main(["--model", chat_model, *TASK, "--engine", "hf", "--steps", "2",
                            "--prompts_per_step", "4",

@@ -413,6 +413,7 @@ def test_building_the_tiny_model_leaves_the_callers_rng_alone(tmp_path):
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(path))
 
 
+@pytest.mark.slow
 def test_two_rank_torchrun_builds_the_tiny_model_on_every_node(tmp_path):
     """Under torchrun transformers saves a model on global rank 0 only. Each rank here has its own cache
     (as each node of a multi-node run has): when the tiny model was built after the process group

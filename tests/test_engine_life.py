@@ -33,6 +33,7 @@ def run_double(tmp_path, mode, *flags):
     return proc, json.load(open(report))
 
 
+@pytest.mark.slow
 def test_level2_sleep_with_evaluation_every_step_trains_on_the_pushed_weights(tmp_path):
     """Before the fix, evaluate() put the engine to sleep (level 2 discards vLLM's weights) after the
     push, so the next step sampled from garbage; now evaluation leaves the engine awake with the
@@ -47,6 +48,7 @@ def test_level2_sleep_with_evaluation_every_step_trains_on_the_pushed_weights(tm
     assert all(r["logprob/sampler_diff"] < 1e-4 and "eval/pass@1" in r for r in rows)
 
 
+@pytest.mark.slow
 def test_stale_engine_weights_stop_the_run_at_the_next_step(tmp_path):
     """Pushes that do nothing: the run stops at the first step after the weights first changed (a step whose
     rewards are all equal has no gradient, and vLLM's stale weights are then still the policy's)."""

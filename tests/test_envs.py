@@ -112,6 +112,7 @@ def test_methods_become_tools_and_reset_text_joins_the_prompt(tmp_path):
     assert [x.closed for x in pool.instances] == [1] * 6
 
 
+@pytest.mark.slow
 def test_a_raising_method_is_a_tool_error_and_a_hung_instance_is_discarded(tmp_path, tok):
     """In a rollout: a method that raises answers the policy with the error (tools/raised); one that hangs is
     stopped at --tool_timeout, its instance discarded (no reward asked: 0, never lent again)."""
@@ -150,6 +151,7 @@ def test_a_raising_method_is_a_tool_error_and_a_hung_instance_is_discarded(tmp_p
     pool.close()
 
 
+@pytest.mark.slow
 def test_chat_format_calls_methods_by_the_templates_tool_calls(tool_chat_model):
     """--tool_format chat: the template renders the methods' schemas, and a <tool_call> runs the method on the
     rollout's instance with its arguments, as in TRL."""
@@ -348,6 +350,7 @@ def openenv_server(tmp_path):
             proc.wait(timeout=30)
 
 
+@pytest.mark.slow
 def test_openenv_trains_over_its_websocket_client(tmp_path, openenv_server, monkeypatch):
     """Two GRPO steps against our OpenEnv server: the episodes' rewards the server counted are the run's
     reward/env; a URL that does not answer is refused at start; a dead server stops the run in one line."""

@@ -192,6 +192,7 @@ def test_verifier_audit_names_bad_rows():
 # ------------------------------------------------------------------------------------------- the command line
 
 
+@pytest.mark.slow
 def test_cli_end_to_end_on_a_tiny_trained_checkpoint(tmp_path):
     import train_grpo
     for name in ("a", "b"):
@@ -218,6 +219,7 @@ def test_cli_end_to_end_on_a_tiny_trained_checkpoint(tmp_path):
     assert (cmp / "curves.png").exists() and "| run |" in open(cmp / "comparison.md").read()
 
 
+@pytest.mark.slow
 def test_cli_audit_and_contamination(tmp_path):
     labelled = tmp_path / "labels.jsonl"
     labelled.write_text("\n".join(json.dumps(r) for r in [
@@ -230,6 +232,7 @@ def test_cli_audit_and_contamination(tmp_path):
     assert "of 1 held-out prompts" in proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv,message", [
     (["audit", "--file", "missing.jsonl"], "missing.jsonl: file not found"),
     (["audit", "--file", os.path.join(FIX, "own.jsonl")], "own.jsonl: line 1: missing field 'completion'"),
@@ -338,6 +341,7 @@ def greedy_eval(tmp_path, model_dir: str, task: str, *flags) -> tuple:
     return json.load(open(out / "eval.json")), json.load(open(tmp_path / "seen.json")), expected, proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine_name", ["hf", "vllm"])
 def test_greedy_evaluation_is_transformers_greedy_generate(tmp_path, tiny_addition, engine_name):
     """--temperature 0 on both in-process engines: one completion per question, token for token transformers'

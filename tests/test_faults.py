@@ -196,6 +196,7 @@ def test_resume_without_a_checkpoint_creates_nothing(tmp_path):
 # ---------------------------------------------------------------------------------------------- entry points
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, message", [
     (["--task", "jsonl:/nonexistent/data.jsonl"], "/nonexistent/data.jsonl"),
     (["--out_dir", "README.md"], "--out_dir README.md: is a file, not a folder"),
@@ -307,6 +308,7 @@ def dying_run(argv, k, enospc=False):
                           env={**os.environ, "WANDB_MODE": "disabled"})
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_checkpoint_write_then_resume_equals_a_straight_run(tmp_path):
     argv = ["--out_dir", str(tmp_path), *BASE, "--steps", "4", "--save_every", "1"]
     straight = train(train_grpo, tmp_path, "--steps", "4", "--save_every", "1", "--run_name", "straight")
@@ -321,6 +323,7 @@ def test_sigkill_during_a_checkpoint_write_then_resume_equals_a_straight_run(tmp
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_save_leaves_the_previous_checkpoint(tmp_path):
     proc = dying_run(["--out_dir", str(tmp_path), *BASE, "--steps", "3", "--save_every", "1", "--run_name",
                       "full"],

@@ -159,6 +159,7 @@ torch.save({{"loss": total, "grads": grads, "seen": seen}}, os.path.join({out!r}
 """
 
 
+@pytest.mark.slow
 def test_a_rank_with_nothing_kept_under_torchrun_gives_the_one_rank_result(tmp_path, tiny_addition):
     """2 gloo ranks, FSDP2: rank 0 keeps none of its group, rank 1 two of its completions (micro-batches of
     1). Rank 0 runs two idle micro-batches of its first row beside rank 1's two (no hang: the collectives

@@ -47,6 +47,7 @@ def check_cpu_row(row: dict, steps: str, vllm: bool) -> None:
         assert check == "n/a" and row["push s"] == "n/a" and row["vLLM alone tok/s"] == "n/a", row
 
 
+@pytest.mark.slow
 def test_the_built_in_model_passes_on_cpu_with_vllm(tmp_path):
     proc = gpu_check_run(tmp_path, *SMALL, "--rungs", "tiny", "--scripts", "grpo")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
@@ -81,6 +82,7 @@ sys.meta_path = [Hidden if f is importlib.machinery.PathFinder else f for f in s
 """
 
 
+@pytest.mark.slow
 def test_the_hf_engine_is_certified_in_a_minimal_environment_with_vllms_columns_n_a(tmp_path):
     """Without vLLM, httpx, wandb, datasets... (MINIMAL_LACKS hidden, as on a lent GPU machine): every trainer
     imports, and gpu-check runs with the HF engine: the built-in model (PPO: its critic too) and

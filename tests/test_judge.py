@@ -193,6 +193,7 @@ def test_a_machine_without_the_http_client_is_told_in_one_line(monkeypatch):
         judge.make_judge(_args("http://127.0.0.1:9/v1"), None)
 
 
+@pytest.mark.slow
 def test_scripted_answers_counts_retries_cache_and_bound(double, tmp_path, monkeypatch, capsys):
     timeout = 0.6  # SLOW sleeps 1 s; a quick answer on a loaded machine must not time out (an extra retry)
     fn, _ = _judge(double.url, tmp_path, monkeypatch, judge_timeout=timeout), double.auth.clear()

@@ -59,6 +59,7 @@ def logits(model):
         return model.eval()(input_ids=IDS).logits.double()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, targets", [(f, "all-linear") for f in CASES] + [
     ("qwen2", "q_proj,k_proj,down_proj"), ("gpt2", "c_attn,c_proj"), ("phi-biased-head", "q_proj,dense")])
 def test_lora_merge_equals_peft_merge_and_unload(family, targets, tmp_path):

@@ -123,6 +123,7 @@ def test_a_no_grad_forward_by_hand_and_a_soft_capped_models_eager_attention():
     assert d["attn_softcap"] and d["heads"] == 2 and d["layer"] > 0 and d["root"] == 64 * 16 + 16 + 16
 
 
+@pytest.mark.slow
 def test_the_hf_engines_rollout_by_hand_and_against_its_generate():
     """hf_rollout_bytes: the KV cache of every sequence at full length (fp32 keys in an fp32 residual stream),
     one layer's attention over it, the step's logits and autocast's weight casts; or the prefill. And against
@@ -291,6 +292,7 @@ def tracked():
     return {tuple(r["case"]): r for r in map(json.loads, out.stdout.splitlines())}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}r{'-lora' * bool(c[2])}{'-ref' * c[3]}"
                                              f"{'-ppo' * c[4]}{'-nockpt' * (not c[5])}" for c in CASES])
 def test_the_plan_holds_against_torchs_memory_trackers(case, tracked):

@@ -366,6 +366,7 @@ def test_lora_resume_is_exact(tmp_path):
             {k: v for k, v in rb.items() if not k.startswith(("time/", "perf/"))}, nan_ok=True)
 
 
+@pytest.mark.slow
 def test_lora_learns_ordinal(tmp_path):
     """LoRA on the random-initialised tiny model learns from the reward: ordinal addition (one digit, partial
     credit), 40 steps. Measured on seeds 0-4 (step 1 -> mean of the last 10 steps): reward -0.97..-0.94 ->
@@ -432,6 +433,7 @@ def _tiny_qwen2(folder, task: str) -> str:
     return str(folder)
 
 
+@pytest.mark.slow
 def test_lora_push_into_vllm_passes_the_self_check(tmp_path):
     """vLLM receives W + (alpha / r) B A under the base's names each step, the biases as they are (a Qwen2:
     before issue 37, vLLM's weight loader refused the bias that the merge had added B A to); the probe

@@ -379,6 +379,7 @@ def test_flex_block_mask_is_the_packed_attention_pattern(seed, window):
     assert torch.equal(blocks == 2, some & every)  # full exactly where everything is
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "sliding", "softcap"])
 def test_flex_attention_equals_the_row_sets(arch):
     """Eager FlexAttention on CPU (CUDA compiles the same call) against the row-set path: log-probs with GQA
@@ -421,6 +422,7 @@ def test_flex_layout_is_linear_in_tokens():
     assert 8192 * (512 + 8192) > 4000 * n
 
 
+@pytest.mark.slow
 def test_flex_compiles_few_known_variants_and_stops_past_the_limit(monkeypatch):
     """The compiled FlexAttention of the CUDA path, counted on CPU with a counting (non-inductor) backend over
     what a training step runs: the policy (fp32 weights under bf16 autocast: its q and k leave the rotary

@@ -46,6 +46,7 @@ def test_the_libraries_go_to_the_run_log_and_errors_to_the_terminal(tmp_path, er
     assert all(line in log for line in LIBRARY), log  # what came before the run folder existed too
 
 
+@pytest.mark.slow
 def test_verbose_shows_vllms_output_on_the_terminal(tmp_path):
     """The same run quiet (tests/test_engine_life.py) prints only its own lines."""
     argv = ["--out_dir", str(tmp_path), "--wandb", "false", "--steps", "1", "--prompts_per_step", "2",

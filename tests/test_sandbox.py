@@ -33,6 +33,7 @@ def _as_nobody_problem() -> str:
     return "" if probe.returncode == 0 else "nobody cannot read this repository or run the system's Python"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("user", ["root", "nobody"])
 @pytest.mark.parametrize("mode", ["namespaces", "landlock"])
 def test_every_attack_fails_with_the_kernels_error(mode, user):

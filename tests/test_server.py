@@ -72,6 +72,7 @@ def _close(a, b, what):
             assert abs(v - rb[k]) <= 1e-5 * (1 + abs(v)), (what, ra["step"], k, v, rb[k])
 
 
+@pytest.mark.slow
 def test_lock_step_server_trains_like_the_in_process_engine_and_resumes_exactly(served, tmp_path):
     """K = 0: the same seeds give the same completions (one request per prompt, seeded as the in-process
     engine seeds it) and every training value and weight within fp32 tolerance; a run split by --resume
@@ -94,6 +95,7 @@ def test_lock_step_server_trains_like_the_in_process_engine_and_resumes_exactly(
         assert (wa[k] - wb[k]).norm() <= 1e-5 * wa[k].norm(), k
 
 
+@pytest.mark.slow
 def test_one_step_off_rollouts_with_tools_through_the_server(served, tmp_path):
     """K = 1: step 1 samples what it trains on; every later step trains on samples one push old, requested
     before the previous update, corrected by the truncated weight pi_old / pi_sampler (token-tis by
@@ -117,6 +119,7 @@ def test_one_step_off_rollouts_with_tools_through_the_server(served, tmp_path):
     assert [r["rollout/staleness"] for r in read_metrics(resumed.run_dir)][4:] == [0, 1]
 
 
+@pytest.mark.slow
 def test_a_server_that_keeps_its_old_weights_is_caught_at_that_push(served, tmp_path, monkeypatch):
     """The reload call dropped: the probe check inside the first training push fails the run (step 1), with
     generation still answering."""
@@ -133,6 +136,7 @@ def test_a_server_that_keeps_its_old_weights_is_caught_at_that_push(served, tmp_
         train_grpo.main(_args(tmp_path, url, "--steps", "3", "--run_name", "forgetful"))
 
 
+@pytest.mark.slow
 def test_a_restarted_server_is_caught_by_its_weight_version(served, tmp_path):
     """A server that answers another weight version (vLLM's "default" after a restart) fails the next
     generate: its samples came from the checkpoint it loaded."""
@@ -145,6 +149,7 @@ def test_a_restarted_server_is_caught_by_its_weight_version(served, tmp_path):
     run.engine.close()
 
 
+@pytest.mark.slow
 def test_the_server_must_match_the_trainer(served, tmp_path):
     """dtype, context length and tokenizer are checked at start, in one line naming the server flag."""
     url, path, _ = served
@@ -161,6 +166,7 @@ def test_the_server_must_match_the_trainer(served, tmp_path):
         server.check_server(url, args, other, torch.float32, 512, 30)
 
 
+@pytest.mark.slow
 def test_a_judge_served_by_vllm(served):
     """--judge_url against the real server (/completions: the tiny model has no chat template): the flow and
     the counts of 24 distinct completions judged at --judge_concurrency 1 and 8; the random model's answers
@@ -216,6 +222,7 @@ def test_a_hung_request_is_bounded():
     listener.close()
 
 
+@pytest.mark.slow
 def test_two_ranks_sample_from_one_server_one_step_off(served, tmp_path):
     """torchrun, 2 gloo ranks (FSDP2) against one server at K = 1: rank 0 pushes what every rank gathers,
     the ranks meet before sampling again, each push is probed, staleness is global."""
@@ -231,6 +238,7 @@ def test_two_ranks_sample_from_one_server_one_step_off(served, tmp_path):
     assert all(r["push/check_diff"] < 1e-4 for r in rows)
 
 
+@pytest.mark.slow
 def test_server_killed_mid_run_stops_in_one_line_then_resume_continues(served, tmp_path):
     """The module's server killed while a run trains (K = 1): the run stops in one line, the last checkpoint
     is intact; after a restart on the same port --resume continues to the end. (The last test to use it.)"""
@@ -369,6 +377,7 @@ def test_the_plan_counts_the_nccl_push_buffers_in_the_push_only():
     assert (nccl["update"], nccl["rollout"]) == (disk["update"], disk["rollout"])
 
 
+@pytest.mark.slow
 def test_greedy_evaluation_through_the_server_is_transformers_greedy_and_of_the_model_asked(served, tmp_path):
     """eval.py --engine server --temperature 0 samples from the weights the server holds (it pushes nothing):
     greedy completions token for token transformers' generate(do_sample=False) of --model, which holds those
@@ -394,6 +403,7 @@ def test_greedy_evaluation_through_the_server_is_transformers_greedy_and_of_the_
     assert "Traceback" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_the_server_continues_a_partial_completion_as_it_would_have(served, tmp_path):
     """common.generate(prefixes=...)'s engine call through the server (rlmini/rollouts.py::continue_prefixes):
     a greedy completion cut in half and continued greedily is the same completion; sampled continuations keep

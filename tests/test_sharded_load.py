@@ -136,6 +136,7 @@ def two_ranks(tmp_path_factory):
     return folder, torch.load(os.path.join(folder, "two_ranks.pt")), proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_each_rank_loads_with_well_under_one_copy_of_the_model(two_ranks):
     folder, result, _ = two_ranks
     size_kib = sum(t.numel() * t.element_size() for k, t in result["big"].items()
@@ -147,6 +148,7 @@ def test_each_rank_loads_with_well_under_one_copy_of_the_model(two_ranks):
         assert peak < 0.7 * size_kib, (r, peak, size_kib)
 
 
+@pytest.mark.slow
 def test_the_gathered_shards_are_from_pretrained(two_ranks):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     folder, result, _ = two_ranks
@@ -163,6 +165,7 @@ def test_the_gathered_shards_are_from_pretrained(two_ranks):
             assert v.dtype == result[case][k].dtype and torch.equal(v, result[case][k]), (case, k)
 
 
+@pytest.mark.slow
 def test_policy_and_critic_load_as_in_one_process(two_ranks, capfd):
     """The policy (full and LoRA: the adapters' random initial values) and PPO's critic (its new head): the
     same tensors and the same RNG state after loading as the one-process path (from_pretrained)."""
@@ -204,6 +207,7 @@ os.write(1, b"RESULT loaded\\n")
 """
 
 
+@pytest.mark.slow
 def test_tensors_cross_in_the_files_dtype_and_ranks_that_list_others_stop_in_one_line(tmp_path):
     """fill_from_rank0 on 2 gloo ranks: bf16 file tensors are broadcast in bf16 and cast in each rank's copy
     (into fp32 and bf16 targets alike); when the second tensor has another name on rank 1, both ranks stop,

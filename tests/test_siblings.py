@@ -161,6 +161,7 @@ def test_clipped_value_loss_values():
     assert train_ppo.value_loss(v, v_old, ret, mask, 0.0, 2).item() == pytest.approx(0.5 * (1.0 + 1.0) / 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora_rank", [0, 8])
 def test_value_loss_falls_on_a_fixed_target(tiny_addition, lora_rank):
     _, tok, path = tiny_addition
@@ -217,6 +218,7 @@ def test_ppo_critic_warmup_keeps_the_policy_still(tmp_path):
 # ---------------------------------------------------------------------------------------------- learning
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module,extra", [
     (train_rloo, []),
     (train_gpg, []),
@@ -231,6 +233,7 @@ def test_each_algorithm_learns_addition(tmp_path, module, extra):
     assert end > start + 0.15, (start, end)
 
 
+@pytest.mark.slow
 def test_corpo_and_grpo_learn_ordinal_and_only_grpo_rewards_failures(tmp_path):
     corpo = read_metrics(train(train_corpo, tmp_path, "--task", "ordinal", "--steps", "150", "--run_name",
                                "c").run_dir)

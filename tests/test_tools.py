@@ -79,6 +79,7 @@ class Scripted:
 # ------------------------------------------------------------------------------------------ the python tool
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("code,expect,error,timed_out", [
     ("x = 37 * 48\nx % 7", "5", False, False),
     ("print('hi')\n3", "hi\n3", False, False),
@@ -124,6 +125,7 @@ def test_the_python_tool_cannot_read_or_touch_the_run_folder(tmp_path):
     assert os.listdir(sandbox.scratch_parent("")) == [], "scratch folders are removed"
 
 
+@pytest.mark.slow
 def test_calls_run_in_parallel_and_a_hung_function_tool_is_abandoned():
     def hang(text):
         time.sleep(3600)
@@ -381,6 +383,7 @@ def tool_chat_model(tmp_path_factory):
     return build_chat_model(str(tmp_path_factory.mktemp("hub") / "tool-chat"), template=TOOL_TEMPLATE)
 
 
+@pytest.mark.slow
 def test_chat_format_tool_calls_are_the_templates_own_turns(tool_chat_model):
     """--tool_format chat: the prompt renders the tool definitions; a turn ending in <tool_call> ... and the
     turn-end token runs the call; the result is appended as the template renders a `tool` message, tokenised
@@ -416,6 +419,7 @@ def test_chat_format_tool_calls_are_the_templates_own_turns(tool_chat_model):
     assert reward.tolist() == [1.0, 0.0]
 
 
+@pytest.mark.slow
 def test_tool_output_is_text_never_special_tokens(modmul, tool_chat_model):
     """A tool printing the turn-end token and a role header (chat), or EOS (the tiny model), gets them back as
     characters: only the template's own parts are special tokens, so no turn ends and no role is forged."""
@@ -466,6 +470,7 @@ def test_a_chat_template_without_tools_is_refused_in_one_line(tmp_path):
 # ----------------------------------------------------------------------------------------------------- runs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script,extra", [
     ("train_grpo", ["--packing", "false"]), ("train_ppo", ["--gamma", "0.9", "--lam", "0.9"]),
     ("train_rloo", []), ("train_gpg", []), ("train_corpo", ["--updates_per_rollout", "2"]),
@@ -513,6 +518,7 @@ def test_groups_keep_their_tool_fields_through_split_and_join(modmul):
     assert joined.tool_stats == r.tool_stats[2:] + r.tool_stats[:2]
 
 
+@pytest.mark.slow
 def test_a_chat_model_trains_with_its_templates_tool_calls(tool_chat_model, tmp_path):
     """Real sampling on the hub-shaped model with --tool_format chat: the run goes through (its random
     policy rarely writes a well-formed call; the scripted test above checks the format)."""

@@ -21,6 +21,7 @@ def train(tmp_path, *argv):
     return train_grpo.main(["--out_dir", str(tmp_path), "--wandb", "false", *argv])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_addition_reward_rises_hf_engine(tmp_path, seed):
     run = train(tmp_path, "--engine", "hf", "--steps", "150", "--seed", str(seed), "--run_name", "add")
@@ -36,6 +37,7 @@ def test_addition_reward_rises_hf_engine(tmp_path, seed):
     assert json.load(open(os.path.join(run.run_dir, "config.json")))["steps"] == 150
 
 
+@pytest.mark.slow
 def test_addition_reward_rises_vllm_engine(tmp_path):
     run_script("train_grpo.py", ["--engine", "vllm", "--steps", "150", "--out_dir", str(tmp_path),
                                  "--run_name", "add", "--wandb", "false", "--eval_every", "150"])
@@ -50,6 +52,7 @@ def test_addition_reward_rises_vllm_engine(tmp_path):
     assert json.load(open(os.path.join(tmp_path, "add", "eval.json")))["step"] == 150
 
 
+@pytest.mark.slow
 def test_lr_schedule_counts_optimizer_steps(tmp_path):
     """--lr_schedule decays over steps x updates_per_rollout x minibatches optimizer steps (here 3 x 2 x 2):
     after step s the logged lr is the one for optimizer step 4 s, linear to 0 after 2 warm-up steps."""
@@ -74,6 +77,7 @@ def _same(a, b):
 OFF_POLICY = ["--updates_per_rollout", "2", "--minibatches", "2", "--prompts_per_step", "8", "--warmup", "3"]
 
 
+@pytest.mark.slow
 def test_resume_gives_the_same_metrics_hf(tmp_path):
     train(tmp_path, "--engine", "hf", "--steps", "6", "--save_every", "3", "--run_name", "straight",
           *OFF_POLICY)
@@ -108,6 +112,7 @@ def _save_as_a_vllm_run_did(run, run_dir):
     assert sorted(os.listdir(run_dir / "checkpoint")) == [".metadata", "__0_0.distcp", "meta.pt"]
 
 
+@pytest.mark.slow
 def test_resume_gives_the_same_metrics_vllm(tmp_path):
     common_args = ["--engine", "vllm", "--save_every", "2", "--out_dir", str(tmp_path), "--wandb", "false",
                    "--prompts_per_step", "8"]

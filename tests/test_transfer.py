@@ -216,6 +216,7 @@ def test_a_server_without_dev_mode_is_named_before_any_rendezvous(no_gpu):
     server.shutdown()
 
 
+@pytest.mark.slow
 def test_a_peer_that_never_joins_ends_in_the_timeout(no_gpu):
     server = Server("silent")
     pusher = transfer.NCCLTransfer(server.url, tiny_model(), torch.float32, timeout=2, device="cpu",
@@ -242,6 +243,7 @@ def test_other_ranks_iterate_every_weight_and_never_call_the_server(no_gpu, monk
     server.shutdown()
 
 
+@pytest.mark.slow
 def test_under_fsdp2_every_rank_gathers_in_step_and_rank_0_sends_the_whole_model(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = os.path.join(tmp_path, "rank0.json")

@@ -38,6 +38,7 @@ def _trainer_logprobs(model, r, temperature):
     return torch.cat([lp[i][batch["mask"][i] > 0] for i in range(len(r.completion_ids))])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_vllm_and_trainer_logprobs_agree(vllm_setup, temperature):
     sampler, model, tok, prompts = vllm_setup
@@ -50,6 +51,7 @@ def test_vllm_and_trainer_logprobs_agree(vllm_setup, temperature):
         assert f == (len(c) > 0 and c[-1] == tok.eos_token_id)
 
 
+@pytest.mark.slow
 def test_greedy_decoding_agrees_with_the_hf_engine(vllm_setup):
     """Temperature 0: vLLM's own greedy (SamplingParams(temperature=0), n = 1 repeated) gives the HF engine's
     completions token for token (the HF engine equals transformers' generate: tests/test_common.py), with
@@ -76,6 +78,7 @@ def test_greedy_decoding_agrees_with_the_hf_engine(vllm_setup):
     torch.testing.assert_close(vllm_lp, trainer, atol=LOGPROB_TOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_vllm_continues_a_partial_completion_as_it_would_have_and_the_trainer_agrees(vllm_setup):
     """common.generate(prefixes=...)'s engine call on vLLM (rlmini/rollouts.py::continue_prefixes): a greedy
     completion cut in half and continued greedily is the same completion; sampled continuations keep their
@@ -103,6 +106,7 @@ def test_vllm_continues_a_partial_completion_as_it_would_have_and_the_trainer_ag
     torch.testing.assert_close(torch.cat(ours), torch.cat(trainer), atol=LOGPROB_TOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_per_request_seeds_reproduce(vllm_setup, monkeypatch):
     """--vllm_seed request (the default): a request's samples are fixed by the seed, whatever ran before."""
     sampler, _, _, prompts = vllm_setup
@@ -114,6 +118,7 @@ def test_per_request_seeds_reproduce(vllm_setup, monkeypatch):
     assert a.completion_ids == b.completion_ids != c.completion_ids
 
 
+@pytest.mark.slow
 def test_the_engine_seed_is_one_stream_the_checkpoints_rng(vllm_setup, monkeypatch):
     """--vllm_seed engine: samples come from one stream, the process's RNG, which a checkpoint saves and a
     resume restores (rlmini/data.py::rng_state): the same RNG state gives the same samples; the stream moves
@@ -151,6 +156,7 @@ def test_the_engine_seed_is_one_stream_the_checkpoints_rng(vllm_setup, monkeypat
     assert v2.seeds.np[3] == v2.seeds.np[0] and len(set(v2.seeds.np[:3].tolist())) == 3
 
 
+@pytest.mark.slow
 def test_push_changes_samples_and_passes_the_probe(vllm_setup):
     sampler, model, tok, prompts = vllm_setup
     sampler.push()
@@ -167,6 +173,7 @@ def test_push_changes_samples_and_passes_the_probe(vllm_setup):
     assert sampler.check_push(probe, 1e-4) < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "part", ["embed_tokens", "layers.0.self_attn.q_proj", "layers.1.mlp.down_proj", "norm"]
 )
@@ -181,6 +188,7 @@ def test_every_kind_of_weight_reaches_vllm(vllm_setup, part):
     assert sampler.check_push((prompts[1], [5, 6, 1]), 1e-4) < 1e-4
 
 
+@pytest.mark.slow
 def test_a_push_that_silently_does_nothing_is_caught(vllm_setup, monkeypatch):
     sampler, model, _, prompts = vllm_setup
     sampler.push()
@@ -199,6 +207,7 @@ def test_a_push_that_silently_does_nothing_is_caught(vllm_setup, monkeypatch):
     sampler.check_push(probe, 1e-4)
 
 
+@pytest.mark.slow
 def test_unloaded_parameters_reported_by_vllm_fail_the_push(vllm_setup, monkeypatch):
     sampler, model, _, _ = vllm_setup
     import logging
@@ -212,6 +221,7 @@ def test_unloaded_parameters_reported_by_vllm_fail_the_push(vllm_setup, monkeypa
         sampler.push()
 
 
+@pytest.mark.slow
 def test_both_engines_stop_on_every_eos_of_the_generation_config(vllm_setup, tmp_path):
     """A generation config that lists a second EOS (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>): vLLM
     stops on it, and so does the HF engine; a completion ending in it counts as finished (it was counted as
@@ -327,6 +337,7 @@ def test_a_vllm_start_up_without_memory_says_so_and_names_the_share(monkeypatch)
         engine._start_vllm(args, path, torch.device("cuda"), torch.bfloat16, 4096)
 
 
+@pytest.mark.slow
 def test_the_push_check_is_calibrated_on_a_completion_vllm_sampled(vllm_setup, monkeypatch):
     """At start both engines hold the same weights: calibrate samples the probe's completion from vLLM itself
     and scores it (the baseline, fp32: ~1e-7); a tolerance of max(floor, 5 x baseline) still catches a push
@@ -391,6 +402,7 @@ def test_lora_adapters_pushed_to_vllms_own_lora(tiny_addition):
         assert sampler.check_push((prompts[0], r.completion_ids[0]), 2e-3) <= LOGPROB_TOL
 
 
+@pytest.mark.slow
 def test_multi_turn_tool_rollouts_on_vllm(tmp_path):
     """--tools with vLLM: turns stop at ```output (a stop string kept in the output), each live trajectory
     continues from its token ids with the budget left (prefix cache on), and the sampler's log-probs of the
