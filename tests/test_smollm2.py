@@ -408,3 +408,26 @@ def test_plan_only_reads_the_shipped_config_and_downloads_nothing(tmp_path):
 def teardown_module():
     for what, value in REPORT.items():
         print(f"\n{what}: {value}", end="")
+
+
+@pytest.mark.slow
+def test_a_partial_completion_continues_as_it_would_have_on_the_real_model(smol, tmp_path):
+    """common.generate(prefixes=...) on SmolLM2 (HF engine, fp32, its chat template): a greedy completion of a
+    held-out sum cut in half and continued greedily is the same completion token for token, and sampled
+    continuations' log-probs equal the trainer's on prompt + prefix + continuation."""
+    import common
+    import train_grpo
+    from test_common import trainer_logprobs_after
+    args = common.parse_args(train_grpo.Args, ["--model", "smollm2", "--task", "sums", "--engine", "hf",
+                                               "--dtype", "float32", "--max_new_tokens", "24", "--out_dir",
+                                               str(tmp_path), "--wandb", "false", "--prompts_per_step", "4"])
+    run = common.setup(args, algo="grpo")
+    examples = run.task.test[:4]
+    whole = common.generate(run, examples, 1, temperature=0).rollouts
+    prefixes = [c[:len(c) // 2] for c in whole.completion_ids]
+    again = common.generate(run, examples, 1, temperature=0, prefixes=prefixes).rollouts
+    assert again.completion_ids == whole.completion_ids and min(map(len, prefixes)) >= 3
+    sampled = common.generate(run, examples, 2, prefixes=prefixes).rollouts
+    ours = [torch.tensor(lp[k:]) for lp, k in zip(sampled.sampler_logprobs, sampled.prefix_lengths)]
+    torch.testing.assert_close(torch.cat(ours), torch.cat(trainer_logprobs_after(run.model, sampled, 1.0)),
+                               atol=1e-4, rtol=0)
