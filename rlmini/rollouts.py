@@ -61,9 +61,9 @@ def check_prefixes(prefixes, examples: list, budget: int, vocab: int) -> list:
         if not isinstance(prefix, (list, tuple)) or not all(
                 isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prefix):
             raise ValueError(f"{name} is not a list of token ids (ints): {str(prefix)[:60]}")
-        if any(not 0 <= t < vocab for t in prefix):
-            bad = next(t for t in prefix if not 0 <= t < vocab)
-            raise ValueError(f"{name} holds token id {bad}, outside the model's vocabulary of {vocab}")
+        outside = [t for t in prefix if not 0 <= t < vocab]
+        if outside:
+            raise ValueError(f"{name} holds token id {outside[0]}, outside the model's vocabulary of {vocab}")
         if len(prefix) > budget:
             raise ValueError(f"{name} is {len(prefix)} tokens, longer than the budget of {budget} "
                              f"(--max_new_tokens, else the task's)")
