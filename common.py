@@ -17,6 +17,7 @@ The algorithms (advantages, losses) live in the train_*.py scripts, the plumbing
 module); the switches several algorithms share live here.
 """
 import os
+import sys
 import time
 from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 
 from rlmini import checkpoint as ckpt, memstats, reward_model
-from rlmini import data, dist, faults, memplan, models, optim, server, startup, tools
+from rlmini import data, dist, faults, memplan, models, optim, runlog, server, startup, tools
 from rlmini.batches import (Batch, Keep, Micro, Minibatch, PreUpdate, Scored, batch_logprobs,
                             group_permutation, ragged_pass, this_ranks)
 
@@ -51,8 +52,8 @@ class Args(data.TaskArgs, tools.ToolArgs, server.ServerArgs, memplan.PlanArgs, r
     """Options shared by every algorithm (and, from its base classes, those of the task, the tools, the server
     engine, --plan_only, the reward model and the judge). Each script subclasses this with its own."""
     model: str = arg("tiny", "tiny (random-init Qwen3) | smollm2 (SmolLM2-135M-Instruct) | hub id | path")
-    task: str = arg("addition", "addition | sums | calibration | ordinal | mixed | gsm8k | math | jsonl: | "
-                    "hf: | rg: (docs/tasks.md)")
+    task: str = arg("addition", "addition | sums | sums_graded | calibration | ordinal | mixed | gsm8k | "
+                    "math | jsonl: | hf: | rg: (docs/tasks.md)")
     steps: int = arg(200, "training steps (one rollout batch each)", ge=1)
     prompts_per_step: int = arg(32, "prompts per rollout batch (all ranks together)", ge=1)
     group_size: int = arg(8, "completions sampled per prompt (G)", ge=1)
@@ -105,6 +106,8 @@ class Args(data.TaskArgs, tools.ToolArgs, server.ServerArgs, memplan.PlanArgs, r
     eval_limit: int = arg(0, "held-out prompts used in evaluation (0 = all)", ge=0)
     save_every: int = arg(50, "checkpoint every N steps and at the end (0: only at the end; -1: never, nor "
                               "final/)", ge=-1)
+    keep_checkpoint: bool = arg(True, "keep the resume checkpoint when the run ends (false: final/ only, "
+                                      "removed once final/ is written: the run cannot be extended)")
     resume: bool = arg(False, "continue from out_dir/run_name/checkpoint.pt (one process, either engine; "
                               "torchrun: checkpoint/)")
     format_weight: float = arg(0.0, "add this times the format score to the reward")
@@ -163,6 +166,12 @@ def setup(args, algo: str) -> Run:
     return startup.build(args, algo)
 
 
+def warn(text: str) -> None:
+    """One line on the terminal, rank 0's: `warning: text` (as the run's other warnings)."""
+    if rank() == 0:
+        print(f"warning: {text}", file=sys.stderr, flush=True)
+
+
 def load_reference(run):
     """The frozen initial policy of a KL term (after --resume too); LoRA: the policy with its adapters off."""
     return models.load_reference(run.args, run.task, run.device, run.dtype, run.model)
@@ -197,8 +206,11 @@ def finish(run) -> None:
     run.log.close()  # the progress bar ends before the save's line
     start = time.perf_counter()
     if run.args.save_every >= 0:  # -1: a benchmark writes no checkpoint and no final/ (scripts/gpu_check.py)
-        ckpt.save(run)
+        if run.args.keep_checkpoint:
+            ckpt.save(run)
         ckpt.save_final(run.model, run.tokenizer, os.path.join(run.run_dir, "final"), run.style, since=start)
+        if not run.args.keep_checkpoint:
+            ckpt.remove(run.run_dir)  # once final/ is whole (every rank's share of it written)
     elif rank() == 0:
         print(f"nothing saved (--save_every -1); metrics in {os.path.join(run.run_dir, 'metrics.jsonl')}",
               flush=True)
@@ -270,6 +282,7 @@ def pre_update(run, batch: Batch, ref_model=None, values=None, need_old: bool = 
     --top_entropy_quantile, and `values(layout)` (PPO's critic)."""
     args, B, T = run.args, len(batch), run.args.temperature
     run.times["update"] = time.perf_counter()
+    runlog.status("first step: update")  # on a terminal, during the start-up only
     memstats.phase_end("rollout", run.times)  # CUDA: the rollout's peak memory, vLLM awake (memory/* metrics)
     # on-policy, pi_old is the update's own first forward; with --lora_dropout it comes from a pass without it
     on_policy = (args.updates_per_rollout == 1 and args.minibatches == 1 and not args.lora_dropout
@@ -450,3 +463,4 @@ def check_sampler(run, batch: Batch, stats: StepStats) -> None:
         faults.check_sampler_diff(diff, run.step + 1, run.args.sampler_diff_tol)
     faults.nonfinite(stats.totals["loss/policy"], "loss", run.step + 1, run.args.on_nonfinite)
     run.times["push"] = time.perf_counter()
+    runlog.status("first step: push")

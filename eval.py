@@ -29,8 +29,8 @@ import torch
 
 import common
 import rewards
-from rlmini import (data, datafiles, dist, engine, models, options, reward_fns, reward_model, runlog, server,
-                    tools)
+from rlmini import (data, datafiles, dist, engine, faults, models, options, progress, quiet, reward_fns,
+                    reward_model, runlog, server, tools)
 
 TOOL_OPTIONS = ("tools", "tool_format", "max_turns", "tool_timeout", "tool_memory_mb", "tool_output_chars",
                 "tool_workers", "tool_sandbox", "env")  # the trainers' (common.Args), taken as they are
@@ -342,7 +342,7 @@ class SampleArgs(common.Args):
 
 
 def cmd_evaluate(argv) -> dict:
-    p = argparse.ArgumentParser(prog="eval.py", description="Evaluate a policy on a task's held-out split.")
+    p = options.Parser(prog="eval.py", description="Evaluate a policy on a task's held-out split.")
     p.add_argument("--model", default="tiny", help="hub id, local path (e.g. runs/<run>/final) or 'tiny'")
     p.add_argument("--task", default="addition",
                    help="as in training: addition, calibration, ordinal, gsm8k, math, jsonl:PATH, "
@@ -367,6 +367,8 @@ def cmd_evaluate(argv) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="output folder (default runs/eval-<model>-<task>, the task's "
                                              "whole spec: addition:14 -> addition-14)")
+    p.add_argument("--verbose", type=options.boolean, default=False,
+                   help="the libraries' output on the terminal instead of in <out>/logs/rank<R>.log")
     for name in TOOL_OPTIONS + TASK_OPTIONS + SERVER_OPTIONS + REWARD_OPTIONS:  # the trainers' options
         f = common.Args.__dataclass_fields__[name]
         choices = typing.get_args(f.type) if typing.get_origin(f.type) is typing.Literal else None
@@ -398,6 +400,17 @@ def cmd_evaluate(argv) -> dict:
         raise SystemExit(f"--k {a.k}: every k must lie in 1..--n ({a.n})")
     if a.engine == "vllm":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    out = a.out or os.path.join("runs", f"eval-{_model_name(a.model)}-{_task_name(a.task)}")
+    counted = {}  # the sampling's progress count, once it began (a Ctrl-C line says how far it got)
+
+    def interrupted() -> str:
+        c = counted.get("now")
+        done = f"after {c['done']} of {c['total']} completions" if c else "while loading"
+        return (f"interrupted (Ctrl-C) {done}: nothing written to {out} (eval.json is written once every "
+                f"question is scored); run it again with: {faults.rerun_command(sys.argv)}")
+    faults.watch(None, interrupted)
+    quiet.start(a)  # the libraries' output to <out>/logs/rank<R>.log (an entry point's; --verbose: here)
+    quiet.to_run_dir(out, resume=False)
     tool_options = {k: getattr(a, k) for k in TOOL_OPTIONS + SERVER_OPTIONS + REWARD_OPTIONS}
     try:
         args = SampleArgs(model=a.model, task=a.task, engine=a.engine, temperature=a.temperature, seed=a.seed,
@@ -431,7 +444,10 @@ def cmd_evaluate(argv) -> dict:
     run = argparse.Namespace(args=args, tokenizer=tok, style=style, engine=rollouts, model=model,
                              max_new_tokens=max_new, device=device, dtype=dtype, task=task, step=0,
                              toolbox=tools.make_toolbox(args, "", style, tok))
-    scores = sample_and_score(run, examples, a.n, seed=data.rollout_seed(a.seed, -1, dist.rank()))
+    faults.watch(run, interrupted)  # a Ctrl-C closes the engine too
+    with progress.counting(len(dist.shard(examples)) * a.n, "eval") as count:  # a bar with its ETA
+        counted["now"] = count
+        scores = sample_and_score(run, examples, a.n, seed=data.rollout_seed(a.seed, -1, dist.rank()))
     getattr(run.toolbox, "close", lambda: None)()  # --env's instances
     result = {"model": a.model, "task": a.task, "split": a.split, "temperature": a.temperature,
               "decoding": "greedy" if greedy else "sampled",
@@ -441,7 +457,6 @@ def cmd_evaluate(argv) -> dict:
     # torchrun: every rank holds the same result (scores were gathered); rank 0 writes it
     if dist.rank() != 0:
         return result
-    out = a.out or os.path.join("runs", f"eval-{_model_name(a.model)}-{_task_name(a.task)}")
     write_out(out, "eval.json", result)
     interval = lambda m, k: "[{:.3f}, {:.3f}]".format(*result[f"{m}@{k}_ci95"])
     shown = ("pass",) if greedy else ("pass", "maj", "mean")
@@ -617,7 +632,7 @@ def group_runs(runs: list, groups: list, pattern: str) -> dict:
 
 
 def cmd_compare(argv) -> dict:
-    p = argparse.ArgumentParser(prog="eval.py compare",
+    p = options.Parser(prog="eval.py compare",
                                 description="Compare runs, and groups of runs across seeds (IQM with 95% "
                                 "stratified-bootstrap intervals, Agarwal et al. 2021), from their "
                                 "metrics.jsonl; no wandb needed.")
@@ -741,7 +756,7 @@ def _report(out: str, name: str, result: dict, summary: str, details: list) -> d
 
 
 def cmd_audit(argv) -> dict:
-    p = argparse.ArgumentParser(prog="eval.py audit", description="The reward function against human labels.")
+    p = options.Parser(prog="eval.py audit", description="The reward function against human labels.")
     p.add_argument("--reward", default="math", choices=sorted(rewards.JSONL_REWARDS),
                    help="the verifier: math (math-verify on the last \\boxed{}, as gsm8k/math) | exact")
     p.add_argument("--file", required=True, help="JSONL: {completion, answer, label (1 = correct)} per line")
@@ -757,7 +772,7 @@ def cmd_audit(argv) -> dict:
 
 
 def cmd_contamination(argv) -> dict:
-    p = argparse.ArgumentParser(prog="eval.py contamination",
+    p = options.Parser(prog="eval.py contamination",
                                 description="Word n-gram overlap of training and evaluation prompts.")
     p.add_argument("--task", required=True, help="checks the task's train split against its test split")
     p.add_argument("--ngram", type=int, default=13)
@@ -775,7 +790,7 @@ def cmd_contamination(argv) -> dict:
 
 
 def cmd_completions(argv) -> dict:
-    p = argparse.ArgumentParser(prog="eval.py completions",
+    p = options.Parser(prog="eval.py completions",
                                 description="The worst and best completions of a training step, from the "
                                 "rollouts.jsonl that --log_completions writes: where reward hacking shows "
                                 "first.")

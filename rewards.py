@@ -122,11 +122,21 @@ def last_number(text: str) -> str | None:
     return found[-1].replace(",", "") if found else None
 
 
-def sums_task(style: str, seed: int, max_operand: int = 49, n_test: int = 500) -> Task:
+def sums_graded_reward(distance: float | None) -> float:
+    """--task sums_graded: 1 for the sum, 0.75, 0.5, 0.25, 0 for an answer off by 1, 2, 3, 4, -0.5 farther,
+    -1 for no answer (no number, or a reply that never ends): ordinal, as seed 004's rewards are."""
+    if distance is None:
+        return -1.0
+    return 1.0 - distance / 4 if distance <= 4 else -0.5
+
+
+def sums_task(style: str, seed: int, max_operand: int = 49, n_test: int = 500, graded: bool = False) -> Task:
     """a + b with a, b in [0, max_operand], asked as a pretrained chat model answers it: the answer is the
     last number of the reply ("12 + 13 = 25."), which must end (EOS). The task for --model smollm2, which
     never writes \\boxed{} (addition's chat format) but writes its sums as equations: greedy, it starts at
-    about 0.2 held-out pass@1 on 0..49 (docs/results.md). `n_test` pairs are held out (at most a fifth)."""
+    about 0.2 held-out pass@1 on 0..49 (docs/results.md). `n_test` pairs are held out (at most a fifth).
+    `graded` (--task sums_graded): the same questions and split, partial credit by the answer's distance
+    (sums_graded_reward), pass threshold 0.5 (off by 2 at most): CoRPO's setting (Garg & Venkatesh 2025)."""
     pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
     n_test = min(n_test, len(pairs) // 5)
     random.Random(seed).shuffle(pairs)
@@ -137,11 +147,13 @@ def sums_task(style: str, seed: int, max_operand: int = 49, n_test: int = 500) -
     def score(completion: str, example: dict, finished: bool) -> Score:
         pred = last_number(completion)
         if not finished or pred is None:
-            return Score(0.0, 0.0, 0.0)
-        ok = float(float(pred) == example["answer"])
-        return Score(ok, ok, 1.0, pred=pred)
+            return Score(sums_graded_reward(None) if graded else 0.0, 0.0, 0.0)
+        distance = abs(float(pred) - example["answer"])
+        ok = float(distance == 0)
+        return Score(sums_graded_reward(distance) if graded else ok, ok, 1.0, pred=pred)
 
-    return Task("sums", "binary", train, test, score, pass_threshold=1.0, alphabet=DIGITS + ["+", "="],
+    name, kind, threshold = ("sums_graded", "ordinal", 0.5) if graded else ("sums", "binary", 1.0)
+    return Task(name, kind, train, test, score, pass_threshold=threshold, alphabet=DIGITS + ["+", "="],
                 max_new_tokens=4 if style == "tiny" else 32)
 
 
@@ -343,10 +355,10 @@ def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False
         if local and not (local.isdigit() and int(local) >= 1):
             raise DataError(f"--task {spec!r}: addition takes the largest operand >= 1, e.g. addition:19")
         return addition_task(style, seed, int(local) if local else 9)
-    if name == "sums":  # sums[:MAX_OPERAND]
+    if name in ("sums", "sums_graded"):  # sums[:MAX_OPERAND], sums_graded[:MAX_OPERAND]
         if local and not (local.isdigit() and int(local) >= 2):
-            raise DataError(f"--task {spec!r}: sums takes the largest operand >= 2, e.g. sums:49")
-        return sums_task(style, seed, int(local) if local else 49)
+            raise DataError(f"--task {spec!r}: {name} takes the largest operand >= 2, e.g. {name}:49")
+        return sums_task(style, seed, int(local) if local else 49, graded=name == "sums_graded")
     if name == "calibration":
         return calibration_task(style, seed, brier=brier)
     if name == "ordinal":
@@ -396,5 +408,6 @@ def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False
             rows, test = rows[:-n_test] or rows, rows[-n_test:]
         return Task(name, "binary", rows, test, JSONL_REWARDS[jsonl_reward], pass_threshold=1.0,
                     alphabet=list(string.printable), max_new_tokens=512)
-    raise DataError(f"--task {spec!r}: unknown task; choose addition[:N], sums[:N], calibration, ordinal, "
-                    f"mixed[:HARD_FRAC], modmul, gsm8k, math, jsonl:PATH, hf:DATASET or rg:NAME[,NAME...]")
+    raise DataError(f"--task {spec!r}: unknown task; choose addition[:N], sums[:N], sums_graded[:N], "
+                    f"calibration, ordinal, mixed[:HARD_FRAC], modmul, gsm8k, math, jsonl:PATH, hf:DATASET "
+                    f"or rg:NAME[,NAME...]")

@@ -6,6 +6,7 @@ interval), in one table and one figure of the training reward.
     python reproduce/smollm2.py                                 # GRPO, seeds 0 1 2 (~20 min a seed, 2 cores)
     python reproduce/smollm2.py --scripts train_rloo.py train_gpg.py train_corpo.py train_ppo.py --seeds 0
     python reproduce/smollm2.py --report_only true    # the table and figure from the runs already there
+    python reproduce/smollm2.py --flags "--lora_rank 16 --lr 3e-4" --tag lora16-lr3e-4 --seeds 0 1  # LoRA
 
 A run folder that holds final/ and an evaluation is reused, so an interrupted reproduction continues.
 """
@@ -27,6 +28,7 @@ TRAIN = ["--model", "smollm2", "--task", "sums", "--prompts_per_step", "8", "--g
 def run(cmd: list, log: str) -> float:
     """Run `cmd` from the repository root, its output in `log`; its wall seconds, or exit with its tail."""
     start = time.perf_counter()
+    os.makedirs(os.path.dirname(log), exist_ok=True)
     with open(log, "w") as f:
         done = subprocess.run([sys.executable, *cmd], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
     if done.returncode:
@@ -42,19 +44,22 @@ def evaluate(model: str, out: str) -> dict:
     return json.load(open(path))
 
 
-def train(script: str, seed: int, out_dir: str) -> dict:
+def train(script: str, seed: int, out_dir: str, flags: list, name: str) -> dict:
     """One run (reused when its final/ exists): its folder, wall minutes, per-step training rewards."""
-    name = f"{script[6:-3]}-s{seed}"
     folder = os.path.join(out_dir, name)
     if not os.path.exists(os.path.join(folder, "final", "config.json")):
         os.makedirs(out_dir, exist_ok=True)
-        wall = run([script, *TRAIN, "--seed", str(seed), "--out_dir", out_dir, "--run_name", name],
+        wall = run([script, *TRAIN, *flags, "--seed", str(seed), "--out_dir", out_dir, "--run_name", name],
                    os.path.join(out_dir, name + ".log"))
         with open(os.path.join(folder, "wall_s.json"), "w") as f:
-            json.dump({"wall_s": wall}, f)
+            json.dump({"wall_s": wall, "flags": flags}, f)
+    done = json.load(open(os.path.join(folder, "wall_s.json")))
+    if done.get("flags", []) != flags:  # a folder of another configuration is never reported as this one
+        sys.exit(f"{folder} was trained with --flags {' '.join(done.get('flags', []))!r}, not "
+                 f"{' '.join(flags)!r}: give another --tag or --out_dir")
     steps = [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
     rewards = [m["reward/mean"] for m in steps if "reward/mean" in m]
-    wall = json.load(open(os.path.join(folder, "wall_s.json")))["wall_s"]
+    wall = done["wall_s"]
     return {"name": name, "folder": folder, "minutes": wall / 60, "rewards": rewards}
 
 
@@ -65,15 +70,18 @@ def main(argv=None):
     p.add_argument("--out_dir", default=os.path.join(ROOT, "runs", "smollm2"))
     p.add_argument("--figure", default=os.path.join(ROOT, "docs", "figures", "smollm2_sums.png"))
     p.add_argument("--report_only", type=lambda s: s.lower() == "true", default=False)
+    p.add_argument("--flags", default="", help="more trainer flags for every run, e.g. \"--lora_rank 16\"")
+    p.add_argument("--tag", default="", help="added to the run names (runs with other --flags need one)")
     a = p.parse_args(argv)
+    flags = a.flags.split()
     base = evaluate("smollm2", os.path.join(a.out_dir, "eval-base"))
     runs = []
     for script in a.scripts:
         for seed in a.seeds:
-            name = f"{script[6:-3]}-s{seed}"
+            name = f"{script[6:-3]}{'-' + a.tag if a.tag else ''}-s{seed}"
             if a.report_only and not os.path.exists(os.path.join(a.out_dir, name, "final")):
                 continue
-            r = train(script, seed, a.out_dir)
+            r = train(script, seed, a.out_dir, flags, name)
             r["eval"] = evaluate(os.path.join(r["folder"], "final"), os.path.join(a.out_dir, "eval-" + name))
             runs.append(r)
     ci = lambda e: "[{:.3f}, {:.3f}]".format(*e["pass@1_ci95"])  # noqa: E731

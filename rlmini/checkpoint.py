@@ -24,12 +24,12 @@ RUN_FILES = ("metrics.jsonl", "rollouts.jsonl", "config.json", "eval.json", "che
 # options a resumed run may change freely: how it is run, logged and checked, not what it learns
 RESUMABLE_CHANGES = {
     "steps", "resume", "out_dir", "run_name", "config", "overwrite", "allow_option_changes", "eval_every",
-    "eval_n", "eval_limit", "save_every", "wandb", "wandb_project", "wandb_group", "wandb_tags",
-    "log_completions", "push_check_every", "push_check_tol", "sampler_diff_tol", "dist_timeout",
-    "on_nonfinite", "micro_batch_size", "gradient_checkpointing", "engine", "vllm_gpu_memory_utilization",
-    "vllm_sleep", "print_every", "verbose", "packing", "packed_attention", "micro_batch_tokens", "lora_push",
-    "vllm_seed", "vllm_tp", "server_url", "server_push", "server_push_dir", "server_timeout",
-    "server_concurrency"}
+    "eval_n", "eval_limit", "save_every", "keep_checkpoint", "wandb", "wandb_project", "wandb_group",
+    "wandb_tags", "log_completions", "push_check_every", "push_check_tol", "sampler_diff_tol",
+    "dist_timeout", "on_nonfinite", "micro_batch_size", "gradient_checkpointing", "engine",
+    "vllm_gpu_memory_utilization", "vllm_sleep", "print_every", "verbose", "packing", "packed_attention",
+    "micro_batch_tokens", "lora_push", "vllm_seed", "vllm_tp", "server_url", "server_push",
+    "server_push_dir", "server_timeout", "server_concurrency"}
 
 
 def prepare_run_dir(args) -> str:
@@ -41,6 +41,10 @@ def prepare_run_dir(args) -> str:
         raise SystemExit(f"--out_dir {args.out_dir}: is a file, not a folder")
     found = [f for f in RUN_FILES if os.path.exists(os.path.join(run_dir, f))]
     checkpoints = [f for f in ("checkpoint.pt", "checkpoint", "checkpoint.old") if f in found]
+    if args.resume and not checkpoints and "final" in found:  # finished with --keep_checkpoint false
+        raise SystemExit(f"--resume true: {run_dir} finished without its checkpoint (--keep_checkpoint "
+                         f"false); final/ holds the weights but not the optimizer: start a run from them "
+                         f"with --model {os.path.join(run_dir, 'final')}")
     if args.resume and not checkpoints:
         raise SystemExit(f"--resume true: no checkpoint in {run_dir} (checkpoint.pt, or checkpoint/ under "
                          f"torchrun)")
@@ -222,6 +226,26 @@ def load_resumed(run_dir: str) -> dict:
     return load_checkpoint(os.path.join(folder, "meta.pt"))
 
 
+def remove(run_dir: str) -> None:
+    """--keep_checkpoint false at the end of a run: its checkpoint.pt or checkpoint/ goes (after a barrier:
+    every rank is done with final/), renamed first so that a removal cut short leaves no half checkpoint that
+    --resume would take; rank 0 says so."""
+    dist.barrier()
+    if dist.rank() != 0:
+        return
+    gone = []
+    for path in (os.path.join(run_dir, "checkpoint.pt"), sharded_checkpoint_dir(run_dir)):
+        if os.path.exists(path):
+            doomed = f"{path}.removed"
+            shutil.rmtree(doomed, ignore_errors=True)  # a removal cut short before
+            os.rename(path, doomed)
+            shutil.rmtree(doomed) if os.path.isdir(doomed) else os.remove(doomed)
+            gone.append(os.path.basename(path))
+    if gone:
+        print(f"removed {' and '.join(gone)} (--keep_checkpoint false): the run cannot be extended with "
+              f"--resume", flush=True)
+
+
 def save(run) -> None:
     """Everything needed to continue: the policy and its optimizer, PPO's critic and its optimizer, the
     scheduler, RNGs, step, data position, HA-DW's state and the task's (Task.state). The layout follows how
@@ -254,6 +278,7 @@ def save(run) -> None:
                                    for k, (m, o) in pairs.items()})
         save_checkpoint(os.path.join(run.run_dir, "checkpoint.pt"),
                         {"model": model_state(run.model), "optimizer": run.optimizer.state_dict(), **meta})
+    run.checkpoint_step = run.step
 
 
 def model_state(model) -> dict:
@@ -314,6 +339,7 @@ def resume(run) -> None:
     restore(run, "policy", run.model, run.optimizer)
     run.scheduler.load_state_dict(run.resumed["scheduler"])
     run.step, run.data_pos = run.resumed["step"], run.resumed["data_pos"]
+    run.checkpoint_step = run.step
     run.redraw = list(run.resumed.get("redraw", []))  # common.ahead requests them first
     if run.redraw and not run.args.async_steps:  # resumed lock-step: the stream continues from the first
         run.data_pos, run.redraw = run.redraw[0], []
@@ -359,5 +385,5 @@ def save_final(model, tokenizer, path: str, style: str = "chat", since: float | 
     if since is not None:  # a save of many GB takes a while: say what it wrote, and how long it took
         what = "merged model, adapter" if adapters is not None else "model"
         took = time.perf_counter() - since
-        print(f"saved {path} ({what}, {took:.1f} s with the checkpoint) and "
+        print(f"saved {path} ({what}; {took:.1f} s to save) and "
               f"{os.path.join(os.path.dirname(path), 'metrics.jsonl')}", flush=True)

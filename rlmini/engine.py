@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from rlmini import dist, memplan, memstats, quiet
+from rlmini import dist, memplan, memstats, progress, quiet
 from rlmini.data import Rollouts, rng_state, set_rng_state
 from rlmini.faults import EngineStateError, PushError  # noqa: F401 (raised here, caught by user_errors)
 from rlmini.logprobs import token_logprobs
@@ -120,6 +120,7 @@ class HFEngine:
         attn, next_pos = attn.repeat_interleave(n, 0), P.repeat_interleave(n).to(device)
         active = torch.arange(B, device=device)  # the batch rows still in the cache, in cache order
         done = torch.zeros(B, dtype=torch.bool, device=device)  # per cache row; only a placeholder can be
+        counted = 0  # finished rows reported to eval.py's bar (rlmini/progress.py), when it counts
         for t in range(max_new_tokens):
             if greedy:
                 logp, tok = torch.log_softmax(logits.float(), -1), logits.float().argmax(-1)
@@ -136,6 +137,10 @@ class HFEngine:
                     text = self.tokenizer.decode(tokens[row, max(0, t + 1 - tail):t + 1].tolist())
                     done[k] = any(x in text for x in stop)
             running = not bool(done.all())
+            if progress.active():  # rows left the cache or done now: finished (one sync a step, eval.py only)
+                finished = B - int((~done).sum())
+                progress.advance((finished - counted) * copies)
+                counted = finished
             if dist.many_ranks():  # FSDP2: every forward all-gathers, so ranks step until all have ended
                 running = dist.all_sum(float(running)) > 0
             if not running or t + 1 == max_new_tokens:
@@ -153,6 +158,7 @@ class HFEngine:
                                past_key_values=cache, use_cache=True).logits[:, -1]
             next_pos = next_pos + 1
         model.train(was_training)
+        progress.advance((B - counted) * copies)  # the rows the budget ended
         tokens, logps, length = tokens.cpu().tolist(), logps.cpu().tolist(), length.cpu().tolist()
         r = Rollouts([], [], [], [], self.pad_id)
         for i in range(B):
@@ -366,7 +372,8 @@ class VLLMEngine:
                                  include_stop_str_in_output=bool(stop), seed=request_seed)
                   for _, budget, request_seed in requests]
         outs = self.llm.generate([{"prompt_token_ids": ids} for ids, _, _ in requests], params,
-                                 use_tqdm=False, lora_request=self.lora)[first:first + len(prompt_ids)]
+                                 use_tqdm=progress.vllm_bar if progress.active() else False,  # eval.py's bar
+                                 lora_request=self.lora)[first:first + len(prompt_ids)]
         r = Rollouts([], [], [], [], self.pad_id)
         for ids, out in zip(prompt_ids, outs):
             for c in out.outputs * (n if greedy else 1):

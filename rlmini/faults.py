@@ -1,10 +1,13 @@
 """Guards and user errors: a non-finite reward, loss or gradient stops the run (or skips the update), rollouts
 that did not come from the policy stop it, a collapsed policy is warned about, and bad input ends in one line
-naming it (exit 2) instead of a traceback; a reward call that never returns ends the process (deadline)."""
+naming it (exit 2) instead of a traceback; Ctrl-C ends in one line saying how to continue (exit 130); a reward
+call that never returns ends the process (deadline)."""
 import contextlib
 import faulthandler
 import math
 import os
+import shlex
+import signal
 import sys
 import threading
 import time
@@ -195,18 +198,109 @@ def warn_on_collapse(run, metrics: dict, steps: int = 5) -> None:
               f"or every group's rewards are equal", file=sys.stderr)
 
 
+# ---------------------------------------------------------------------------------------------- Ctrl-C
+
+REFUSED = 2  # every one-line refusal of bad input (options, files, models, tasks, data); 1: a traceback
+INTERRUPTED = 130  # the shell's status for a process ended by SIGINT (128 + 2)
+_WATCHED = {}  # what an interrupt closes and reports (startup.build, eval.py: watch)
+
+
+def watch(run=None, describe=None) -> None:
+    """From now on a Ctrl-C closes `run`'s engine, environments and log, and prints `describe()` (default:
+    interrupt_line, a trainer's); watch() forgets both."""
+    _WATCHED.clear()
+    _WATCHED.update(run=run, describe=describe)
+
+
+def interrupted(argv: list) -> str:
+    """Ctrl-C (SIGINT; under torchrun every rank gets it, and torchrun passes on a second): the engines,
+    the environments and the wandb run are closed, and rank 0 prints one line: the step it was in, the last
+    checkpoint and the command that continues from it. Returns that line."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the second SIGINT ends nothing half-closed
+    run, describe = _WATCHED.pop("run", None), _WATCHED.pop("describe", None)
+    line = describe() if describe is not None else interrupt_line(run, argv)
+    for name in ("log", "engine", "toolbox") if run is not None else ():
+        part = getattr(run, name, None)
+        with contextlib.suppress(Exception):  # closing what an interrupt cut short is best effort
+            part.close(INTERRUPTED) if name == "log" else getattr(part, "close", lambda: None)()
+    if dist.rank() == 0:
+        print(line, file=sys.stderr, flush=True)
+    return line
+
+
+def interrupt_line(run, argv: list) -> str:
+    """'interrupted (Ctrl-C) in step 8 of 20; last checkpoint runs/x/checkpoint.pt (step 5); continue with:
+    python train_grpo.py ... --resume true', or what to rerun when nothing was saved."""
+    if run is None:
+        return ("interrupted (Ctrl-C) during start-up, before step 1: nothing was trained; rerun the command "
+                "(with --overwrite true if it made its run folder)")
+    args, step = run.args, run.step
+    if getattr(run.log, "last_step", step) < step:  # after run.step += 1: its evaluation, log or checkpoint
+        step -= 1
+    where = f"in step {step + 1} of {args.steps}" if step < args.steps else f"after step {step}, saving"
+    command = rerun_command(argv, "--resume", "--overwrite")
+    if run.checkpoint_step is None:
+        every = {0: "only at the end", -1: "never"}.get(args.save_every, f"every {args.save_every} steps")
+        return (f"interrupted (Ctrl-C) {where}; no checkpoint yet (--save_every {args.save_every}: "
+                f"{every}); start again with: {command} --overwrite true")
+    name = "checkpoint/" if dist.sharded() else "checkpoint.pt"
+    return (f"interrupted (Ctrl-C) {where}; last checkpoint {os.path.join(run.run_dir, name)} (step "
+            f"{run.checkpoint_step}); continue with: {command} --resume true")
+
+
+def rerun_command(argv: list, *drop) -> str:
+    """The command line that started this process (python or torchrun, the script, its flags but `drop`)."""
+    return shlex.join([*_launcher(), *_without(argv, *drop)])
+
+
+def _launcher() -> list:
+    """How this process was started: python, or torchrun with its process counts."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return ["python"]
+    local, world = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), dist.world_size()
+    nodes = [f"--nnodes={world // local}"] if world != local else []
+    return ["torchrun", *nodes, f"--nproc_per_node={local}"]
+
+
+def _without(argv: list, *flags) -> list:
+    """argv without the boolean `flags` and their values (--resume, --resume true, --resume=true)."""
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a.split("=", 1)[0] in flags:
+            nxt = argv[i + 1].lower() if i + 1 < len(argv) else ""
+            skip = "=" not in a and nxt in ("true", "false", "yes", "no", "1", "0")
+            continue
+        out.append(a)
+    return out
+
+
 @contextlib.contextmanager
 def user_errors():
-    """A train_*.py entry point: bad data, non-finite values and a failed guard (rollouts not from the policy,
-    a weight push that did not take effect) end in one line naming the problem and exit status 2, not a
-    traceback (a traceback is for our bugs). Within it common.setup moves the libraries' output to the run
-    folder's log (rlmini/quiet.py), the terminal restored before an error is printed."""
+    """A train_*.py entry point (and eval.py's): bad input (options, files, models, tasks, data), non-finite
+    values and a failed guard (rollouts not from the policy, a weight push that did not take effect) end in
+    one line naming the problem and exit status 2 (REFUSED), not a traceback (a traceback is for our bugs:
+    1); Ctrl-C in one line saying how to continue, status 130 (interrupted). Within it common.setup moves
+    the libraries' output to the run folder's log (rlmini/quiet.py), the terminal restored before an error
+    is printed."""
     try:
         with quiet.entry_point():
             yield
     except (DataError, NonFiniteError) as e:
         print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(REFUSED) from None
     except (RolloutMismatchError, PushError, EngineStateError, ServerError, JudgeError) as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(REFUSED) from None
+    except KeyboardInterrupt:
+        interrupted(sys.argv)
+        raise SystemExit(INTERRUPTED) from None
+    except SystemExit as e:
+        if not isinstance(e.code, str):  # exit(0), exit(2) above
+            raise
+        print(e.code, file=sys.stderr)  # a refusal in one line (an option, a file, a model, a task): status 2
+        raise SystemExit(REFUSED) from None
+    finally:
+        _WATCHED.clear()  # the run is over: nothing of it kept alive here

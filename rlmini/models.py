@@ -123,6 +123,10 @@ def check_model_folder(model: str, flag: str = "--model", config_only: bool = Fa
     if missing:
         raise SystemExit(f"{flag} {model}: the folder has no {', no '.join(missing)}: not a Hugging Face "
                          f"model folder (the save_pretrained of a model and of its tokenizer write one)")
+    for name in [] if config_only else sorted(f for f in files if f.endswith(".safetensors")):
+        header = safetensors_header(os.path.join(model, name))  # a file cut short: one line, not a traceback
+        if isinstance(header, str):
+            raise SystemExit(f"{flag} {model}: {header}")
 
 
 def load_tokenizer(path: str):
@@ -315,7 +319,10 @@ def safetensors_header(file: str) -> dict | str:
         n = int.from_bytes(f.read(8), "little")
         if 8 + n > size:
             return f"{file}: not a safetensors file (its header's length {n} is past its end)"
-        header = json.loads(f.read(n))
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            return f"{file}: not a safetensors file (its header is not JSON)"
     out = {}
     for key, entry in header.items():
         if key == "__metadata__":

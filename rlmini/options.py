@@ -87,6 +87,18 @@ def range_text(ge=None, gt=None, le=None, lt=None) -> str:
     return f"{op} {bound:g}"
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad option ends in one line naming it (argparse prints its usage and exits 2; our
+    refusals are one line, status 2: faults.user_errors)."""
+
+    def __init__(self, *args, source: str = "command line", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.source = source
+
+    def error(self, message):
+        raise SystemExit(f"bad option ({self.source}): {message}")
+
+
 def parse_args(cls, argv=None):
     """`cls` (a subclass of Args) from the command line; a --config file's options become command-line flags
     placed before the others (so the parser types them, and a flag given again overrides). Flags are never
@@ -99,20 +111,17 @@ def parse_args(cls, argv=None):
         argv = config_flags(path, cls) + argv
         source = f"command line or --config {path}"
 
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):  # argparse would print its usage and exit 2: one line instead
-            raise SystemExit(f"bad option ({source}): {message}")
-
     about = (sys.modules[cls.__module__].__doc__ or "").split("\n\n")[0]
-    parser = Parser(description=about, allow_abbrev=False)
-    for f in dataclasses.fields(cls):
+    parser = Parser(description=about, allow_abbrev=False, usage="%(prog)s [--option value ...]",
+                    source=source)
+    for f, group in help_order(cls, parser):
         kind = next((t for t in typing.get_args(f.type) if t is not type(None)), f.type)  # X | None -> X
         options = {"default": f.default, "help": f.metadata.get("help", ""), "type": kind}
         if typing.get_origin(f.type) is Literal:
             options.update(type=str, choices=typing.get_args(f.type))
         elif kind is bool:  # --flag, --flag true, --flag false
             options.update(type=boolean, nargs="?", const=True)
-        parser.add_argument(f"--{f.name}", **options)
+        group.add_argument(f"--{f.name}", **options)
     values, unknown = parser.parse_known_args(argv)
     if unknown:  # flags are never abbreviated: --temp is not --temperature
         raise SystemExit(f"unknown option(s) {unknown}: see --help for the options")
@@ -120,6 +129,33 @@ def parse_args(cls, argv=None):
         return cls(**vars(values))
     except ValueError as e:
         raise SystemExit(f"bad option ({source}): {e}") from None
+
+
+FIRST_RUN = ("model", "task", "steps", "prompts_per_step", "group_size", "lr")  # --help's first group
+
+
+def help_order(cls, parser) -> list:
+    """(field, argparse group) in --help's order: the options a first run sets, then the script's own (its
+    algorithm's), then each base class's (every trainer's, the task's, the tools', ...), under headings."""
+    fields, out = {f.name: f for f in dataclasses.fields(cls)}, []
+    first = [fields[n] for n in FIRST_RUN if n in fields]
+    if first:
+        group = parser.add_argument_group("a first run")
+        out += [(f, group) for f in first]
+    for c in cls.__mro__:
+        taken = {f.name for f, _ in out}
+        own = [fields[n] for n in c.__dict__.get("__annotations__", {}) if n in fields and n not in taken]
+        if not own:
+            continue
+        doc = c.__doc__ or ""
+        if doc.startswith(f"{c.__name__}("):  # a dataclass without its own docstring: a script's Args
+            script = sys.argv[0] if c.__module__ == "__main__" else f"{c.__module__}.py"
+            title = f"{os.path.basename(script)}'s own"
+        else:
+            title = doc.split("\n")[0].split(" (")[0].rstrip(":.")
+        group = parser.add_argument_group(title)
+        out += [(f, group) for f in own]
+    return out
 
 
 def boolean(text: str) -> bool:

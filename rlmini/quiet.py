@@ -65,6 +65,23 @@ def start(args) -> None:
     logging.lastResort.setLevel(logging.WARNING)
 
 
+@contextlib.contextmanager
+def to_log():
+    """While quiet, what is printed to sys.stdout and sys.stderr (wandb's banner, notices and summary, which
+    write there at call time) goes to the log too."""
+    if not active():
+        yield
+        return
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    try:
+        yield
+    finally:
+        sys.__stdout__.flush()
+        sys.__stderr__.flush()
+        sys.stdout, sys.stderr = streams
+
+
 def to_run_dir(run_dir: str, resume: bool) -> None:
     """The log so far into run_dir/logs/rank<R>.log (appended to on --resume), which gets the rest."""
     if not active():

@@ -23,6 +23,7 @@ class RunLog:
         # made last in common.setup: the engine's start-up phase ends here
         startup("engine", f" ({args.engine}: started, calibrated on a probe"
                           f"{', the checkpoint restored' if args.resume else ''})")
+        status("first step: rollout")
         self.rank0 = dist.rank() == 0
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.wandb = None
@@ -39,18 +40,23 @@ class RunLog:
             import wandb
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
             tags = [t.strip() for t in args.wandb_tags.split(",") if t.strip()]
-            self.wandb = wandb.init(project=args.wandb_project, name=args.run_name, id=config["run_id"],
-                                    group=args.wandb_group or None, tags=tags or None, config=config,
-                                    dir=run_dir, mode=mode, resume="allow",
-                                    settings=wandb.Settings(quiet=quiet.active()))  # no summary table
+            with quiet.to_log():  # its banner and notices: the run's log (on the terminal with --verbose)
+                self.wandb = wandb.init(project=args.wandb_project, name=args.run_name, id=config["run_id"],
+                                        group=args.wandb_group or None, tags=tags or None, config=config,
+                                        dir=run_dir, mode=mode, resume="allow")
+                where = (self.wandb.url if mode == "online" else
+                         f"offline, in {os.path.dirname(self.wandb.dir)} (wandb sync uploads it)")
+            print(f"wandb run: {where}", flush=True)  # the one line of wandb's worth the terminal
         from tqdm import tqdm
         self.bar = tqdm(total=total, initial=start_step, dynamic_ncols=True, disable=not sys.stderr.isatty()
                         and not os.environ.get("RLMINI_PROGRESS"))
         # no terminal: a line every N steps
         self.print_every = 0 if not self.bar.disable else args.print_every
         self.start, self.start_step, self.total = time.perf_counter(), start_step, total
+        self.last_step = start_step  # the last step logged (a Ctrl-C after run.step += 1 is still in it)
 
     def log(self, step: int, metrics: dict) -> None:
+        self.last_step = step
         if not self.rank0:
             return
         row = {"step": step, **{k: float(v) for k, v in metrics.items()}}
@@ -78,13 +84,17 @@ class RunLog:
             table = wandb.Table(columns=columns, data=[[cell(r[c]) for c in columns] for r in rows])
             self.wandb.log({"completions": table}, step=step)
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
+        """The bar closed, the summary line (not for an interrupted run: exit_code 130), wandb's run finished
+        with `exit_code`."""
         if self.bar is not None:
             self.bar.close()
-        if self.rank0 and os.path.exists(self.path):
+        if self.rank0 and os.path.exists(self.path) and not exit_code:
             print(summary_line(read_metrics(self.path)), flush=True)
         if self.wandb is not None:
-            self.wandb.finish()
+            with quiet.to_log():  # its summary and sync notices
+                self.wandb.finish(exit_code=exit_code)
+            self.wandb = None
 
 
 def run_id(run_dir: str, args) -> str:
@@ -139,14 +149,20 @@ def progress_line(step: int, total: int, row: dict, seconds_per_step: float) -> 
 
 
 def summary_line(rows: list, last: int = 10) -> str:
-    """The run in one line: the training reward (mean of the first and last `last` steps) beside the latest
-    held-out pass@1 (--eval_every): a rise on the training prompts alone may be memorisation."""
+    """The run in one line: the training reward (mean of the first and last `last` steps; in a run shorter
+    than 2 `last` steps, of its first and last halves, never overlapping) beside the latest held-out pass@1
+    (--eval_every): a rise on the training prompts alone may be memorisation."""
     reward = [r["reward/mean"] for r in rows if math.isfinite(r.get("reward/mean", math.nan))]
     if not reward:
         return "no step logged"
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    text = (f"training reward {mean(reward[:last]):.3f} -> {mean(reward[-last:]):.3f} (first, last {last} "
-            f"steps)")
+    k = min(last, len(reward) // 2)
+    if k == 0:
+        text = f"training reward {reward[0]:.3f} (1 step)"
+    else:
+        of = "" if k == last else f" of {len(reward)}"
+        text = (f"training reward {mean(reward[:k]):.3f} -> {mean(reward[-k:]):.3f} (first, last {k}{of} "
+                f"steps)")
     held = [r for r in rows if "eval/pass@1" in r]
     if not held:
         return text + " | held-out pass@1: not evaluated (--eval_every N)"
@@ -190,6 +206,16 @@ def startup(phase: str = "", detail: str = "") -> None:
     spent = f"; torch.compile {compiled - since:.1f} s of it" if compiled - since >= 0.05 else ""
     from tqdm import tqdm
     tqdm.write(f"start-up: {phase} {now - last:.1f} s{detail}{spent}")  # above the bar the first step finds
+    sys.stdout.flush()
+
+
+def status(doing: str) -> None:
+    """On a terminal, during the start-up: what it is doing now ('start-up: starting the vllm engine ...'),
+    on rank 0, as a line the next line overwrites (it ends in a carriage return, and every line of ours is
+    longer). Without a terminal (a log file, CI) nothing: each phase's own line follows when it ends."""
+    if _STARTUP["clock"] is None or dist.rank() != 0 or not sys.stdout.isatty():
+        return
+    sys.stdout.write(f"start-up: {doing} ..."[:56] + "\r")
     sys.stdout.flush()
 
 

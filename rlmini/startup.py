@@ -44,15 +44,18 @@ class Run:
     plan: dict = field(default_factory=dict)  # the memory plan (memplan.plan_run); CUDA: measured per phase
     ahead: list = field(default_factory=list)  # --async_steps: (data_pos, examples, future) requested
     redraw: list = field(default_factory=list)  # after --resume: data positions of the batches then in flight
+    checkpoint_step: int | None = None  # the step the last checkpoint holds (a Ctrl-C line names it)
 
 
 def build(args, algo: str) -> Run:
     """common.setup: seeds, task, run folder, device, model, engine, optimizer and log; on --resume, the
     checkpoint."""
     memplan.plan_only(args, algo)  # --plan_only: the plan from the config alone, then exit
+    faults.watch()  # a Ctrl-C from here to the Run: "during start-up"
     check_ranks(args)
     data.seed_everything(args.seed)
     runlog.startup()  # rank 0 prints each start-up phase: model, engine, first step, with their seconds
+    runlog.status(f"task and model ({args.model})")  # on a terminal: what it does until its line
     quiet.start(args)  # the libraries' output to a log (the run folder's below), our lines to the terminal
     model_tag = os.path.basename(args.model.rstrip("/"))
     args.run_name = args.run_name or f"{algo}-{args.task.split(':')[0]}-{model_tag}-s{args.seed}"
@@ -79,6 +82,7 @@ def build(args, algo: str) -> Run:
     model, tokenizer, path = models.load_model(args, task, device, dtype, tokenizer)  # torchrun: sharded
     reward_model.load(task, args, tokenizer, device, dtype)  # --reward_model, --judge_url: before vLLM sizes
     runlog.startup("model", f" (task, memory plan, {args.model} built or loaded)")
+    runlog.status(f"starting the {args.engine} engine")
     optimizer = optim.adamw(trainable_parameters(model), args.lr, args.weight_decay)  # LoRA: the adapters
     memplan.materialize_adamw(optimizer)  # its state exists before vLLM sizes itself (bit-identical training)
     scheduler = optim.schedule(optimizer, args)
@@ -96,4 +100,5 @@ def build(args, algo: str) -> Run:
     if args.resume:
         ckpt.resume(run)  # the policy, its optimizer and schedule, the step, data position, RNG, HA-DW
     run.log = runlog.RunLog(args, run_dir, run.step, args.steps, algo)
+    faults.watch(run)  # Ctrl-C from here on: closed, and one line on how to continue (faults.interrupted)
     return run

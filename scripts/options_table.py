@@ -44,13 +44,22 @@ def shared_fields() -> list:
     return [f for f in fields if f.name in own] + [f for f in fields if f.name not in own]
 
 
-def table(fields) -> list:
+def group_size_values(names) -> str:
+    """--group_size's range per script: a script with a group baseline raises it (Args.min_group_size)."""
+    by_min = {}
+    for name in names:
+        by_min.setdefault(importlib.import_module(name).Args.min_group_size, []).append(f"{name}.py")
+    return "; ".join(f"int >= {low} ({', '.join(s)})" for low, s in sorted(by_min.items(), reverse=True))
+
+
+def table(fields, names=()) -> list:
     rows = ["| flag | default | values | meaning |", "|---|---|---|---|"]
     for f in fields:
         shown = str(f.default).lower() if isinstance(f.default, bool) else f.default
         default = "" if f.default in ("", None) else f"`{shown}`"
         meaning = f.metadata["help"].replace("|", "\\|")  # a table cell
-        rows.append(f"| `--{f.name}` | {default} | {values(f)} | {meaning} |")
+        valid = group_size_values(names) if f.name == "group_size" and names else values(f)
+        rows.append(f"| `--{f.name}` | {default} | {valid} | {meaning} |")
     return rows
 
 
@@ -58,14 +67,15 @@ def page(names=None) -> str:
     """docs/options.md for the scripts `names` (default: every train_*.py)."""
     import common
     shared = {f.name for f in dataclasses.fields(common.Args)}
+    names = scripts() if names is None else names
     out = ["# Options", "",
            "Generated from the scripts' `Args` by `python scripts/options_table.py` (a test checks that it "
            "is current).",
            "Every option is a flag (`--name value`; a bare boolean flag means true) or a key of a `--config` "
            "YAML/JSON file;",
            "a flag given on the command line overrides the file.", "",
-           "## Every script", "", *table(shared_fields())]
-    for name in scripts() if names is None else names:
+           "## Every script", "", *table(shared_fields(), names)]
+    for name in names:
         own = [f for f in dataclasses.fields(importlib.import_module(name).Args) if f.name not in shared]
         out += ["", f"## `{name}.py`", "", *table(own)]
     return "\n".join(out) + "\n"

@@ -129,7 +129,8 @@ def _no_vllm_logging_left_behind():
 
 # the lines a trainer prints itself (rlmini/quiet.py); any other line on the terminal is a library's
 OUR_LINES = re.compile(r"(memory plan per rank|start-up: (model|engine|first step) |step \d+/\d+ \| |"
-                       r"training reward |saved |nothing saved |warning: |error: )")
+                       r"training reward |saved |nothing saved |warning: |error: |wandb run: |"
+                       r"removed checkpoint)")
 VLLM_INFO = re.compile(r"\(\S+ pid=\d+\) INFO ")  # a line of vLLM's logging (vllm/logger.py::_FORMAT)
 
 

@@ -287,16 +287,20 @@ def test_a_finished_torchrun_job_exits_0_every_time(tmp_path):
 
 def test_finish_saves_then_waits_for_every_rank(monkeypatch, capsys):
     """The last checkpoint and final/ are written, then the ranks meet at a barrier (the group ends at exit);
+    --keep_checkpoint false writes final/ and then removes the checkpoints (after final/ is whole);
     --save_every -1 (a benchmark's run) writes neither and says so."""
     from rlmini import checkpoint, dist
     events = []
     monkeypatch.setattr(checkpoint, "save", lambda run: events.append("checkpoint"))
     monkeypatch.setattr(checkpoint, "save_final", lambda *a, **k: events.append("final"))
+    monkeypatch.setattr(checkpoint, "remove", lambda run_dir: events.append("remove"))
     monkeypatch.setattr(dist, "barrier", lambda: events.append("barrier"))
     log = types.SimpleNamespace(close=lambda: events.append("log"))
-    for every, expected in ((0, ["log", "checkpoint", "final", "barrier"]), (-1, ["log", "barrier"])):
+    for every, keep, expected in ((0, True, ["log", "checkpoint", "final", "barrier"]),
+                                  (0, False, ["log", "final", "remove", "barrier"]),
+                                  (-1, True, ["log", "barrier"])):
         events.clear()
-        args = types.SimpleNamespace(save_every=every)
+        args = types.SimpleNamespace(save_every=every, keep_checkpoint=keep)
         common.finish(types.SimpleNamespace(model=None, tokenizer=None, run_dir="x", style="tiny", log=log,
                                             engine=None, toolbox=None, args=args))
         assert events == expected  # the progress bar ends before the save's line

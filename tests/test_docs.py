@@ -4,8 +4,11 @@ the files have, and every Python line fits in 110 columns. Every fenced code blo
 docs/loop.md is a worked example's, built from the blocks' own lines and trained (tests/test_siblings.py); a
 line of the real loop is quoted inline as a citation instead, so a block of any other kind fails here."""
 import ast
+import dataclasses
 import difflib
+import functools
 import glob
+import importlib
 import inspect
 import os
 import re
@@ -23,6 +26,7 @@ CITE = re.compile(r"`([\w./]+\.py)::([\w.]+)`(?:: `([^`]+)`)?")
 PAGES = sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))) + [os.path.join(ROOT, "README.md")]
 
 
+@functools.lru_cache(maxsize=None)  # a file cited many times is parsed once (was 20 s of the suite)
 def definitions(path: str) -> dict:
     """{name or Class.name: source} of every function and class in a file."""
     text = open(os.path.join(ROOT, path)).read()
@@ -80,6 +84,37 @@ def test_the_options_page_is_generated_from_the_args():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "options_table.py"), "--check"],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_options_page_gives_each_scripts_own_group_size_range():
+    """The page's --group_size row names, per script, the least group it takes: that group is accepted and
+    one less is refused (GRPO's baseline needs two completions, PPO's critic one)."""
+    row = next(x for x in open(os.path.join(ROOT, "docs", "options.md")) if x.startswith("| `--group_size`"))
+    ranges = re.findall(r"int >= (\d) \(([\w., ]+)\)", row)
+    assert sorted(s for _, names in ranges for s in names.split(", ")) == sorted(
+        os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "train_*.py"))), row
+    for low, names in ranges:
+        for name in names.split(", "):
+            script = importlib.import_module(name[:-3])
+            assert common.parse_args(script.Args, ["--group_size", low]).group_size == int(low)
+            with pytest.raises(SystemExit, match=f"--group_size {int(low) - 1}: must be >= {low}"):
+                common.parse_args(script.Args, ["--group_size", str(int(low) - 1)])
+
+
+def test_help_begins_with_what_a_first_run_sets_then_the_algorithms_own(capsys):
+    """--help: a one-line usage, then the options a first run sets (model, task, steps, batch, lr), then the
+    script's own (its algorithm's), then each group of shared options under its heading; each option once."""
+    import train_grpo
+    with pytest.raises(SystemExit, match="^0$"):
+        common.parse_args(train_grpo.Args, ["--help"])
+    text = capsys.readouterr().out
+    flags = re.findall(r"^  (--\w+)", text, re.M)
+    assert flags[:6] == ["--model", "--task", "--steps", "--prompts_per_step", "--group_size", "--lr"], flags
+    assert sorted(flags) == sorted(f"--{f.name}" for f in dataclasses.fields(train_grpo.Args))
+    headings = re.findall(r"^(\S[^\n]*):$", text, re.M)
+    assert headings[:3] == ["options", "a first run", "train_grpo.py's own"], headings
+    assert flags.index("--std_norm") < flags.index("--warmup") < flags.index("--judge_url"), flags
+    assert text.startswith("usage: ") and text.index("--model MODEL") < 400
 
 
 def test_a_new_scripts_options_and_page_are_found_and_checked(tmp_path, monkeypatch):

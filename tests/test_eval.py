@@ -10,7 +10,7 @@ import torch
 
 import eval as ev
 import rewards
-from conftest import run_script
+from conftest import VLLM_INFO, run_script
 from eval import expected_calibration_error, probability_predictions
 from rlmini import datafiles, optim
 
@@ -329,6 +329,10 @@ def greedy_eval(tmp_path, model_dir: str, task: str, *flags) -> tuple:
     proc = subprocess.run([sys.executable, "-c", code, "eval.py", *argv], cwd=ROOT, capture_output=True,
                           text=True, timeout=600, env={**os.environ, "WANDB_MODE": "disabled"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    # quiet: the terminal holds eval.py's own lines (the table, where it wrote), the libraries' are in its log
+    shown = [x for x in (proc.stdout + proc.stderr).splitlines() if x.strip()]
+    assert all(x.startswith(("# ", "|", "wrote ", "eval: ")) for x in shown), shown
+    assert (out / "logs" / "rank0.log").exists()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(model_dir)
     examples = rewards.load_task(task).test[:12]
@@ -360,3 +364,5 @@ def test_greedy_evaluation_is_transformers_greedy_generate(tmp_path, tiny_additi
     assert result["pass@1"] == np.mean(correct) and result["n"] == 1 and result["decoding"] == "greedy"
     assert "maj@1" not in result and "mean@1" not in result and result["temperature"] == 0
     assert "greedy (temperature 0): n=1, pass@1 only" in stdout and "| maj |" not in stdout
+    if engine_name == "vllm":  # its INFO lines went to the log, not the terminal
+        assert VLLM_INFO.search(open(tmp_path / "eval" / "logs" / "rank0.log").read())

@@ -187,6 +187,21 @@ def test_resume_drops_a_torn_last_metrics_line(tmp_path, capsys):
     assert "dropped a torn last line (line 3" in capsys.readouterr().err
 
 
+def test_keep_checkpoint_false_leaves_final_only_and_resume_says_why(tmp_path, capsys):
+    """--keep_checkpoint false: the checkpoints written while it ran (--save_every 1) are removed once final/
+    is written, nothing half-removed is left, the run says so; --resume then names why in one line."""
+    run = train(train_grpo, tmp_path, "--steps", "2", "--run_name", "k", "--save_every", "1",
+                "--keep_checkpoint", "false")
+    left = os.listdir(run.run_dir)
+    assert "final" in left and not [f for f in left if f.startswith("checkpoint")], left
+    assert "removed checkpoint.pt (--keep_checkpoint false): the run cannot be extended with --resume" in \
+        capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"^--resume true: \S+k finished without its checkpoint "
+                                         r"\(--keep_checkpoint false\); final/ holds the weights but not the "
+                                         r"optimizer: start a run from them with --model \S+k/final$"):
+        train(train_grpo, tmp_path, "--steps", "3", "--run_name", "k", "--resume", "true")
+
+
 def test_resume_without_a_checkpoint_creates_nothing(tmp_path):
     with pytest.raises(SystemExit, match="--resume true: no checkpoint in"):
         train(train_grpo, tmp_path, "--steps", "1", "--run_name", "none", "--resume", "true")
@@ -205,9 +220,33 @@ def test_bad_input_is_one_line_and_exit_2_at_the_entry_point(tmp_path, argv, mes
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "train_grpo.py"), "--out_dir", str(tmp_path),
                            *BASE, "--steps", "1", *argv], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "WANDB_MODE": "disabled"})
-    assert proc.returncode in (1, 2) and message in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     assert not os.listdir(tmp_path)  # nothing created
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("train_grpo", ["--lr", "-1"], "bad option (command line): --lr -1.0: must be > 0"),
+    ("train_grpo", ["--nosuch", "1"], "unknown option(s) ['--nosuch', '1']: see --help for the options"),
+    ("train_grpo", ["--task", "nosuch"], "error: --task 'nosuch': unknown task; choose addition[:N]"),
+    ("train_rloo", ["--group_size", "1"], "--group_size 1: must be >= 2 (the group baseline needs two"),
+    ("train_grpo", ["--model", "/nonexistent/model"], "--model /nonexistent/model: no such folder"),
+    ("eval", ["--nosuch", "1"], "bad option (command line): unrecognized arguments: --nosuch 1"),
+    ("eval", ["--n", "0"], "--n 0: must be >= 1"),
+    ("eval", ["--task", "nosuch"], "error: --task 'nosuch': unknown task"),
+    ("eval", ["--model", "/nonexistent/model"], "--model /nonexistent/model: no such folder"),
+])
+def test_every_refusal_is_one_line_and_exit_status_2(tmp_path, script, argv, message, capsys):
+    """One convention for bad input at both entry points (the trainers, eval.py): options, tasks, models,
+    whatever raises it, end in one line and status 2 (faults.REFUSED); 1 is a traceback, 130 a Ctrl-C."""
+    import importlib
+    entry = importlib.import_module(script).main
+    with pytest.raises(SystemExit) as e:
+        with faults.user_errors():
+            entry([*argv, "--out_dir" if script != "eval" else "--out", str(tmp_path / "o")])
+    assert e.value.code == faults.REFUSED == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and message in err[-1] and "Traceback" not in "".join(err), err
 
 
 def bad_config(tmp_path, name, text):
@@ -328,7 +367,7 @@ def test_a_full_disk_during_a_save_leaves_the_previous_checkpoint(tmp_path):
     proc = dying_run(["--out_dir", str(tmp_path), *BASE, "--steps", "3", "--save_every", "1", "--run_name",
                       "full"],
                      k=2, enospc=True)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "checkpoint.pt (No space left on device); the previous checkpoint is intact" in proc.stderr
     assert torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=False)["step"] == 1
     assert not (tmp_path / "full" / "checkpoint.pt.tmp").exists()

@@ -117,10 +117,10 @@ def test_a_failing_run_exits_1_with_one_line_naming_it(tmp_path):
     proc = gpu_check_run(tmp_path, *SMALL, "--lr", "-1")  # passed through to train_grpo.py, which refuses it
     assert proc.returncode == 1, proc.stdout + proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("gpu-check: rung 1 (tiny) grpo failed: training exited 1: bad option (command "
+    assert last.startswith("gpu-check: rung 1 (tiny) grpo failed: training exited 2: bad option (command "
                            "line): --lr -1.0: must be > 0 (log: "), last
     assert "Traceback" not in proc.stderr
-    assert "FAILED: training exited 1" in open(tmp_path / "gpu_check.md").read()
+    assert "FAILED: training exited 2" in open(tmp_path / "gpu_check.md").read()
     assert "| 1 | tiny | rloo | - |" in proc.stdout
     assert "| not run: rung 1 (tiny) grpo failed |" in proc.stdout
     assert "| 2 | qwen2.5-0.5b-1l | grpo | - |" in proc.stdout  # nothing built after a failure

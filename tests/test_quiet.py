@@ -2,7 +2,9 @@
 file descriptors, subprocesses) goes to the run folder's logs/rank<R>.log, or stays on the terminal with
 --verbose true (rlmini/quiet.py). A quiet vLLM run, and one that stops in one line: tests/test_engine_life.py.
 """
+import io
 import os
+import re
 import subprocess
 import sys
 
@@ -63,3 +65,25 @@ def _entry(tmp_path, error: str) -> subprocess.CompletedProcess:
     code = ENTRY.format(root=ROOT, run_dir=str(tmp_path / "run"), error=error)
     return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                           timeout=120)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_on_a_terminal_the_start_up_says_what_it_is_doing(tmp_path, monkeypatch):
+    """On a terminal each start-up phase is announced as it begins, on a line ending in a carriage return that
+    the phase's own line (longer) overwrites; without one (every other test's output) nothing is added."""
+    import train_grpo
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    train_grpo.main(["--out_dir", str(tmp_path), "--wandb", "false", "--engine", "hf", "--steps", "1",
+                     "--prompts_per_step", "2", "--group_size", "2", "--save_every", "-1"])
+    out = terminal.getvalue()
+    shown = re.findall(r"start-up: ([^\r\n]*?) \.\.\.\r", out)
+    assert shown == ["task and model (tiny)", "starting the hf engine", "first step: rollout",
+                     "first step: update", "first step: push"], out
+    for line in out.split("\n"):  # on a terminal the last text after a carriage return covers the rest
+        *over, last = line.split("\r")
+        assert all(len(last) >= len(text) for text in over), line

@@ -438,8 +438,8 @@ def test_a_policy_trained_against_the_known_reward_model_moves_toward_what_it_pr
         "--micro_batch_size", "64", "--save_every", "0", "--reward_model", KNOWN, "--out_dir", str(tmp_path),
         "--run_name", "rm"])
     last = proc.stdout.strip().splitlines()[-1]  # the final save's line (rlmini/checkpoint.py::save_final)
-    assert last == (f"saved {tmp_path / 'rm' / 'final'} (model, {last.split('(model, ')[1].split(' ')[0]} s "
-                    f"with the checkpoint) and {tmp_path / 'rm' / 'metrics.jsonl'}"), last
+    assert last == (f"saved {tmp_path / 'rm' / 'final'} (model; {last.split('(model; ')[1].split(' ')[0]} s "
+                    f"to save) and {tmp_path / 'rm' / 'metrics.jsonl'}"), last
     rows = read_metrics(tmp_path / "rm")
     first, last = [sum(r["reward/rm"] for r in part) / 5 for part in (rows[:5], rows[-5:])]
     assert all(r["reward/rm"] == pytest.approx(r["reward/mean"]) for r in rows)

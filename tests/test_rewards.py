@@ -191,6 +191,26 @@ def test_sums_reads_the_last_number_of_the_reply_and_needs_eos():
         rewards.load_task("sums:1")
 
 
+def test_sums_graded_gives_partial_credit_by_distance_on_the_same_questions():
+    """sums_graded (CoRPO's setting on the real model): the questions and split of sums, reward 1 / 0.75 /
+    0.5 / 0.25 / 0 for an answer off by 0..4, -0.5 farther, -1 for none; correct means exact; an ordinal
+    task with pass threshold 0.5, so off by two passes (eval.py's pass_rate) and off by three fails."""
+    graded, plain = rewards.load_task("sums_graded", style="chat"), rewards.load_task("sums", style="chat")
+    assert (graded.train, graded.test) == (plain.train, plain.test)
+    assert (graded.kind, graded.pass_threshold, graded.name) == ("ordinal", 0.5, "sums_graded")
+    ex = {"prompt": "What is 12 + 13? Answer with the number only.", "answer": 25}
+    for reply, reward, correct in (("12 + 13 = 25.", 1.0, 1.0), ("24", 0.75, 0.0), ("It is 27", 0.5, 0.0),
+                                   ("22", 0.25, 0.0), ("29", 0.0, 0.0), ("21.5", 0.125, 0.0), ("30", -0.5, 0.0),
+                                   ("-25", -0.5, 0.0), ("twenty-five", -1.0, 0.0)):
+        s = graded.score(reply, ex, True)
+        assert (s.reward, s.correct) == (reward, correct), reply
+        assert (s.reward >= graded.pass_threshold) == (reply in ("12 + 13 = 25.", "24", "It is 27")), reply
+    assert graded.score("25", ex, False) == rewards.Score(-1.0, 0.0, 0.0)  # cut off: no answer
+    assert len(rewards.load_task("sums_graded:9", style="tiny").test) == 20
+    with pytest.raises(rewards.DataError, match="sums_graded takes the largest operand >= 2"):
+        rewards.load_task("sums_graded:x")
+
+
 def test_reward_weights_without_reward_is_refused():
     """--reward_weights weighs --reward's functions: given without --reward (was: silently ignored, the
     task's verifier the reward at weight 1; beside --reward_model: "1 weight(s) for 0 reward function(s)")

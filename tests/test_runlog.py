@@ -2,6 +2,9 @@
 different out_dirs, or a run replaced with --overwrite, never share a wandb run; --resume continues its own),
 the logged config names the algorithm and the script, and --wandb_group / --wandb_tags reach wandb."""
 import json
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -9,6 +12,7 @@ import pytest
 import common
 import train_grpo
 import train_rloo
+from conftest import ROOT, not_ours
 from rlmini import runlog
 
 
@@ -20,7 +24,8 @@ def fake_wandb(monkeypatch):
 
     def init(**kwargs):
         calls.append(kwargs)
-        return SimpleNamespace(log=lambda *a, **k: None, finish=lambda: None)
+        return SimpleNamespace(log=lambda *a, **k: None, finish=lambda **k: None, url="https://wandb.test/r",
+                               dir="/tmp/wandb/offline-run-r/files")
     monkeypatch.setattr(wandb, "init", init)
     return calls
 
@@ -64,14 +69,34 @@ def test_config_names_the_algorithm_and_wandb_gets_group_and_tags(tmp_path, fake
 
 
 def test_a_run_ends_with_its_training_reward_beside_its_held_out_accuracy(tmp_path, fake_wandb, capsys):
-    """The last line a run prints: the training reward's first and last 10 steps' means (hand-computed) and
-    the latest held-out pass@1, or that none was measured."""
+    """The last line a run prints: the training reward's first and last 10 steps' means (hand-computed; in a
+    run shorter than 20 steps, of its halves, which never overlap) and the latest held-out pass@1, or that
+    none was measured."""
     log = _log(tmp_path, "a")
     for step in range(1, 13):  # rewards 0.1 .. 1.2; held-out at steps 6 and 12
         log.log(step, {"reward/mean": step / 10, **({"eval/pass@1": step / 24} if step % 6 == 0 else {})})
     log.close()
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last == "training reward 0.550 -> 0.750 (first, last 10 steps) | held-out pass@1 0.500 at step 12"
-    rows = [{"step": 1, "reward/mean": 0.25}]
-    assert runlog.summary_line(rows).endswith("0.250 -> 0.250 (first, last 10 steps) | held-out pass@1: not "
-                                              "evaluated (--eval_every N)")
+    assert last == ("training reward 0.350 -> 0.950 (first, last 6 of 12 steps) | held-out pass@1 0.500 at "
+                    "step 12")
+    rows = [{"step": s, "reward/mean": s / 10} for s in range(1, 26)]
+    assert runlog.summary_line(rows).startswith("training reward 0.550 -> 2.050 (first, last 10 steps) | ")
+    assert runlog.summary_line(rows[:5]).startswith("training reward 0.150 -> 0.450 (first, last 2 of 5 "
+                                                    "steps)")
+    assert runlog.summary_line(rows[:1]) == ("training reward 0.100 (1 step) | held-out pass@1: not "
+                                             "evaluated (--eval_every N)")
+
+
+def test_wandbs_banner_and_summary_go_to_the_runs_log_not_the_terminal(tmp_path):
+    """A real wandb run (offline): the terminal holds the trainer's own lines only; wandb's lines (its
+    banner, where it syncs, its summary) are in logs/rank0.log."""
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "train_grpo.py", "--out_dir", str(tmp_path), "--engine", "hf",
+                           "--steps", "2", "--prompts_per_step", "2", "--group_size", "2", "--wandb", "true",
+                           "--run_name", "w"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not_ours(proc.stdout, proc.stderr) == [], (proc.stdout, proc.stderr)
+    (where,) = [x for x in proc.stdout.splitlines() if x.startswith("wandb run: ")]
+    assert where.startswith(f"wandb run: offline, in {tmp_path / 'w' / 'wandb' / 'offline-run-'}"), where
+    log = open(tmp_path / "w" / "logs" / "rank0.log").read()
+    assert "wandb: " in log and "offline" in log, log[-2000:]

@@ -66,6 +66,25 @@ def test_corpo_never_rewards_a_failure_where_grpo_does():
     assert (corpo > 0).sum() == 0
 
 
+def test_corpo_warns_once_on_a_binary_task_and_not_on_a_graded_one(tmp_path, capsys):
+    """On a 0/1 reward with R_min_correct 1 CoRPO's advantages are never positive: one warning at start, on
+    the terminal as the runs' warnings are, naming the graded tasks; none on a graded task, none when the
+    user's --r_min_correct lets a correct reply stand above the baseline."""
+    import train_corpo
+    base = ["--out_dir", str(tmp_path), "--engine", "hf", "--steps", "1", "--prompts_per_step", "2",
+            "--group_size", "2", "--wandb", "false", "--save_every", "-1"]
+    for argv, warned in ((["--task", "sums:9"], 1), (["--task", "ordinal"], 0),
+                         (["--task", "sums:9", "--r_min_correct", "0.5", "--run_name", "half"], 0)):
+        train_corpo.main([*base, *argv])
+        lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("warning: ")]
+        assert len(lines) == warned, lines
+    train_corpo.main([*base, "--task", "addition", "--run_name", "a"])
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("warning: ")]
+    assert line == ("warning: --task addition rewards 0 or 1: CoRPO's baseline max(R_min_correct 1, mean) is "
+                    "then 1, so no advantage is positive (0 right, -1 wrong) and the policy only moves away "
+                    "from what it sampled; CoRPO is for graded rewards: --task ordinal or sums_graded")
+
+
 def test_corpo_adaptive_becomes_the_group_mean_and_static_stays():
     r = torch.tensor([1.0, 0.5, 0.8, 0.2])  # mean 0.625 above the threshold 0.5
     assert train_corpo.compute_advantages(r, 4, 0.5).tolist() == pytest.approx([0.375, -0.125, 0.175, -0.425])

@@ -9,7 +9,7 @@ import torch
 import common
 from conftest import tool_sandbox
 from rlmini import checkpoint as ckpt
-from rlmini import engine, logprobs, packing
+from rlmini import engine, logprobs, packing, progress
 
 CPU = torch.device("cpu")
 _KEPT = []
@@ -439,3 +439,27 @@ def test_multi_turn_tool_rollouts_on_vllm(tmp_path):
                for ids, m in zip(r.completion_ids, r.policy_mask))
     again = tools.generate(sampler, box, tok, prompts, 4, 16, 1.0, seed=5)
     assert again.completion_ids == r.completion_ids and again.policy_mask == r.policy_mask
+
+
+def test_both_engines_count_every_completion_for_evals_bar(vllm_setup, monkeypatch, capsys):
+    """eval.py's progress (rlmini/progress.py): inside `counting` each engine advances the count as its
+    completions finish, to the total exactly (vLLM through its own per-request bar, the HF engine by its
+    decoding steps), and the same samples as without the count; outside it nothing is counted or printed."""
+    sampler, model, tok, prompts = vllm_setup
+    sampler.push()
+    hf = engine.HFEngine(model, tok, CPU, torch.float32)
+    monkeypatch.setattr(progress, "PRINT_EVERY_S", 0.0)  # a line at every tenth
+    seen = []
+    monkeypatch.setattr(progress, "_advance", lambda k, real=progress._advance: seen.append(k) or real(k))
+    for e in (sampler, hf):
+        plain = e.generate(prompts, 8, 6, 1.0, 5)
+        seen.clear()
+        with progress.counting(3 * 8, "eval") as count:
+            counted = e.generate(prompts, 8, 6, 1.0, 5)
+        assert count["done"] == 24 and counted.completion_ids == plain.completion_ids, type(e)
+        assert len([k for k in seen if k > 0]) >= 2, (type(e), seen)  # advanced as they finished, not at once
+        assert sum(seen) == 24, seen  # each once (vLLM: its bar of prompts rendered is not counted)
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[-1].startswith("eval: 24/24 completions | 0:00:0") and "ETA 0:00:00" in lines[-1], lines
+    e.generate(prompts, 8, 6, 1.0, 5)
+    assert not progress.active() and capsys.readouterr().out == ""
