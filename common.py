@@ -166,6 +166,14 @@ def setup(args, algo: str) -> Run:
     return startup.build(args, algo)
 
 
+def zero_one_rewards(run) -> bool:
+    """Every reward of the run is 0 or 1: a binary task scored by its own verifier alone (no --reward
+    functions, reward model, judge, format weight or overlong penalty; rg: scorers give partial credit)."""
+    a = run.args
+    return (run.task.kind == "binary" and not a.task.startswith("rg:")
+            and not (a.reward or a.reward_model or a.judge_url or a.format_weight or a.overlong_buffer))
+
+
 def warn(text: str) -> None:
     """One line on the terminal, rank 0's: `warning: text` (as the run's other warnings)."""
     if rank() == 0:
@@ -210,7 +218,7 @@ def finish(run) -> None:
             ckpt.save(run)
         ckpt.save_final(run.model, run.tokenizer, os.path.join(run.run_dir, "final"), run.style, since=start)
         if not run.args.keep_checkpoint:
-            ckpt.remove(run.run_dir)  # once final/ is whole (every rank's share of it written)
+            ckpt.remove(run)  # once final/ is whole (every rank's share of it written)
     elif rank() == 0:
         print(f"nothing saved (--save_every -1); metrics in {os.path.join(run.run_dir, 'metrics.jsonl')}",
               flush=True)

@@ -404,10 +404,13 @@ def cmd_evaluate(argv) -> dict:
     counted = {}  # the sampling's progress count, once it began (a Ctrl-C line says how far it got)
 
     def interrupted() -> str:
-        c = counted.get("now")
+        c, again = counted.get("now"), f"run it again with: {faults.rerun_command(sys.argv)}"
+        if os.path.exists(os.path.join(out, "eval.json")) and c and c["done"] == c["total"]:
+            return (f"interrupted (Ctrl-C) while writing {out}: eval.json is whole, the rest may not be; "
+                    f"{again}")
         done = f"after {c['done']} of {c['total']} completions" if c else "while loading"
-        return (f"interrupted (Ctrl-C) {done}: nothing written to {out} (eval.json is written once every "
-                f"question is scored); run it again with: {faults.rerun_command(sys.argv)}")
+        return (f"interrupted (Ctrl-C) {done}: no results written to {out} (eval.json is written once every "
+                f"question is scored); {again}")
     faults.watch(None, interrupted)
     quiet.start(a)  # the libraries' output to <out>/logs/rank<R>.log (an entry point's; --verbose: here)
     quiet.to_run_dir(out, resume=False)
@@ -823,6 +826,7 @@ def cmd_completions(argv) -> dict:
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    faults.watch(None, lambda: f"interrupted (Ctrl-C); run it again with: {faults.rerun_command(sys.argv)}")
     commands = {"compare": cmd_compare, "audit": cmd_audit, "contamination": cmd_contamination,
                 "completions": cmd_completions}
     if argv and argv[0] in commands:

@@ -77,7 +77,7 @@ def main(argv=None):
     run = common.setup(args, algo="corpo")
     ref_model = common.load_reference(run) if args.beta > 0 else None  # the initial policy
     r_min = run.task.pass_threshold if args.r_min_correct is None else args.r_min_correct
-    if run.task.kind == "binary" and r_min >= 1:  # R_min_correct is for graded rewards (Garg & Venkatesh)
+    if common.zero_one_rewards(run) and r_min >= 1:  # R_min_correct is for graded rewards (Garg & Venkatesh)
         common.warn(f"--task {args.task} rewards 0 or 1: CoRPO's baseline max(R_min_correct {r_min:g}, mean) "
                     f"is then 1, so no advantage is positive (0 right, -1 wrong) and the policy only moves "
                     f"away from what it sampled; CoRPO is for graded rewards: --task ordinal or sums_graded")

@@ -20,7 +20,8 @@ from rlmini.models import is_lora
 
 # what a finished or running run leaves in its folder; --overwrite removes them
 RUN_FILES = ("metrics.jsonl", "rollouts.jsonl", "config.json", "eval.json", "checkpoint.pt", "checkpoint",
-             "checkpoint.old", "checkpoint.tmp", "final")
+             "checkpoint.old", "checkpoint.tmp", "final", "checkpoint.pt.removed", "checkpoint.removed",
+             "checkpoint.old.removed")
 # options a resumed run may change freely: how it is run, logged and checked, not what it learns
 RESUMABLE_CHANGES = {
     "steps", "resume", "out_dir", "run_name", "config", "overwrite", "allow_option_changes", "eval_every",
@@ -226,21 +227,25 @@ def load_resumed(run_dir: str) -> dict:
     return load_checkpoint(os.path.join(folder, "meta.pt"))
 
 
-def remove(run_dir: str) -> None:
-    """--keep_checkpoint false at the end of a run: its checkpoint.pt or checkpoint/ goes (after a barrier:
-    every rank is done with final/), renamed first so that a removal cut short leaves no half checkpoint that
-    --resume would take; rank 0 says so."""
+def remove(run) -> None:
+    """--keep_checkpoint false at the end of a run: its checkpoint.pt or checkpoint/ (and a checkpoint.old
+    left by a save cut short) go, after a barrier (every rank is done with final/), each renamed first so
+    that a removal cut short leaves no half checkpoint that --resume would take; rank 0 says so."""
     dist.barrier()
+    run.checkpoint_step = None  # a Ctrl-C from here on has no checkpoint to offer
     if dist.rank() != 0:
         return
     gone = []
-    for path in (os.path.join(run_dir, "checkpoint.pt"), sharded_checkpoint_dir(run_dir)):
+    for name in ("checkpoint.pt", "checkpoint", "checkpoint.old"):
+        path = os.path.join(run.run_dir, name)
         if os.path.exists(path):
             doomed = f"{path}.removed"
             shutil.rmtree(doomed, ignore_errors=True)  # a removal cut short before
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(doomed)
             os.rename(path, doomed)
             shutil.rmtree(doomed) if os.path.isdir(doomed) else os.remove(doomed)
-            gone.append(os.path.basename(path))
+            gone.append(name)
     if gone:
         print(f"removed {' and '.join(gone)} (--keep_checkpoint false): the run cannot be extended with "
               f"--resume", flush=True)

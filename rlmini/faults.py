@@ -213,18 +213,20 @@ def watch(run=None, describe=None) -> None:
 
 
 def interrupted(argv: list) -> str:
-    """Ctrl-C (SIGINT; under torchrun every rank gets it, and torchrun passes on a second): the engines,
-    the environments and the wandb run are closed, and rank 0 prints one line: the step it was in, the last
-    checkpoint and the command that continues from it. Returns that line."""
+    """Ctrl-C (SIGINT; under torchrun every rank gets it, and torchrun passes on a second, ignored from
+    here on): the wandb run, the engine and the environments are closed (what they print still goes to the
+    run's log: user_errors calls this inside the quiet scope); returns the one line rank 0 prints: the step
+    it was in, the last checkpoint and the command that continues from it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the second SIGINT ends nothing half-closed
     run, describe = _WATCHED.pop("run", None), _WATCHED.pop("describe", None)
-    line = describe() if describe is not None else interrupt_line(run, argv)
+    try:
+        line = describe() if describe is not None else interrupt_line(run, argv)
+    except Exception as e:  # the line must not fail the close
+        line = f"interrupted (Ctrl-C); run it again with: {rerun_command(argv)} ({type(e).__name__}: {e})"
     for name in ("log", "engine", "toolbox") if run is not None else ():
         part = getattr(run, name, None)
         with contextlib.suppress(Exception):  # closing what an interrupt cut short is best effort
             part.close(INTERRUPTED) if name == "log" else getattr(part, "close", lambda: None)()
-    if dist.rank() == 0:
-        print(line, file=sys.stderr, flush=True)
     return line
 
 
@@ -285,18 +287,21 @@ def user_errors():
     1); Ctrl-C in one line saying how to continue, status 130 (interrupted). Within it common.setup moves
     the libraries' output to the run folder's log (rlmini/quiet.py), the terminal restored before an error
     is printed."""
+    line = None
     try:
         with quiet.entry_point():
-            yield
+            try:
+                yield
+            except KeyboardInterrupt:
+                line = interrupted(sys.argv)  # closed inside the quiet scope: wandb's lines go to the log
     except (DataError, NonFiniteError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(REFUSED) from None
     except (RolloutMismatchError, PushError, EngineStateError, ServerError, JudgeError) as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         raise SystemExit(REFUSED) from None
-    except KeyboardInterrupt:
-        interrupted(sys.argv)
-        raise SystemExit(INTERRUPTED) from None
+    except KeyboardInterrupt:  # a second Ctrl-C, in the quiet scope's own end
+        line = line or "interrupted (Ctrl-C)"
     except SystemExit as e:
         if not isinstance(e.code, str):  # exit(0), exit(2) above
             raise
@@ -304,3 +309,8 @@ def user_errors():
         raise SystemExit(REFUSED) from None
     finally:
         _WATCHED.clear()  # the run is over: nothing of it kept alive here
+    if line is not None:
+        if dist.rank() == 0:
+            print(line, file=sys.stderr, flush=True)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own again (a notebook goes on)
+        raise SystemExit(INTERRUPTED)

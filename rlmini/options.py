@@ -2,6 +2,7 @@
 parser (parse_args): --config files become command-line flags, so one parser types every value."""
 import argparse
 import dataclasses
+import inspect
 import json
 import math
 import os
@@ -144,7 +145,7 @@ def help_order(cls, parser) -> list:
         out += [(f, group) for f in first]
     for c in cls.__mro__:
         taken = {f.name for f, _ in out}
-        own = [fields[n] for n in c.__dict__.get("__annotations__", {}) if n in fields and n not in taken]
+        own = [fields[n] for n in inspect.get_annotations(c) if n in fields and n not in taken]
         if not own:
             continue
         doc = c.__doc__ or ""

@@ -45,9 +45,9 @@ def advance(k: int) -> None:
 
 def _advance(k: int) -> None:
     s = _NOW.get("state")
-    if s is None or k <= 0:
+    k = min(k, s["total"] - s["done"]) if s is not None else 0
+    if k <= 0:  # nothing counted, or this rank had nothing to count (a stand-in row under torchrun)
         return
-    k = min(k, s["total"] - s["done"])
     s["done"] += k
     if s["bar"] is not None:
         s["bar"].update(k)

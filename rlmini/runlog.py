@@ -38,15 +38,18 @@ class RunLog:
         atomic_write_text(os.path.join(run_dir, "config.json"), json.dumps(config, indent=2))
         if args.wandb:
             import wandb
-            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+            # WANDB_MODE, as wandb reads it, else online with a key and offline without
+            key = os.environ.get("WANDB_API_KEY")
+            mode = os.environ.get("WANDB_MODE") or ("online" if key else "offline")
             tags = [t.strip() for t in args.wandb_tags.split(",") if t.strip()]
             with quiet.to_log():  # its banner and notices: the run's log (on the terminal with --verbose)
                 self.wandb = wandb.init(project=args.wandb_project, name=args.run_name, id=config["run_id"],
                                         group=args.wandb_group or None, tags=tags or None, config=config,
                                         dir=run_dir, mode=mode, resume="allow")
-                where = (self.wandb.url if mode == "online" else
+                where = (self.wandb.url if mode == "online" else "" if mode == "disabled" else
                          f"offline, in {os.path.dirname(self.wandb.dir)} (wandb sync uploads it)")
-            print(f"wandb run: {where}", flush=True)  # the one line of wandb's worth the terminal
+            if where:
+                print(f"wandb run: {where}", flush=True)  # the one line of wandb's worth the terminal
         from tqdm import tqdm
         self.bar = tqdm(total=total, initial=start_step, dynamic_ncols=True, disable=not sys.stderr.isatty()
                         and not os.environ.get("RLMINI_PROGRESS"))

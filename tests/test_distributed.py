@@ -293,7 +293,7 @@ def test_finish_saves_then_waits_for_every_rank(monkeypatch, capsys):
     events = []
     monkeypatch.setattr(checkpoint, "save", lambda run: events.append("checkpoint"))
     monkeypatch.setattr(checkpoint, "save_final", lambda *a, **k: events.append("final"))
-    monkeypatch.setattr(checkpoint, "remove", lambda run_dir: events.append("remove"))
+    monkeypatch.setattr(checkpoint, "remove", lambda run: events.append("remove"))
     monkeypatch.setattr(dist, "barrier", lambda: events.append("barrier"))
     log = types.SimpleNamespace(close=lambda: events.append("log"))
     for every, keep, expected in ((0, True, ["log", "checkpoint", "final", "barrier"]),

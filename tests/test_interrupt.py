@@ -98,10 +98,10 @@ def test_ctrl_c_before_a_checkpoint_and_during_start_up_say_what_to_rerun(tmp_pa
         "--overwrite true if it made its run folder)")
 
 
-def _ctrl_c(cmd: list, ready: str, timeout: float = 300) -> tuple:
+def _ctrl_c(cmd: list, ready: str, timeout: float = 300, wandb: str = "disabled") -> tuple:
     """Start cmd in its own process group, wait for `ready` in its output, then Ctrl-C the whole group as a
     terminal does; (exit status, every output line)."""
-    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "WANDB_MODE": wandb, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     lines, deadline = [], time.monotonic() + timeout
@@ -137,12 +137,16 @@ def test_a_real_ctrl_c_on_vllm_prints_one_line_after_the_runs_own(tmp_path):
 def test_a_real_ctrl_c_under_torchrun_is_one_line_from_rank_0_and_its_command_continues(tmp_path):
     """2 gloo ranks: Ctrl-C to the group (torchrun, both workers; torchrun passes a second SIGINT on): rank 0
     prints our line once, no worker prints a traceback (torchrun's own warnings and SignalException
-    traceback follow: its agent's, not ours); the torchrun command it prints continues the run, which, with
-    --keep_checkpoint false, ends with final/ and without its sharded checkpoint/."""
+    traceback follow: its agent's, not ours), and what wandb says as its run is closed goes to the run's log;
+    the torchrun command it prints continues the run, which, with --keep_checkpoint false, ends with final/
+    and without its sharded checkpoint/."""
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     args = ["--out_dir", str(tmp_path), *BASE, "--steps", "400", "--save_every", "2", "--print_every", "1",
-            "--run_name", "c"]
-    status, lines = _ctrl_c([*launch, "--nproc_per_node", "2", "train_grpo.py", *args], "step 3/400")
+            "--run_name", "c", "--wandb", "true"]
+    status, lines = _ctrl_c([*launch, "--nproc_per_node", "2", "train_grpo.py", *args], "step 3/400",
+                            wandb="offline")
+    assert not [x for x in lines if x.startswith("wandb:")], lines
+    assert "wandb: " in open(tmp_path / "c" / "logs" / "rank0.log").read()
     ours = [x for x in lines if x.startswith("interrupted")]
     assert len(ours) == 1 and LINE.match(ours[0]), lines
     m = LINE.match(ours[0])
@@ -185,7 +189,8 @@ def test_ctrl_c_in_eval_says_how_far_it_got_and_writes_nothing(tmp_path, monkeyp
         with faults.user_errors():
             evaluation.main(argv[1:])
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    m = re.match(rf"^interrupted \(Ctrl-C\) after (\d+) of 24 completions: nothing written to {tmp_path}/e "
+    m = re.match(rf"^interrupted \(Ctrl-C\) after (\d+) of 24 completions: no results written to "
+                 rf"{tmp_path}/e "
                  rf"\(eval.json is written once every question is scored\); run it again with: (.+)$", line)
     assert m and 0 < int(m.group(1)) < 24, line
     assert shlex.split(m.group(2)) == ["python", *argv] and not (tmp_path / "e" / "eval.json").exists()

@@ -200,8 +200,8 @@ def test_sums_graded_gives_partial_credit_by_distance_on_the_same_questions():
     assert (graded.kind, graded.pass_threshold, graded.name) == ("ordinal", 0.5, "sums_graded")
     ex = {"prompt": "What is 12 + 13? Answer with the number only.", "answer": 25}
     for reply, reward, correct in (("12 + 13 = 25.", 1.0, 1.0), ("24", 0.75, 0.0), ("It is 27", 0.5, 0.0),
-                                   ("22", 0.25, 0.0), ("29", 0.0, 0.0), ("21.5", 0.125, 0.0), ("30", -0.5, 0.0),
-                                   ("-25", -0.5, 0.0), ("twenty-five", -1.0, 0.0)):
+                                   ("22", 0.25, 0.0), ("29", 0.0, 0.0), ("21.5", 0.125, 0.0),
+                                   ("30", -0.5, 0.0), ("-25", -0.5, 0.0), ("twenty-five", -1.0, 0.0)):
         s = graded.score(reply, ex, True)
         assert (s.reward, s.correct) == (reward, correct), reply
         assert (s.reward >= graded.pass_threshold) == (reply in ("12 + 13 = 25.", "24", "It is 27")), reply

@@ -69,12 +69,14 @@ def test_corpo_never_rewards_a_failure_where_grpo_does():
 def test_corpo_warns_once_on_a_binary_task_and_not_on_a_graded_one(tmp_path, capsys):
     """On a 0/1 reward with R_min_correct 1 CoRPO's advantages are never positive: one warning at start, on
     the terminal as the runs' warnings are, naming the graded tasks; none on a graded task, none when the
-    user's --r_min_correct lets a correct reply stand above the baseline."""
+    user's --r_min_correct lets a correct reply stand above the baseline, none when another reward part
+    (here a format weight) grades the replies."""
     import train_corpo
     base = ["--out_dir", str(tmp_path), "--engine", "hf", "--steps", "1", "--prompts_per_step", "2",
             "--group_size", "2", "--wandb", "false", "--save_every", "-1"]
     for argv, warned in ((["--task", "sums:9"], 1), (["--task", "ordinal"], 0),
-                         (["--task", "sums:9", "--r_min_correct", "0.5", "--run_name", "half"], 0)):
+                         (["--task", "sums:9", "--r_min_correct", "0.5", "--run_name", "half"], 0),
+                         (["--task", "sums:9", "--format_weight", "0.5", "--run_name", "fw"], 0)):
         train_corpo.main([*base, *argv])
         lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("warning: ")]
         assert len(lines) == warned, lines

@@ -154,6 +154,7 @@ def test_a_complete_folder_is_reused_without_building(tmp_path, monkeypatch):
     cache = str(tmp_path / "cache")
     out = smollm2.path(cache)
     os.makedirs(out)
+    open(os.path.join(out, "config.json"), "w").write("{}")
     open(os.path.join(out, "rlmini-source.json"), "w").write("{}")
 
     def no_build(*a, **k):
@@ -167,12 +168,17 @@ def test_a_complete_folder_is_reused_without_building(tmp_path, monkeypatch):
     assert models.model_path("smollm2", rewards.load_task("sums", style="chat")) == out
 
 
-def _fake_convert(builds: list, weights: bytes = b"w" * 1000):
+_HEADER = json.dumps({"w": {"dtype": "U8", "shape": [900], "data_offsets": [0, 900]}}).encode()
+WEIGHTS = len(_HEADER).to_bytes(8, "little") + _HEADER + b"w" * 900  # a whole safetensors file
+SIZE = len(WEIGHTS)
+
+
+def _fake_convert(builds: list):
     def convert(gguf, out):  # a whole folder of two files, without transformers
         builds.append(out)
         os.makedirs(out)
         open(os.path.join(out, "config.json"), "w").write('{"model_type": "llama"}')
-        open(os.path.join(out, "model.safetensors"), "wb").write(weights)
+        open(os.path.join(out, "model.safetensors"), "wb").write(WEIGHTS)
     return convert
 
 
@@ -187,12 +193,12 @@ def test_a_damaged_folder_is_rebuilt_beside_it_and_a_reader_keeps_its_files(tmp_
     out = smollm2.folder(cache, source="unused", log=lines.append)
     record = json.load(open(os.path.join(out, "rlmini-source.json")))["files"]
     assert record == {"config.json": [23, smollm2.sha256(os.path.join(out, "config.json"))],
-                      "model.safetensors": [1000, smollm2.sha256(os.path.join(out, "model.safetensors"))]}
+                      "model.safetensors": [SIZE, smollm2.sha256(os.path.join(out, "model.safetensors"))]}
     weights = os.path.join(out, "model.safetensors")
     for damage, why in (
             (lambda: os.remove(os.path.join(out, "config.json")), "config.json missing"),
-            (lambda: os.truncate(weights, 600), "model.safetensors is 600 bytes, not 1000"),
-            (lambda: open(weights, "ab").write(b"x"), "model.safetensors is 1001 bytes, not 1000")):
+            (lambda: os.truncate(weights, 600), f"model.safetensors is 600 bytes, not {SIZE}"),
+            (lambda: open(weights, "ab").write(b"x"), f"model.safetensors is {SIZE + 1} bytes, not {SIZE}")):
         reader = open(weights, "rb")  # a run that has the weights open
         damage()
         lines.clear()
@@ -202,10 +208,11 @@ def test_a_damaged_folder_is_rebuilt_beside_it_and_a_reader_keeps_its_files(tmp_
             ["config.json", "model.safetensors", "rlmini-source.json"]
         assert os.fstat(reader.fileno()).st_ino != os.stat(weights).st_ino  # not written into
         if "missing" in why:
-            assert reader.read() == b"w" * 1000  # the old file, whole, for the process reading it
+            assert reader.read() == WEIGHTS  # the old file, whole, for the process reading it
         reader.close()
     assert len(builds) == 4 and not [f for f in os.listdir(os.path.dirname(out)) if f.startswith(".build-")]
     with open(weights, "r+b") as f:  # same size, other bytes: only the hashes see it
+        f.seek(SIZE - 1)
         f.write(b"v")
     assert smollm2.folder(cache, source="unused", log=lines.append) == out and len(builds) == 4
     lines.clear()
@@ -218,7 +225,8 @@ def test_a_damaged_folder_is_rebuilt_beside_it_and_a_reader_keeps_its_files(tmp_
 
 def test_a_damaged_folder_without_a_wheel_stops_in_one_line_naming_it(tmp_path, monkeypatch):
     """No wheel to rebuild from: one line naming the folder, what is wrong and how to get the wheel; the
-    damaged folder is left as it was. A folder built before the record existed gets one (no build)."""
+    damaged folder is left as it was. A folder built before the record existed gets one when its files hold
+    together (a config, safetensors files whose headers fit: no build), else it is damaged too."""
     cache, builds = str(tmp_path / "cache"), []
     monkeypatch.setattr(smollm2, "_gguf_file", _fake_gguf)
     monkeypatch.setattr(smollm2, "convert", _fake_convert(builds))
@@ -229,14 +237,26 @@ def test_a_damaged_folder_without_a_wheel_stops_in_one_line_naming_it(tmp_path, 
     monkeypatch.setenv(smollm2.ENV, missing)
     with pytest.raises(SystemExit) as e:
         smollm2.folder(cache, log=lambda line: None)
-    assert _one_line(e) == (f"--model smollm2: {out} is damaged (model.safetensors is 10 bytes, not 1000) "
-                            f"and cannot be rebuilt: {smollm2.ENV}={missing}: no such file ({smollm2.HOW})")
+    cannot = f"and cannot be rebuilt: {smollm2.ENV}={missing}: no such file ({smollm2.HOW})"
+    assert _one_line(e) == f"--model smollm2: {out} is damaged (model.safetensors is 10 bytes, not {SIZE}) " \
+                           f"{cannot}"
     assert os.path.getsize(os.path.join(out, "model.safetensors")) == 10
     marker = os.path.join(out, "rlmini-source.json")
     old = json.load(open(marker))
     del old["files"]
     json.dump(old, open(marker, "w"))  # as the builds before this record wrote it
-    assert smollm2.folder(cache) == out and json.load(open(marker))["files"]["model.safetensors"][0] == 10
+    with pytest.raises(SystemExit) as e:  # cut short before the record: its header says so
+        smollm2.folder(cache, log=lambda line: None)
+    assert _one_line(e) == (f"--model smollm2: {out} is damaged (model.safetensors: not a safetensors file "
+                            f"(its header's length {len(_HEADER)} is past its end)) {cannot}"), _one_line(e)
+    open(os.path.join(out, "model.safetensors"), "wb").write(WEIGHTS)
+    os.rename(os.path.join(out, "config.json"), os.path.join(tmp_path, "config.json"))
+    with pytest.raises(SystemExit, match=r"is damaged \(config.json missing\) and cannot be rebuilt"):
+        smollm2.folder(cache, log=lambda line: None)
+    os.rename(os.path.join(tmp_path, "config.json"), os.path.join(out, "config.json"))
+    assert smollm2.folder(cache) == out and json.load(open(marker))["files"]["model.safetensors"][0] == SIZE
+    assert sorted(os.listdir(os.path.dirname(out))) == sorted([os.path.basename(out), os.path.basename(out) +
+                                                               ".lock"])  # no temporary file left
 
 
 def test_a_model_folder_cut_short_or_without_config_stops_in_one_line(tmp_path):

@@ -463,3 +463,12 @@ def test_both_engines_count_every_completion_for_evals_bar(vllm_setup, monkeypat
         assert lines[-1].startswith("eval: 24/24 completions | 0:00:0") and "ETA 0:00:00" in lines[-1], lines
     e.generate(prompts, 8, 6, 1.0, 5)
     assert not progress.active() and capsys.readouterr().out == ""
+
+
+def test_a_count_of_nothing_takes_the_engines_advances_without_dividing_by_zero():
+    """A rank with no question of its own (more ranks than questions) counts 0 completions while its engine
+    still samples a stand-in row: the advances it reports are dropped, never divided by the empty total."""
+    with progress.counting(0, "eval") as count:
+        progress.advance(3)
+        progress.advance(0)
+    assert count["done"] == 0 and not progress.active()
