@@ -119,7 +119,7 @@ def _record(out: str) -> dict:
 def _record_old(out: str) -> str | None:
     """A folder built before the record (its marker was written last, so it was whole then): what is wrong
     with it now (no config.json, a safetensors file cut short), else its files recorded as they are."""
-    from rlmini.models import safetensors_header  # (models imports this module)
+    from rlmini.stfile import safetensors_header  # torch's import: only for a folder from before the record
     if not os.path.isfile(os.path.join(out, "config.json")):
         return "config.json missing"
     for name in sorted(f for f in os.listdir(out) if f.endswith(".safetensors")):

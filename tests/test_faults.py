@@ -337,7 +337,8 @@ def save(obj, f, *a, **k):  # the {k}-th checkpoint write is cut short
         os.kill(os.getpid(), signal.SIGKILL)
     return real(obj, f, *a, **k)
 torch.save = save
-train_grpo.main({argv!r})
+with train_grpo.common.user_errors():  # the entry point's own, as `python train_grpo.py` runs it
+    train_grpo.main({argv!r})
 """
 
 

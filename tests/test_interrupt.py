@@ -11,10 +11,11 @@ import sys
 import time
 
 import pytest
+import torch
 
 import common
 import train_grpo
-from conftest import ROOT, read_metrics
+from conftest import ROOT, read_metrics, run_script
 from rlmini import engine, faults
 
 BASE = ["--wandb", "false", "--engine", "hf", "--prompts_per_step", "4", "--group_size", "4"]
@@ -120,24 +121,39 @@ def _ctrl_c(cmd: list, ready: str, timeout: float = 300, wandb: str = "disabled"
 
 
 @pytest.mark.slow
-def test_a_real_ctrl_c_on_vllm_prints_one_line_after_the_runs_own(tmp_path):
+def test_a_real_ctrl_c_on_vllm_is_one_line_and_its_command_resumes_exactly(tmp_path):
     """Ctrl-C to the process group of a vLLM run printing a line a step (no terminal): the output is the
-    run's own lines then ours, no traceback, no library line; exit 130. (The HF engine: the in-process tests
-    above send the signal from inside each phase, and the torchrun test below Ctrl-Cs its process group.)"""
-    args = ["--out_dir", str(tmp_path), *BASE[:2], "--engine", "vllm", *BASE[4:], "--steps", "400",
-            "--save_every", "2", "--print_every", "1", "--run_name", "c"]
-    status, lines = _ctrl_c([sys.executable, "train_grpo.py", *args], "step 3/400")
+    run's own lines then ours, no traceback, no library line; exit 130. The printed command, run to step 4,
+    logs what 4 steps straight log (one process: checkpoint.pt, as with the HF engine, though vLLM started a
+    process group of one). (Merged with test_train_grpo.py's vLLM resume test, whose split half this run is.
+    The HF engine: the in-process tests above send the signal from inside each phase, and the torchrun test
+    below Ctrl-Cs its process group.)"""
+    from test_train_grpo import _rows_without_timing, _same
+    common_args = ["--engine", "vllm", "--save_every", "2", "--out_dir", str(tmp_path), "--wandb", "false",
+                   "--prompts_per_step", "8"]
+    run_script("train_grpo.py", [*common_args, "--steps", "4", "--run_name", "straight"])
+    status, lines = _ctrl_c([sys.executable, "train_grpo.py", *common_args, "--steps", "400", "--print_every",
+                             "1", "--run_name", "split"], "step 3/400")
     assert status == 130, lines
-    assert LINE.match(lines[-1]) and "step 2)" in lines[-1], lines[-3:]
+    m = LINE.match(lines[-1])
+    assert m and m.group(4) in ("2", "4"), lines[-3:]  # step 4's save may have finished before the signal
     ours = ("memory plan", "start-up:", "step ", "interrupted (Ctrl-C)")
     assert all(line.startswith(ours) for line in lines), [x for x in lines if not x.startswith(ours)]
+    split = tmp_path / "split"
+    assert (split / "checkpoint.pt").exists() and not (split / "checkpoint").exists()
+    command = shlex.split(m.group(5))
+    run_script(command[1], [*command[2:], "--steps", "4", "--resume", "true"])
+    _same(_rows_without_timing(tmp_path / "straight"), _rows_without_timing(split))
+    assert torch.load(split / "checkpoint.pt", weights_only=True)["step"] == 4
 
 
 @pytest.mark.slow
 def test_a_real_ctrl_c_under_torchrun_is_one_line_from_rank_0_and_its_command_continues(tmp_path):
     """2 gloo ranks: Ctrl-C to the group (torchrun, both workers; torchrun passes a second SIGINT on): rank 0
     prints our line once, no worker prints a traceback (torchrun's own warnings and SignalException
-    traceback follow: its agent's, not ours), and what wandb says as its run is closed goes to the run's log;
+    traceback follow: its agent's, not ours), and what a real wandb run (offline) says at its start and as
+    it is closed goes to the run's log, one `wandb run:` line of ours on the terminal instead (merged with
+    test_runlog.py's wandb test);
     the torchrun command it prints continues the run, which, with --keep_checkpoint false, ends with final/
     and without its sharded checkpoint/."""
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -145,8 +161,10 @@ def test_a_real_ctrl_c_under_torchrun_is_one_line_from_rank_0_and_its_command_co
             "--run_name", "c", "--wandb", "true"]
     status, lines = _ctrl_c([*launch, "--nproc_per_node", "2", "train_grpo.py", *args], "step 3/400",
                             wandb="offline")
-    assert not [x for x in lines if x.startswith("wandb:")], lines
+    assert not [x for x in lines if x.startswith("wandb:")], lines  # its banner, notices, summary: the log
     assert "wandb: " in open(tmp_path / "c" / "logs" / "rank0.log").read()
+    (where,) = [x for x in lines if x.startswith("wandb run: ")]  # ours instead, once
+    assert where.startswith(f"wandb run: offline, in {tmp_path / 'c' / 'wandb' / 'offline-run-'}"), where
     ours = [x for x in lines if x.startswith("interrupted")]
     assert len(ours) == 1 and LINE.match(ours[0]), lines
     m = LINE.match(ours[0])

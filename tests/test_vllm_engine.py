@@ -457,7 +457,8 @@ def test_both_engines_count_every_completion_for_evals_bar(vllm_setup, monkeypat
         with progress.counting(3 * 8, "eval") as count:
             counted = e.generate(prompts, 8, 6, 1.0, 5)
         assert count["done"] == 24 and counted.completion_ids == plain.completion_ids, type(e)
-        assert len([k for k in seen if k > 0]) >= 2, (type(e), seen)  # advanced as they finished, not at once
+        if e is sampler:  # one advance a finished request (the HF engine's may all end at one step)
+            assert len([k for k in seen if k > 0]) == 3, seen
         assert sum(seen) == 24, seen  # each once (vLLM: its bar of prompts rendered is not counted)
         lines = capsys.readouterr().out.splitlines()
         assert lines[-1].startswith("eval: 24/24 completions | 0:00:0") and "ETA 0:00:00" in lines[-1], lines
