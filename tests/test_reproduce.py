@@ -146,7 +146,8 @@ def test_reduced_replication_grpo_heads_for_the_extremes(reduced):
 # --------------------------------------------------------------------------------------------- language model
 
 # ECE at step 150 (eval every 50) on the tuning seeds 0-4, `reproduce/seed000_lm.py --steps 200 --seeds
-# 0,1,2,3,4` (a constant lr: its first 150 steps are a 150-step run's): GRPO 0.214, 0.200, 0.215, 0.199, 0.175;
+# 0,1,2,3,4` (a constant lr: its first 150 steps are a 150-step run's): GRPO 0.214, 0.200, 0.215, 0.199,
+# 0.175;
 # no-std 0.048-0.077; RLOO 0.049-0.072; PPO 0.046-0.086. Every GRPO ECE rises from step 100 to 150 (by 0.045
 # or more), every other falls (by 0.012 or more). At 200 (the test's length until 2026-11-28, 25% longer):
 # GRPO 0.191-0.246, the others 0.037-0.067.
