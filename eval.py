@@ -226,11 +226,30 @@ def summarize(task, examples: list, scores: list, n: int, ks: list, boot: bool =
         out["scorer_errors"] = sum(s.error is not None for s in scores)
     if task.kind == "ordinal":
         out["pass_rate"] = float(np.mean([s.reward >= task.pass_threshold for s in scores]))
+    if boot:  # each question's own values, for a paired comparison of two policies (eval.py compare)
+        out["per_question"] = per_question(task, examples, scores, n)
     if task.kind == "probability":
         probs, labels = probability_predictions(scores, examples, n)
         out.update(ece=expected_calibration_error(probs, labels), auroc=auroc(probs, labels),
                    brier=brier(probs, labels), accuracy=float(np.mean((probs > 0.5) == (labels == 1))),
                    predictions={"probs": probs.tolist(), "labels": labels.tolist()})
+    return out
+
+
+def question_id(example) -> str:
+    """A held-out question's identity across evaluations: a hash of its prompt (text or chat messages)."""
+    return hashlib.sha256(json.dumps(example["prompt"], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def per_question(task, examples: list, scores: list, n: int) -> dict:
+    """Per question, in order: its id, pass@1 (the share of its n samples that are correct) and mean reward
+    (and, on an ordinal task, the share at or above the pass threshold)."""
+    blocks = [scores[i * n:(i + 1) * n] for i in range(len(examples))]
+    out = {"id": [question_id(e) for e in examples],
+           "pass@1": [float(np.mean([s.correct >= 1.0 for s in b])) for b in blocks],
+           "reward": [float(np.mean([s.reward for s in b])) for b in blocks]}
+    if task.kind == "ordinal":
+        out["pass_rate"] = [float(np.mean([s.reward >= task.pass_threshold for s in b])) for b in blocks]
     return out
 
 
@@ -580,13 +599,46 @@ def curve_band(curves, reps: int = 1000, level: float = 0.95, seed: int = 0) -> 
 COMPARE_KEYS = ["reward/mean", "reward/correct", "adv/failed_pos_frac", "entropy", "eval/pass@1",
                 "eval/pass@k", "eval/maj@k", "eval/format_fail", "eval/ece", "eval/auroc", "eval/brier",
                 "eval/accuracy"]
-LOWER_IS_BETTER = {"adv/failed_pos_frac", "eval/format_fail", "eval/ece", "eval/brier"}
+# a final evaluation by eval.py (its eval.json): the run's policy on the held-out split
+HELDOUT_KEYS = ["heldout/pass@1", "heldout/pass_rate", "heldout/reward", "heldout/format_fail", "heldout/ece",
+                "heldout/auroc", "heldout/brier", "heldout/accuracy"]
+LOWER_IS_BETTER = {"adv/failed_pos_frac", "eval/format_fail", "eval/ece", "eval/brier", "heldout/format_fail",
+                   "heldout/ece", "heldout/brier"}
+
+
+def _eval_json(folder: str):
+    """eval.py's eval.json in `folder` (None if there is none; training's own eval.json is not one)."""
+    path = os.path.join(folder, "eval.json")
+    if not os.path.exists(path):
+        return None
+    try:
+        e = json.load(open(path))
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"compare: {path}: not readable JSON ({err})") from None
+    return e if isinstance(e, dict) and "decoding" in e else None
+
+
+def _read_evaluation(folder: str, template: str):
+    """(heldout/* values, per-question values, its path) of the run's final evaluation: an eval.py folder
+    itself, else the folder `template` names ({run}: the folder, {parent}, {name}); (None, None, None)."""
+    run = folder.rstrip("/")
+    places = [run] + ([template.format(run=run, parent=os.path.dirname(run), name=os.path.basename(run))]
+                      if template else [])
+    for place in places:
+        e = _eval_json(place)
+        if e is not None:
+            values = {f"heldout/{k}": e[k] for k in (h.split("/")[1] for h in HELDOUT_KEYS)
+                      if isinstance(e.get(k), (int, float))}
+            return values, e.get("per_question"), os.path.join(place, "eval.json")
+    return None, None, None
 
 
 def _read_run(r: str) -> list:
     path = os.path.join(r, "metrics.jsonl")
     if not os.path.exists(path):
-        raise SystemExit(f"compare: {path}: file not found")
+        if _eval_json(r) is not None:  # an evaluation alone (eval.py --out), e.g. the base model's
+            return []
+        raise SystemExit(f"compare: {path}: file not found (nor an eval.py eval.json in {r})")
     rows = runlog.read_metrics(path)  # DataError naming a bad line
     missing = next((i + 1 for i, row in enumerate(rows) if not isinstance(row, dict) or "step" not in row),
                    None)
@@ -602,6 +654,31 @@ def final_value(rows: list, key: str, last: int):
     if not vals:
         return None
     return vals[-1] if key.startswith("eval/") else float(np.mean(vals[-last:]))
+
+
+def paired_difference(a, b, reps: int = 2000, level: float = 0.95, seed: int = 0) -> dict:
+    """Arm A against arm B on the same held-out questions: a and b are [runs, questions] per-question scores
+    (each run's row in the same question order). The difference of the means over runs and questions, with
+    two percentile intervals: over questions (one draw of questions for both arms, the runs held fixed: how
+    much the verdict owes to which questions were asked) and over seeds and questions (each arm's runs
+    drawn within the arm too: what a new set of seeds would give)."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1] or not a.size or not b.size:
+        raise ValueError(f"paired_difference: [runs, questions] arrays on the same questions, got {a.shape} "
+                         f"and {b.shape}")
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0, a.shape[1], size=(reps, a.shape[1]))  # the same questions for both arms
+    over_q = np.take(a.mean(0), q).mean(1) - np.take(b.mean(0), q).mean(1)
+
+    def seeds_and_questions(x):  # a draw of the arm's runs (as weights: how often each was drawn), then q
+        drawn = rng.integers(0, len(x), size=(reps, len(x)))
+        weights = (drawn[:, :, None] == np.arange(len(x))).mean(1)  # [reps, runs]
+        return np.take_along_axis(weights @ x, q, axis=1).mean(1)
+    over_sq = seeds_and_questions(a) - seeds_and_questions(b)
+    tail = (1 - level) / 2
+    ci = lambda v: [float(np.quantile(v, tail)), float(np.quantile(v, 1 - tail))]  # noqa: E731
+    return {"diff": float(a.mean() - b.mean()), "ci95_questions": ci(over_q),
+            "ci95_seeds_questions": ci(over_sq), "runs": [len(a), len(b)], "questions": int(a.shape[1])}
 
 
 def group_runs(runs: list, groups: list, pattern: str) -> dict:
@@ -645,8 +722,12 @@ def cmd_compare(argv) -> dict:
     p.add_argument("--pattern", default=r"^(?P<group>.+)-s\d+$",
                    help="without --group: runs whose names give the same 'group' capture form a group")
     p.add_argument("--metric", default="", help="comma-separated metrics for P(A beats B) (default "
-                   "eval/pass@1, else reward/correct); lower is better for "
+                   "heldout/pass@1, else eval/pass@1, else reward/correct); lower is better for "
                    + ", ".join(sorted(LOWER_IS_BETTER)))
+    p.add_argument("--eval", default="{parent}/eval-{name}",
+                   help="where a run's final evaluation (eval.py's eval.json) lies: {run} the run folder, "
+                        "{parent} its folder, {name} its name; '' for none (an eval.py folder given as a run "
+                        "is read as it is)")
     p.add_argument("--out", default=os.path.join("runs", "compare"))
     p.add_argument("--last", type=int, default=10, help="training metrics: mean of the last N steps")
     p.add_argument("--reps", type=int, default=2000, help="bootstrap replicates")
@@ -657,12 +738,15 @@ def cmd_compare(argv) -> dict:
     if not groups:
         raise SystemExit("compare: no runs given (run folders, or --group NAME=GLOB)")
     data = {os.path.basename(r.rstrip("/")): _read_run(r) for rs in groups.values() for r in rs}
+    evals = {os.path.basename(r.rstrip("/")): _read_evaluation(r, a.eval)
+             for rs in groups.values() for r in rs}
     rows = []
     for name, m in data.items():
         row = {"run": name, "steps": m[-1]["step"] if m else 0}
         row.update({k: v for k in COMPARE_KEYS if (v := final_value(m, k, a.last)) is not None})
+        row.update(evals[name][0] or {})
         rows.append(row)
-    columns = ["run", "steps"] + [k for k in COMPARE_KEYS if any(k in r for r in rows)]
+    columns = ["run", "steps"] + [k for k in COMPARE_KEYS + HELDOUT_KEYS if any(k in r for r in rows)]
     table = _markdown(rows, columns)
     result = {"runs": rows, "groups": {}, "improvement": []}
     by_run = {r["run"]: r for r in rows}
@@ -683,7 +767,8 @@ def cmd_compare(argv) -> dict:
                  for g, e in result["groups"].items()]
         table += ("\nPer group: IQM over runs [95% stratified-bootstrap interval] (Agarwal et al. 2021)\n\n"
                   + _markdown(grows, ["group", "runs"] + columns[2:]))
-        default = next((k for k in ("eval/pass@1", "reward/correct") if k in columns), columns[-1])
+        default = next((k for k in ("heldout/pass@1", "eval/pass@1", "reward/correct") if k in columns),
+                       columns[-1])
         metrics = a.metric.split(",") if a.metric else [default]
         names = list(members)
         for k in metrics:
@@ -706,6 +791,18 @@ def cmd_compare(argv) -> dict:
                     for r in result["improvement"]]
             table += ("\nProbability of improvement P(A beats B) over pairs of runs (ties 1/2) [95% "
                       "interval]\n\n" + _markdown(prow, ["metric", "A beats B", "P"]))
+    paired = paired_table(members, evals, a.metric, a.reps)
+    if paired:
+        result["paired"] = paired
+        iv = lambda v: "[{:+.3f}, {:+.3f}]".format(*v)  # noqa: E731
+        prow = [{"metric": r["metric"], "A - B": f"{r['a']} - {r['b']}", "runs": "{} / {}".format(*r["runs"]),
+                 "difference": f"{r['diff']:+.4f}", "questions": iv(r["ci95_questions"]),
+                 "seeds and questions": iv(r["ci95_seeds_questions"]), "verdict": r["verdict"]}
+                for r in paired]
+        table += ("\nPaired on the held-out questions: A - B, the mean over runs and questions [95% interval "
+                  "resampling the questions; resampling the seeds and the questions]; the verdict is the "
+                  "second's\n\n" + _markdown(prow, ["metric", "A - B", "runs", "difference", "questions",
+                                                    "seeds and questions", "verdict"]))
     write_out(a.out, "comparison.md", table)
     write_out(a.out, "comparison.json", result)
     keys = [k for k in ("reward/mean", "eval/pass@1", "eval/ece") if k in columns]
@@ -714,6 +811,34 @@ def cmd_compare(argv) -> dict:
     print(table, end="")
     print(f"wrote {a.out}/comparison.md, comparison.json, curves.png")
     return result
+
+
+def paired_table(members: dict, evals: dict, metric: str, reps: int) -> list:
+    """Every pair of groups whose runs all have a final evaluation with per-question values on the same
+    questions: paired_difference of each held-out metric asked for (default heldout/pass@1)."""
+    keys = [k for k in (metric.split(",") if metric else ["heldout/pass@1"]) if k.startswith("heldout/")]
+    have = {g: [evals[n] for n in names] for g, names in members.items()
+            if all(evals[n][1] for n in names)}
+    out, names = [], list(have)
+    for k in keys:
+        field = k.split("/", 1)[1]
+        for i, ga in enumerate(names):
+            for gb in names[i + 1:]:
+                pa, pb = [e[1] for e in have[ga]], [e[1] for e in have[gb]]
+                if not all(field in p for p in pa + pb):
+                    continue
+                ids = pa[0]["id"]
+                odd = next((e[2] for e, p in zip(have[ga] + have[gb], pa + pb) if p["id"] != ids), None)
+                if odd:
+                    raise SystemExit(f"compare: {odd}: other held-out questions than {have[ga][0][2]} (a "
+                                     f"paired comparison needs the same questions in the same order)")
+                r = paired_difference([p[field] for p in pa], [p[field] for p in pb], reps)
+                lo, hi = r["ci95_seeds_questions"]
+                sign = -1 if k in LOWER_IS_BETTER else 1
+                better = (ga if sign * lo > 0 else gb) if lo > 0 or hi < 0 else None  # 0 outside the interval
+                out.append({"metric": k, "a": ga, "b": gb, **r,
+                            "verdict": f"{better} better" if better else "within noise"})
+    return out
 
 
 def plot_curves(groups, keys, path, reps=1000):

@@ -212,10 +212,18 @@ def test_cli_end_to_end_on_a_tiny_trained_checkpoint(tmp_path):
     lo, hi = result["pass@1_ci95"]
     assert lo <= result["pass@1"] <= hi
     assert all((out / name).exists() for name in ("eval.md", "pass_at_k.png", "reliability.png"))
-    cmp = tmp_path / "cmp"
-    run_script("eval.py", ["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(cmp)])
-    rows = json.load(open(cmp / "comparison.json"))["runs"]
+    each = result["per_question"]  # for eval.py compare's paired bootstrap
+    assert len(set(each["id"])) == 40 and np.mean(each["pass@1"]) == pytest.approx(result["pass@1"])
+    assert np.mean(each["reward"]) == pytest.approx(result["reward"])
+    assert each["pass@1"] == [c / 4 for c in np.rint(np.array(each["pass@1"]) * 4)]
+    cmp = tmp_path / "cmp"  # each run's final evaluation read from {parent}/eval (both read this one)
+    run_script("eval.py", ["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(cmp), "--eval",
+                           "{parent}/eval"])
+    compared = json.load(open(cmp / "comparison.json"))
+    rows = compared["runs"]
     assert [r["run"] for r in rows] == ["a", "b"] and all("eval/ece" in r for r in rows)
+    assert rows[0]["heldout/pass@1"] == result["pass@1"] and rows[0]["heldout/ece"] == result["ece"]
+    assert compared["paired"][0]["diff"] == 0 and compared["paired"][0]["verdict"] == "within noise"
     assert (cmp / "curves.png").exists() and "| run |" in open(cmp / "comparison.md").read()
 
 

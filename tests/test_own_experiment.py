@@ -276,6 +276,115 @@ def test_compare_names_a_metric_no_run_logged(tmp_path):
                          "--out", str(tmp_path / "o")])
 
 
+def test_paired_difference_hand_computed_and_its_two_intervals():
+    rng = np.random.default_rng(0)
+    q = rng.uniform(0, 1, 4000)  # questions of very different difficulty, shared by both arms
+    # A beats B by 0.1 on every question: both intervals are the point 0.1
+    r = evaluation.paired_difference([q + 0.1, q + 0.1], [q, q], reps=200)
+    assert r["diff"] == pytest.approx(0.1) and r["runs"] == [2, 2] and r["questions"] == 4000
+    assert r["ci95_questions"] == pytest.approx([0.1, 0.1])
+    assert r["ci95_seeds_questions"] == pytest.approx([0.1, 0.1])
+    # paired: the interval over questions is the paired differences' (sd / sqrt(Q)), not the questions' spread
+    d = rng.normal(0.02, 0.3, 4000)
+    r = evaluation.paired_difference([q + d], [q], reps=2000)
+    half = 1.96 * d.std() / np.sqrt(len(d))
+    assert r["diff"] == pytest.approx(d.mean())
+    lo, hi = r["ci95_questions"]
+    assert (hi - lo) / 2 == pytest.approx(half, rel=0.15) and lo < d.mean() < hi
+    # seeds that differ by a constant (0, 0.2, 0.4) and no question noise: no width over questions, the seeds'
+    # spread over seeds and questions (3 draws from {0, .2, .4} are all 0, or all .4, with P 1/27 > 2.5% each)
+    a = [q + off for off in (0.0, 0.2, 0.4)]
+    r = evaluation.paired_difference(a, [q + 0.1], reps=4000)
+    assert r["diff"] == pytest.approx(0.1) and r["ci95_questions"] == pytest.approx([0.1, 0.1])
+    lo, hi = r["ci95_seeds_questions"]
+    assert lo == pytest.approx(0.0 - 0.1) and hi == pytest.approx(0.4 - 0.1)
+    with pytest.raises(ValueError, match="same questions"):
+        evaluation.paired_difference([[1.0, 0.0]], [[1.0, 0.0, 1.0]])
+
+
+def _fake_eval(folder, correct, ids=None, **extra):
+    os.makedirs(folder, exist_ok=True)
+    ids = ids or [f"q{i}" for i in range(len(correct))]
+    json.dump({"model": "m", "task": "sums", "decoding": "greedy", "pass@1": float(np.mean(correct)),
+               "format_fail": 0.0, **extra,
+               "per_question": {"id": ids, "pass@1": list(correct), "reward": list(correct)}},
+              open(os.path.join(folder, "eval.json"), "w"))
+
+
+def test_compare_reads_each_runs_greedy_evaluation_and_pairs_the_questions(tmp_path):
+    rng = np.random.default_rng(1)
+    base = (rng.uniform(size=400) < 0.3).astype(float)
+    for seed in range(3):  # rloo solves 40 more of the 400 questions than grpo on every seed; gpg = grpo
+        _fake_run(tmp_path / f"grpo-s{seed}", seed, 0.2)
+        _fake_run(tmp_path / f"rloo-s{seed}", seed, 0.2)
+        grpo = base.copy()
+        grpo[rng.choice(400, 10, replace=False)] = 1.0
+        rloo = grpo.copy()
+        rloo[np.flatnonzero(grpo == 0)[:40]] = 1.0
+        _fake_eval(tmp_path / f"eval-grpo-s{seed}", grpo)
+        _fake_eval(tmp_path / f"eval-rloo-s{seed}", rloo)
+    _fake_eval(tmp_path / "base", base)  # an eval.py folder alone: the base model
+    runs = [str(tmp_path / n) for n in ("grpo-s0", "grpo-s1", "grpo-s2", "rloo-s0", "rloo-s1", "rloo-s2")]
+    out = tmp_path / "cmp"
+    result = evaluation.main(["compare", *runs, str(tmp_path / "base"), "--out", str(out), "--reps", "500"])
+    g = result["groups"]
+    assert g["rloo"]["heldout/pass@1"]["values"] == pytest.approx(
+        [json.load(open(tmp_path / f"eval-rloo-s{s}" / "eval.json"))["pass@1"] for s in range(3)])
+    pairs = {(r["a"], r["b"]): r for r in result["paired"]}
+    r = pairs[("grpo", "rloo")]
+    assert r["diff"] == pytest.approx(-0.1) and r["runs"] == [3, 3] and r["questions"] == 400
+    assert r["ci95_seeds_questions"][1] < 0 and r["verdict"] == "rloo better"
+    assert pairs[("grpo", "base")]["verdict"] == "grpo better" and pairs[("grpo", "base")]["runs"] == [3, 1]
+    text = (out / "comparison.md").read_text()
+    assert "| heldout/pass@1 | grpo - rloo | 3 / 3 | -0.1000 |" in text and "rloo better" in text
+    # the best-of metric for P(A beats B) is now the held-out one
+    assert {w["metric"] for w in result["improvement"]} == {"heldout/pass@1"}
+    # other questions: refused in one line naming the file
+    _fake_eval(tmp_path / "eval-rloo-s2", base, ids=[f"x{i}" for i in range(400)])
+    with pytest.raises(SystemExit, match=r"eval-rloo-s2/eval.json: other held-out questions than"):
+        evaluation.main(["compare", *runs, "--out", str(out), "--reps", "50"])
+    # --eval '' reads no evaluation: no paired table
+    assert "paired" not in evaluation.main(["compare", *runs, "--eval", "", "--out", str(out), "--reps",
+                                            "50"])
+
+
+def test_the_smollm2_reproductions_table_reports_every_finished_run_and_the_paired_verdict(tmp_path):
+    """reproduce/smollm2.py --report_only on fixture runs (no training): every run of the folder, any --flags,
+    in its table and results.json, with eval.py compare's verdict; a run of another task is refused."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("smollm2_repro",
+                                                  os.path.join(ROOT, "reproduce", "smollm2.py"))
+    repro = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(repro)
+    rng = np.random.default_rng(3)
+    base = (rng.uniform(size=200) < 0.25).astype(float)
+    hadw = ["--hadw", "true"]
+    for name, gain, flags in (("grpo-s0", 60, []), ("grpo-s1", 70, []), ("grpo-hadw-s0", 90, hadw),
+                              ("grpo-hadw-s1", 100, hadw)):
+        _fake_run(tmp_path / name, 0, 0.3)
+        json.dump({"wall_s": 300.0, "flags": flags}, open(tmp_path / name / "wall_s.json", "w"))
+        solved = base.copy()
+        solved[np.flatnonzero(base == 0)[:gain]] = 1.0
+        _fake_eval(tmp_path / f"eval-{name}", solved, **{"questions": 200, "pass@1_ci95": [0.1, 0.9]})
+    _fake_eval(tmp_path / "eval-base", base, questions=200, **{"pass@1_ci95": [0.2, 0.3]})
+    os.makedirs(tmp_path / "unevaluated")  # a folder that is not a finished run is left out
+    repro.main(["--out_dir", str(tmp_path), "--report_only", "true", "--figure", ""])
+    out = json.load(open(tmp_path / "results.json"))
+    assert [r["name"] for r in out["runs"]] == ["grpo-s0", "grpo-s1", "grpo-hadw-s0", "grpo-hadw-s1"]
+    assert out["runs"][2]["flags"] == ["--hadw", "true"] and out["runs"][0]["minutes"] == 5.0
+    pairs = {(r["a"], r["b"]): r for r in out["paired"]}
+    assert pairs[("grpo", "grpo-hadw")]["diff"] == pytest.approx(-30 / 200)
+    assert pairs[("grpo", "grpo-hadw")]["verdict"] == "grpo-hadw better"
+    p0 = base.mean()
+    assert out["groups"]["grpo-hadw"]["heldout/pass@1"]["values"] == pytest.approx([p0 + 0.45, p0 + 0.5])
+    table = (tmp_path / "table.md").read_text()
+    assert f"| grpo-hadw-s1 | {p0:.3f} [0.200, 0.300] | {p0 + 0.5:.3f} [0.100, 0.900] (overlaps) |" in table
+    json.dump({"wall_s": 1.0, "flags": [], "task": "sums_graded"},
+              open(tmp_path / "grpo-s1" / "wall_s.json", "w"))
+    with pytest.raises(SystemExit, match="grpo-s1 was trained with --task sums_graded, not sums"):
+        repro.main(["--out_dir", str(tmp_path), "--report_only", "true", "--figure", ""])
+
+
 # ---------------------------------------------------------------------------------------------- LoRA (peft)
 
 LORA = ["--lora_rank", "4", "--lora_alpha", "8", "--lr", "1e-2"]  # scale alpha / r = 2
