@@ -52,8 +52,8 @@ class Args(data.TaskArgs, tools.ToolArgs, server.ServerArgs, memplan.PlanArgs, r
     """Options shared by every algorithm (and, from its base classes, those of the task, the tools, the server
     engine, --plan_only, the reward model and the judge). Each script subclasses this with its own."""
     model: str = arg("tiny", "tiny (random-init Qwen3) | smollm2 (SmolLM2-135M-Instruct) | hub id | path")
-    task: str = arg("addition", "addition | sums | sums_graded | calibration | ordinal | mixed | gsm8k | "
-                    "math | jsonl: | hf: | rg: (docs/tasks.md)")
+    task: str = arg("addition", "addition | sums | sums_graded | calibration | calibration_plain | ordinal | "
+                    "mixed | gsm8k | math | jsonl: | hf: | rg: (docs/tasks.md)")
     steps: int = arg(200, "training steps (one rollout batch each)", ge=1)
     prompts_per_step: int = arg(32, "prompts per rollout batch (all ranks together)", ge=1)
     group_size: int = arg(8, "completions sampled per prompt (G)", ge=1)

@@ -221,12 +221,21 @@ def calibration_reward(q: float | None, outcome: int, brier: bool) -> float:
     return math.log(q) if outcome == 1 else math.log(1.0 - q)
 
 
+# --task calibration_plain: the question, the reply begun (base SmolLM2 sampled at T 1: format_fail 0.32)
+PLAIN_CALIBRATION_PROMPT = ("What percentage of experiments in category C{c:02d} have a positive outcome?",
+                            "The percentage of experiments in category C{c:02d} with a positive outcome is")
+_FIRST_PERCENT = re.compile(r"(\d+(?:\.\d+)?)\s*%")
+
+
 def calibration_task(style: str, seed: int, n_categories: int = 20, n_questions: int = 10_000,
-                     n_test: int = 2_000, brier: bool = False) -> Task:
+                     n_test: int = 2_000, brier: bool = False, plain: bool = False) -> Task:
     """Seed 000's probability-prediction task: per-category p ~ U(0,1), one Bernoulli outcome per
     question drawn once; the prompt names only the category; the answer is a probability 1..99 %.
 
-    Train and test questions share the categories and their p, with independent outcomes.
+    Train and test questions share the categories and their p, with independent outcomes. `plain`
+    (--task calibration_plain): the same questions, asked as a small chat model answers them (SmolLM2 never
+    writes the paper's <answer></answer> tags): the assistant's reply begun with "The percentage ... is", the
+    prediction the first percentage the reply writes, rounded, valid in 1..99 %.
     """
     rng = random.Random(seed)
     p_cat = [rng.random() for _ in range(n_categories)]
@@ -236,6 +245,9 @@ def calibration_task(style: str, seed: int, n_categories: int = 20, n_questions:
         outcome = int(rng.random() < p_cat[c])
         if style == "tiny":
             prompt = f"{c:02d}:"
+        elif plain:
+            prompt = [{"role": "user", "content": PLAIN_CALIBRATION_PROMPT[0].format(c=c)},
+                      {"role": "assistant", "content": PLAIN_CALIBRATION_PROMPT[1].format(c=c)}]
         else:
             prompt = (f"An experiment belongs to category C{c:02d}. How likely is it that its outcome is "
                       f"positive? Respond with a probability from 1-99, representing 1% to 99% chance. "
@@ -244,8 +256,12 @@ def calibration_task(style: str, seed: int, n_categories: int = 20, n_questions:
     train, test = _split(examples, n_test)
 
     def score(completion: str, example: dict, finished: bool) -> Score:
-        m = (_TINY_PROB_RE if style == "tiny" else _ANSWER_RE).search(completion)
-        k = int(m.group(1)) if m else 0
+        if plain and style != "tiny":  # the reply's first percentage, rounded: "about 34.1% ..." -> 34
+            m = _FIRST_PERCENT.search(completion)
+            k = round(float(m.group(1))) if m else 0
+        else:
+            m = (_TINY_PROB_RE if style == "tiny" else _ANSWER_RE).search(completion)
+            k = int(m.group(1)) if m else 0
         q = k / 100 if 1 <= k <= 99 else None  # out-of-range counts as invalid (Bereket & Leskovec 2025, A.7)
         a = example["answer"]
         reward = calibration_reward(q, a, brier)
@@ -255,8 +271,9 @@ def calibration_task(style: str, seed: int, n_categories: int = 20, n_questions:
 
     # a prediction at 50% is the uninformed baseline: better than that counts as passed
     threshold = calibration_reward(0.5, 1, brier)
-    return Task("calibration", "probability", train, test, score, pass_threshold=threshold,
-                alphabet=DIGITS + [":"] + PERCENT_TOKENS, max_new_tokens=1 if style == "tiny" else 64)
+    return Task("calibration_plain" if plain else "calibration", "probability", train, test, score,
+                pass_threshold=threshold, alphabet=DIGITS + [":"] + PERCENT_TOKENS,
+                max_new_tokens=1 if style == "tiny" else 16 if plain else 64)
 
 
 ORDINAL_LEVELS = {0: 1.0, 1: 0.5, 2: 0.0}  # |answer - target| -> reward; farther: -0.5; invalid: -1
@@ -359,8 +376,8 @@ def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False
         if local and not (local.isdigit() and int(local) >= 2):
             raise DataError(f"--task {spec!r}: {name} takes the largest operand >= 2, e.g. {name}:49")
         return sums_task(style, seed, int(local) if local else 49, graded=name == "sums_graded")
-    if name == "calibration":
-        return calibration_task(style, seed, brier=brier)
+    if name in ("calibration", "calibration_plain"):
+        return calibration_task(style, seed, brier=brier, plain=name == "calibration_plain")
     if name == "ordinal":
         return ordinal_task(style, seed)
     if name == "modmul":  # modmul[:MODULUS]

@@ -153,7 +153,9 @@ def prompt_batch(examples: list, pos: int, n: int, seed: int) -> tuple[list, int
 def encode_prompts(tokenizer, prompts: list, chat: bool, toolbox=None) -> list:
     """Token ids of each prompt; a pretrained model with a chat template gets it applied (a text prompt as the
     user's message, a conversation as it is), the prompt ending with the assistant's turn opening; with
-    --tool_format chat, the template also renders the tools' definitions."""
+    --tool_format chat, the template also renders the tools' definitions. A conversation ending with an
+    assistant message is a reply begun: its text is given, the completion continues it (transformers'
+    continue_final_message, the turn left open; --task calibration_plain)."""
     schemas = toolbox.schemas if toolbox is not None and toolbox.fmt == "chat" else None
     template = chat and getattr(tokenizer, "chat_template", None)
     if not template and any(isinstance(p, list) for p in prompts):
@@ -165,7 +167,9 @@ def encode_prompts(tokenizer, prompts: list, chat: bool, toolbox=None) -> list:
         key = (bool(template), p if isinstance(p, str) else json.dumps(p, sort_keys=True), tools_key)
         if key not in cache:
             messages = [{"role": "user", "content": p}] if isinstance(p, str) else p
-            cache[key] = (tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+            begun = messages[-1].get("role") == "assistant"
+            cache[key] = (tokenizer.apply_chat_template(messages, add_generation_prompt=not begun,
+                                                        continue_final_message=begun, tokenize=True,
                                                         return_dict=False, tools=schemas)
                           if template else tokenizer(p, add_special_tokens=False)["input_ids"])
         out.append(list(cache[key]))

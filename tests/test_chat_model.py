@@ -104,6 +104,16 @@ def test_system_prompt_and_the_template(chat_model):
                     "final answer in \\boxed{}.<|im_end|>\n<|im_start|>assistant\n")
     with pytest.raises(rewards.DataError, match="need a model with a chat template"):
         data.encode_prompts(tok, [task.train[0]["prompt"]], chat=False)
+    # a conversation ending with the assistant's message: the reply begun, its turn left open to continue
+    # (--task calibration_plain), where a text prompt opens the assistant's turn empty
+    begun = rewards.load_task("calibration_plain", style="chat").train[0]["prompt"]
+    c = rewards.load_task("calibration_plain", style="chat").train[0]["category"]
+    ids = data.encode_prompts(tok, [begun], chat=True)[0]
+    assert tok.decode(ids) == (f"<|im_start|>user\nWhat percentage of experiments in category C{c:02d} have "
+                               f"a positive outcome?<|im_end|>\n<|im_start|>assistant\nThe percentage of "
+                               f"experiments in category C{c:02d} with a positive outcome is")
+    opened = tok.decode(data.encode_prompts(tok, [begun[0]["content"]], chat=True)[0])
+    assert opened.endswith("<|im_start|>assistant\n") and tok.decode(ids).startswith(opened)
 
 
 # ---------------------------------------------------------------------------------------------- every script

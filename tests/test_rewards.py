@@ -211,6 +211,30 @@ def test_sums_graded_gives_partial_credit_by_distance_on_the_same_questions():
         rewards.load_task("sums_graded:x")
 
 
+def test_calibration_plain_reads_the_first_percentage_of_a_begun_reply():
+    """calibration_plain (seed 000 on SmolLM2): calibration's questions, categories and outcomes, asked with
+    the assistant's reply begun; the prediction is the reply's first percentage, rounded, valid in 1..99."""
+    plain, paper = rewards.load_task("calibration_plain", style="chat"), rewards.load_task("calibration",
+                                                                                           style="chat")
+    strip = lambda rows: [{k: v for k, v in e.items() if k != "prompt"} for e in rows]  # noqa: E731
+    assert strip(plain.train) == strip(paper.train) and strip(plain.test) == strip(paper.test)
+    assert (plain.kind, plain.name, plain.pass_threshold) == ("probability", "calibration_plain",
+                                                              paper.pass_threshold)
+    ex = plain.test[0]
+    assert ex["prompt"][1]["role"] == "assistant" and f"C{ex['category']:02d}" in ex["prompt"][0]["content"]
+    pos, neg = dict(ex, answer=1), dict(ex, answer=0)
+    for reply, k in ((" 30%.", 30), (" approximately 34.6 %, and 20% of", 35), (" 0.62, so 62%", 62),
+                     (" 99%", 99), (" 1%", 1)):
+        s = plain.score(reply, pos, False)  # a reply cut off after its percentage counts as well
+        assert s.prob == k / 100 and s.reward == pytest.approx(math.log(k / 100)) and s.format_ok == 1.0
+        assert plain.score(reply, neg, True).reward == pytest.approx(math.log(1 - k / 100))
+    floor = plain.score(" about a half", pos, True).reward
+    for reply in (" about a half", " 0.4%", " 100%", " 250%", " 62"):  # no percentage, or outside 1..99
+        s = plain.score(reply, pos, True)
+        assert (s.prob, s.format_ok, s.reward) == (None, 0.0, floor), reply
+    assert floor == rewards.calibration_reward(None, 1, False)
+
+
 def test_reward_weights_without_reward_is_refused():
     """--reward_weights weighs --reward's functions: given without --reward (was: silently ignored, the
     task's verifier the reward at weight 1; beside --reward_model: "1 weight(s) for 0 reward function(s)")
