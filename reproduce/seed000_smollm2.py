@@ -14,6 +14,7 @@ starts again without one; a folder trained with another configuration is refused
 line per run; writes DIR/results.json (a list of {algo, seed, ece, auroc, accuracy, brier, minutes}),
 DIR/table.md, DIR/details.json (curves, histograms, eval.py compare's verdict) and DIR/seed000_smollm2.png.
 """
+import contextlib
 import json
 import os
 import subprocess
@@ -24,6 +25,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import eval as evaluation  # noqa: E402
 from rlmini import options, runlog  # noqa: E402
 
 # name -> (label, script, its own flags): each trainer with its defaults; only GRPO's std switch differs
@@ -216,10 +218,10 @@ def main(argv=None):
             rows.append(row)
             details.append(detail)
     cmp = os.path.join(a.out, "compare")
-    call(["eval.py", "compare", *[f"--group={algo}=" + ",".join(os.path.join(a.out, f"{algo}-s{s}")
-                                                                for s in a.seeds) for algo in a.algos],
-          "--metric", ",".join(f"heldout/{k}" for k in METRICS), "--out", cmp], cmp + ".log")
-    verdict = json.load(open(os.path.join(cmp, "comparison.json")))
+    with open(cmp + ".log", "w") as log, contextlib.redirect_stdout(log):  # its tables: in compare/
+        verdict = evaluation.main(["compare", *[f"--group={algo}=" + ",".join(
+            os.path.join(a.out, f"{algo}-s{s}") for s in a.seeds) for algo in a.algos],
+            "--metric", ",".join(f"heldout/{k}" for k in METRICS), "--out", cmp])
     text = table(rows, verdict)
     with open(os.path.join(a.out, "results.json"), "w") as f:
         json.dump(rows, f, indent=1)
