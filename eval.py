@@ -237,8 +237,10 @@ def summarize(task, examples: list, scores: list, n: int, ks: list, boot: bool =
 
 
 def question_id(example) -> str:
-    """A held-out question's identity across evaluations: a hash of its prompt (text or chat messages)."""
-    return hashlib.sha256(json.dumps(example["prompt"], sort_keys=True).encode()).hexdigest()[:16]
+    """A held-out question's identity across evaluations: a hash of its prompt (text or chat messages) and its
+    answer (calibration's 2,000 questions share 20 prompts; their outcomes tell two splits apart)."""
+    key = json.dumps([example["prompt"], example.get("answer")], sort_keys=True, default=str)
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def per_question(task, examples: list, scores: list, n: int) -> dict:
@@ -613,8 +615,8 @@ def _eval_json(folder: str):
         return None
     try:
         e = json.load(open(path))
-    except (OSError, ValueError) as err:
-        raise SystemExit(f"compare: {path}: not readable JSON ({err})") from None
+    except (OSError, ValueError):  # a run still writing its own (training's) eval.json: not an evaluation
+        return None
     return e if isinstance(e, dict) and "decoding" in e else None
 
 
@@ -622,13 +624,17 @@ def _read_evaluation(folder: str, template: str):
     """(heldout/* values, per-question values, its path) of the run's final evaluation: an eval.py folder
     itself, else the folder `template` names ({run}: the folder, {parent}, {name}); (None, None, None)."""
     run = folder.rstrip("/")
-    places = [run] + ([template.format(run=run, parent=os.path.dirname(run), name=os.path.basename(run))]
-                      if template else [])
+    try:
+        places = [run] + ([template.format(run=run, parent=os.path.dirname(run) or ".",
+                                           name=os.path.basename(run))] if template else [])
+    except (KeyError, IndexError, ValueError) as e:
+        raise SystemExit(f"compare: --eval {template!r}: a template of {{run}}, {{parent}} and {{name}} "
+                         f"({type(e).__name__}: {e})") from None
     for place in places:
         e = _eval_json(place)
-        if e is not None:
+        if e is not None:  # a metric eval.py could not compute (AUROC of one class: NaN) is left out
             values = {f"heldout/{k}": e[k] for k in (h.split("/")[1] for h in HELDOUT_KEYS)
-                      if isinstance(e.get(k), (int, float))}
+                      if isinstance(e.get(k), (int, float)) and math.isfinite(e[k])}
             return values, e.get("per_question"), os.path.join(place, "eval.json")
     return None, None, None
 
@@ -767,7 +773,8 @@ def cmd_compare(argv) -> dict:
                  for g, e in result["groups"].items()]
         table += ("\nPer group: IQM over runs [95% stratified-bootstrap interval] (Agarwal et al. 2021)\n\n"
                   + _markdown(grows, ["group", "runs"] + columns[2:]))
-        default = next((k for k in ("heldout/pass@1", "eval/pass@1", "reward/correct") if k in columns),
+        have = lambda k: sum(k in result["groups"][g] for g in members)  # noqa: E731
+        default = next((k for k in ("heldout/pass@1", "eval/pass@1", "reward/correct") if have(k) > 1),
                        columns[-1])
         metrics = a.metric.split(",") if a.metric else [default]
         names = list(members)
@@ -815,7 +822,9 @@ def cmd_compare(argv) -> dict:
 
 def paired_table(members: dict, evals: dict, metric: str, reps: int) -> list:
     """Every pair of groups whose runs all have a final evaluation with per-question values on the same
-    questions: paired_difference of each held-out metric asked for (default heldout/pass@1)."""
+    questions: paired_difference of each held-out metric asked for (default heldout/pass@1). A pair on
+    other questions is left out, with a note; an arm of one run has no seeds to resample (its verdict says
+    so)."""
     keys = [k for k in (metric.split(",") if metric else ["heldout/pass@1"]) if k.startswith("heldout/")]
     have = {g: [evals[n] for n in names] for g, names in members.items()
             if all(evals[n][1] for n in names)}
@@ -830,14 +839,17 @@ def paired_table(members: dict, evals: dict, metric: str, reps: int) -> list:
                 ids = pa[0]["id"]
                 odd = next((e[2] for e, p in zip(have[ga] + have[gb], pa + pb) if p["id"] != ids), None)
                 if odd:
-                    raise SystemExit(f"compare: {odd}: other held-out questions than {have[ga][0][2]} (a "
-                                     f"paired comparison needs the same questions in the same order)")
+                    print(f"compare: {ga} - {gb} not paired: {odd} holds other held-out questions than "
+                          f"{have[ga][0][2]} (or in another order)")
+                    continue
                 r = paired_difference([p[field] for p in pa], [p[field] for p in pb], reps)
                 lo, hi = r["ci95_seeds_questions"]
                 sign = -1 if k in LOWER_IS_BETTER else 1
                 better = (ga if sign * lo > 0 else gb) if lo > 0 or hi < 0 else None  # 0 outside the interval
-                out.append({"metric": k, "a": ga, "b": gb, **r,
-                            "verdict": f"{better} better" if better else "within noise"})
+                single = [g for g, n in ((ga, len(pa)), (gb, len(pb))) if n == 1]
+                verdict = f"{better} better" if better else "within noise"
+                out.append({"metric": k, "a": ga, "b": gb, **r, "verdict": verdict + (
+                    f" ({' and '.join(single)}: one run, its seed not resampled)" if single else "")})
     return out
 
 

@@ -14,6 +14,7 @@ starts again without one; a folder trained with another configuration is refused
 line per run; writes DIR/results.json (a list of {algo, seed, ece, auroc, accuracy, brier, minutes}),
 DIR/table.md, DIR/details.json (curves, histograms, eval.py compare's verdict) and DIR/seed000_smollm2.png.
 """
+import argparse
 import contextlib
 import json
 import os
@@ -78,35 +79,45 @@ def train_flags(a, algo: str, seed: int) -> list:
 
 def differing(folder: str, script: str, flags: list):
     """How the run in `folder` was trained otherwise than `script` with `flags` ('--flag OLD (now NEW)', from
-    its config.json, which holds every option), or None (the same, or nothing trained yet)."""
+    its config.json, which holds every option), or None (the same, or nothing trained yet). A flag given
+    twice counts as the trainer reads it: the last value."""
     path = os.path.join(folder, "config.json")
     if not os.path.exists(path):
         return None
     config = json.load(open(path))
     if config.get("script", script) != script:
         return f"the script {config['script']} (now {script})"
-    for flag, value in zip(flags[::2], flags[1::2]):
+    for flag, value in dict(zip(flags[::2], flags[1::2])).items():
         old = config.get(flag[2:].replace("-", "_"))
-        if isinstance(old, bool):
-            same = old == (value.lower() == "true")
-        elif isinstance(old, (int, float)):
-            same = float(old) == float(value)
-        else:
-            same = str(old) == value
+        try:
+            if isinstance(old, bool):
+                same = old == options.boolean(value)
+            elif isinstance(old, (int, float)):
+                same = float(old) == float(value)
+            else:
+                same = str(old) == value
+        except (ValueError, TypeError, argparse.ArgumentTypeError):
+            same = False
         if not same:
             return f"{flag} {old} (now {value})"
     return None
 
 
-def call(cmd: list, log: str) -> float:
-    """Run a repository script, its output added to `log`; its wall seconds, or exit with the log's tail."""
+def call(cmd: list, log: str, record: dict, key: str, record_path: str) -> None:
+    """Run a repository script, its output added to `log`, its wall seconds added to record[key] and saved
+    however it ends (an interrupted run's minutes count when it continues); exit with the log's tail if it
+    failed."""
     start = time.perf_counter()
-    with open(log, "a") as f:
-        done = subprocess.run([sys.executable, *cmd], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                              env={**os.environ, "WANDB_MODE": "disabled"})
+    try:
+        with open(log, "a") as f:
+            done = subprocess.run([sys.executable, *cmd], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                  env={**os.environ, "WANDB_MODE": "disabled"})
+    finally:
+        record[key] += time.perf_counter() - start
+        with open(record_path, "w") as f:
+            json.dump(record, f)
     if done.returncode:
         sys.exit(f"{cmd[0]} failed ({done.returncode}); its log: {log}\n" + open(log).read()[-2000:])
-    return time.perf_counter() - start
 
 
 def run_one(a, algo: str, seed: int) -> dict:
@@ -124,21 +135,18 @@ def run_one(a, algo: str, seed: int) -> dict:
         again = os.path.exists(os.path.join(folder, "checkpoint.pt")) or os.path.isdir(
             os.path.join(folder, "checkpoint"))  # interrupted: continue from its checkpoint, else start again
         record["train_s"] = record["train_s"] if again else 0.0
-        record["train_s"] += call([ALGOS[algo][1], *flags, "--out_dir", a.out, "--run_name", name,
-                                   "--wandb", "false", "--save_every", "50",
-                                   "--keep_checkpoint", "false",
-                                   *(["--resume", "true"] if again else ["--overwrite", "true"])],
-                                  os.path.join(a.out, f"{name}.log"))
-        with open(record_path, "w") as f:
-            json.dump(record, f)
-    if not os.path.exists(os.path.join(ev_dir, "eval.json")):
-        record["eval_s"] += call(["eval.py", "--model", os.path.join(folder, "final"), "--task",
-                                  "calibration_plain", "--engine", a.engine, "--n", str(a.eval_n), "--k", "1",
-                                  "--limit", str(a.final_limit), "--seed", str(seed), "--out", ev_dir],
-                                 os.path.join(a.out, f"eval-{name}.log"))
-        with open(record_path, "w") as f:
-            json.dump(record, f)
-    ev = json.load(open(os.path.join(ev_dir, "eval.json")))
+        call([ALGOS[algo][1], *flags, "--out_dir", a.out, "--run_name", name, "--wandb", "false",
+              "--save_every", "50", "--keep_checkpoint", "false",
+              *(["--resume", "true"] if again else ["--overwrite", "true"])],
+             os.path.join(a.out, f"{name}.log"), record, "train_s", record_path)
+    path = os.path.join(ev_dir, "eval.json")
+    ev = json.load(open(path)) if os.path.exists(path) else {}
+    if (ev.get("n"), ev.get("questions")) != (a.eval_n, a.final_limit or 2000):  # none, or of another size
+        record["eval_s"] = 0.0
+        call(["eval.py", "--model", os.path.join(folder, "final"), "--task", "calibration_plain", "--engine",
+              a.engine, "--n", str(a.eval_n), "--k", "1", "--limit", str(a.final_limit), "--seed", str(seed),
+              "--out", ev_dir], os.path.join(a.out, f"eval-{name}.log"), record, "eval_s", record_path)
+        ev = json.load(open(path))
     rows = runlog.read_metrics(os.path.join(folder, "metrics.jsonl"))
     curve = {k: {r["step"]: r[f"eval/{k}"] for r in rows if f"eval/{k}" in r} for k in METRICS}
     minutes = (record["train_s"] + record["eval_s"]) / 60
@@ -218,6 +226,7 @@ def main(argv=None):
             rows.append(row)
             details.append(detail)
     cmp = os.path.join(a.out, "compare")
+    os.makedirs(a.out, exist_ok=True)
     with open(cmp + ".log", "w") as log, contextlib.redirect_stdout(log):  # its tables: in compare/
         verdict = evaluation.main(["compare", *[f"--group={algo}=" + ",".join(
             os.path.join(a.out, f"{algo}-s{s}") for s in a.seeds) for algo in a.algos],

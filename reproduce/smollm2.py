@@ -112,7 +112,8 @@ def main(argv=None):
     runs = finished(a.out_dir, a.task)
     graded = "pass_rate" in base  # an ordinal task: the share of replies at or above its pass threshold
     ci = lambda e: "[{:.3f}, {:.3f}]".format(*e["pass@1_ci95"])  # noqa: E731
-    mean = lambda x: sum(x) / len(x) if x else float("nan")  # noqa: E731
+    mean = lambda x: sum(x) / len(x) if x else None  # noqa: E731
+    cell = lambda v: "" if v is None else f"{v:.3f}"  # noqa: E731
     lines = [f"machine: {platform.machine()}, {os.cpu_count()} cores; held-out greedy pass@1 on "
              f"{base['questions']} {a.task}",
              "| run | pass@1 before | after | " + ("pass_rate before / after | " if graded else "")
@@ -125,7 +126,7 @@ def main(argv=None):
         rate = f"{base['pass_rate']:.3f} / {e['pass_rate']:.3f} | " if graded else ""
         lines.append(f"| {r['name']} | {base['pass@1']:.3f} {ci(base)} | {e['pass@1']:.3f} {ci(e)} "
                      f"({above}) | {rate}{base['format_fail']:.3f} / {e['format_fail']:.3f} | "
-                     f"{mean(first):.3f}, {mean(last):.3f} | {mean(r['failed_pos']):.3f} | "
+                     f"{cell(mean(first))}, {cell(mean(last))} | {cell(mean(r['failed_pos']))} | "
                      f"{r['minutes']:.1f} |")
     print("\n".join(lines))
     if runs:  # the verdict: eval.py compare (IQM over seeds, the paired bootstrap over questions and seeds)
@@ -162,7 +163,7 @@ def main(argv=None):
             for c in curves if len(curves) > 1 else []:
                 ax.plot(range(1, len(c) + 1), c, lw=0.6, alpha=0.4, color=line.get_color())
         ax.set(xlabel="step", ylabel="training reward (8 x 8 samples)", ylim=None if graded else (0, 1),
-               title=f"SmolLM2-135M-Instruct on {a.task} (0..49)")
+               title=f"SmolLM2-135M-Instruct on {a.task}")
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(a.figure, dpi=120)

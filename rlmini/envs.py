@@ -26,7 +26,7 @@ import sys
 import threading
 
 from rlmini.reward_fns import import_function
-from rlmini.task import DataError
+from rlmini.task import DataError, begun_reply
 
 NOT_TOOLS = ("reset", "get_reward", "close")
 
@@ -86,7 +86,12 @@ def with_observation(prompt, observation):
         return prompt
     if isinstance(prompt, str):
         return prompt + observation
-    return prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + observation}]
+    prompt, begun = begun_reply(prompt)  # a reply begun: the observation goes to the message before it
+    if not prompt:
+        raise DataError("--env: a prompt that is only a begun assistant reply has no message to add reset's "
+                        "text to")
+    return prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + observation}] + (
+        [{"role": "assistant", "content": begun}] if begun else [])
 
 
 class Pool:

@@ -32,7 +32,7 @@ from rlmini import dist, httpclient
 from rlmini.datafiles import prompt_text
 from rlmini.faults import JudgeError
 from rlmini.options import arg
-from rlmini.task import DataError
+from rlmini.task import DataError, begun_reply
 
 PROBE_S = 30.0     # the start-up probe's deadline
 SLACK_S = 10.0     # the batch bound's slack beyond its requests' own deadlines
@@ -186,7 +186,8 @@ class Judge:
         return out
 
     def render(self, prompt, completion: str, example: dict) -> str:
-        values = {**example, "prompt": prompt_text(prompt), "completion": completion,
+        prompt, begun = begun_reply(prompt)  # a reply begun in the prompt is the completion's beginning
+        values = {**example, "prompt": prompt_text(prompt), "completion": begun + completion,
                   "answer": example.get("answer") or "", "scale": f"{self.a.judge_scale:g}"}
         try:
             return self.template.format_map(values)

@@ -14,6 +14,7 @@ import torch
 
 from rlmini import dist, faults, models, reward_fns
 from rlmini.options import arg
+from rlmini.task import begun_reply
 
 PLAIN = "{prompt}\n{completion}"  # what a reward model without a chat template reads
 
@@ -64,6 +65,8 @@ def scoring_tokens(args) -> int:
 def render(tokenizer, prompt, completion: str) -> list:
     """The reward model's token ids of (prompt, completion): the conversation with the completion as the
     assistant's turn in its own chat template, or PLAIN where it has none (with its special tokens)."""
+    prompt, begun = begun_reply(prompt)  # a reply begun in the prompt: the completion continues it
+    completion = begun + completion
     if getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         text = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": completion}],

@@ -8,6 +8,15 @@ from typing import Callable
 OUTPUT_MARK = "```output"  # modmul, the code tool format: the model asks for the last block's output (ToRA)
 
 
+def begun_reply(prompt) -> tuple:
+    """(the prompt before the assistant's reply, the reply's given beginning): a conversation ending with an
+    assistant message is a reply begun that the completion continues (rlmini/data.py::encode_prompts), so a
+    reward model, a judge or an environment sees (conversation, beginning + completion); else (prompt, "")."""
+    if isinstance(prompt, list) and prompt and prompt[-1].get("role") == "assistant":
+        return prompt[:-1], prompt[-1]["content"]
+    return prompt, ""
+
+
 @dataclass
 class Score:
     reward: float        # what the policy gradient sees

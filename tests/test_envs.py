@@ -113,6 +113,20 @@ def test_methods_become_tools_and_reset_text_joins_the_prompt(tmp_path):
 
 
 @pytest.mark.slow
+def test_reset_text_joins_the_message_before_a_begun_reply():
+    """A conversation ending with an assistant message (a reply begun, --task calibration_plain): reset's text
+    is added to the message before it, the beginning stays last for the completion to continue."""
+    from rlmini.task import begun_reply
+    user = {"role": "user", "content": "Q?"}
+    begun = [user, {"role": "assistant", "content": "It is"}]
+    assert begun_reply(begun) == ([user], "It is") and begun_reply([user]) == ([user], "")
+    assert begun_reply("Q?") == ("Q?", "")
+    assert envs.with_observation(begun, " [obs]") == [{"role": "user", "content": "Q? [obs]"}, begun[1]]
+    assert envs.with_observation([user], " [obs]") == [{"role": "user", "content": "Q? [obs]"}]
+    with pytest.raises(rewards.DataError, match="only a begun assistant reply"):
+        envs.with_observation(begun[1:], " [obs]")
+
+
 def test_a_raising_method_is_a_tool_error_and_a_hung_instance_is_discarded(tmp_path, tok):
     """In a rollout: a method that raises answers the policy with the error (tools/raised); one that hangs is
     stopped at --tool_timeout, its instance discarded (no reward asked: 0, never lent again)."""

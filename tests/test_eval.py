@@ -223,7 +223,7 @@ def test_cli_end_to_end_on_a_tiny_trained_checkpoint(tmp_path):
     rows = compared["runs"]
     assert [r["run"] for r in rows] == ["a", "b"] and all("eval/ece" in r for r in rows)
     assert rows[0]["heldout/pass@1"] == result["pass@1"] and rows[0]["heldout/ece"] == result["ece"]
-    assert compared["paired"][0]["diff"] == 0 and compared["paired"][0]["verdict"] == "within noise"
+    assert compared["paired"][0]["diff"] == 0 and compared["paired"][0]["verdict"].startswith("within noise")
     assert (cmp / "curves.png").exists() and "| run |" in open(cmp / "comparison.md").read()
 
 

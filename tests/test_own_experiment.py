@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -311,7 +312,7 @@ def _fake_eval(folder, correct, ids=None, **extra):
               open(os.path.join(folder, "eval.json"), "w"))
 
 
-def test_compare_reads_each_runs_greedy_evaluation_and_pairs_the_questions(tmp_path):
+def test_compare_reads_each_runs_greedy_evaluation_and_pairs_the_questions(tmp_path, capsys, monkeypatch):
     rng = np.random.default_rng(1)
     base = (rng.uniform(size=400) < 0.3).astype(float)
     for seed in range(3):  # rloo solves 40 more of the 400 questions than grpo on every seed; gpg = grpo
@@ -334,15 +335,24 @@ def test_compare_reads_each_runs_greedy_evaluation_and_pairs_the_questions(tmp_p
     r = pairs[("grpo", "rloo")]
     assert r["diff"] == pytest.approx(-0.1) and r["runs"] == [3, 3] and r["questions"] == 400
     assert r["ci95_seeds_questions"][1] < 0 and r["verdict"] == "rloo better"
-    assert pairs[("grpo", "base")]["verdict"] == "grpo better" and pairs[("grpo", "base")]["runs"] == [3, 1]
+    assert pairs[("grpo", "base")]["verdict"] == "grpo better (base: one run, its seed not resampled)"
+    assert pairs[("grpo", "base")]["runs"] == [3, 1]
     text = (out / "comparison.md").read_text()
     assert "| heldout/pass@1 | grpo - rloo | 3 / 3 | -0.1000 |" in text and "rloo better" in text
     # the best-of metric for P(A beats B) is now the held-out one
     assert {w["metric"] for w in result["improvement"]} == {"heldout/pass@1"}
-    # other questions: refused in one line naming the file
+    # other questions: that pair left out, with a line naming the file; the rest of the comparison is kept
     _fake_eval(tmp_path / "eval-rloo-s2", base, ids=[f"x{i}" for i in range(400)])
-    with pytest.raises(SystemExit, match=r"eval-rloo-s2/eval.json: other held-out questions than"):
-        evaluation.main(["compare", *runs, "--out", str(out), "--reps", "50"])
+    capsys.readouterr()
+    again = evaluation.main(["compare", *runs, str(tmp_path / "base"), "--out", str(out), "--reps", "50"])
+    assert re.search(r"compare: grpo - rloo not paired: \S*eval-rloo-s2/eval.json holds other held-out "
+                     r"questions than", capsys.readouterr().out)
+    assert {(r["a"], r["b"]) for r in again["paired"]} == {("grpo", "base")} and again["improvement"]
+    # a bare folder name: {parent} is the working directory; an unknown template field: one line
+    monkeypatch.chdir(tmp_path)
+    assert "heldout/pass@1" in evaluation.main(["compare", "grpo-s0", "--out", "cmp2"])["runs"][0]
+    with pytest.raises(SystemExit, match=r"--eval '\{foo\}': a template of \{run\}, \{parent\} and \{name\}"):
+        evaluation.main(["compare", "grpo-s0", "--eval", "{foo}", "--out", "cmp2"])
     # --eval '' reads no evaluation: no paired table
     assert "paired" not in evaluation.main(["compare", *runs, "--eval", "", "--out", str(out), "--reps",
                                             "50"])

@@ -306,6 +306,10 @@ def test_the_random_reward_model_reads_its_own_chat_template_and_padding_changes
     ids = reward_model.render(tok, "What is 2 + 3?", "5")
     assert tok.decode(ids) == ("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n5"
                                "<|im_end|>\n")
+    # a reply begun in the prompt (--task calibration_plain): one assistant turn, its beginning + completion
+    begun = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "It is"}]
+    assert tok.decode(reward_model.render(tok, begun, " 5")) == (
+        "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\nIt is 5<|im_end|>\n")
     ref = AutoModelForSequenceClassification.from_pretrained(RANDOM).eval()
     prompts, completions = ["What is 2 + 3?", "hi"], ["5", "a much longer completion than the other one"]
     expected = [ref(input_ids=torch.tensor([reward_model.render(tok, p, c)])).logits[0, 0].item()
