@@ -14,8 +14,8 @@ starts again without one; a folder trained with another configuration is refused
 line per run; writes DIR/results.json (a list of {algo, seed, ece, auroc, accuracy, brier, minutes}),
 DIR/table.md, DIR/details.json (curves, histograms, eval.py compare's verdict) and DIR/seed000_smollm2.png.
 """
-import argparse
 import contextlib
+import importlib
 import json
 import os
 import subprocess
@@ -79,27 +79,21 @@ def train_flags(a, algo: str, seed: int) -> list:
 
 def differing(folder: str, script: str, flags: list):
     """How the run in `folder` was trained otherwise than `script` with `flags` ('--flag OLD (now NEW)', from
-    its config.json, which holds every option), or None (the same, or nothing trained yet). A flag given
-    twice counts as the trainer reads it: the last value."""
+    its config.json, which holds every option), or None (the same, or nothing trained yet). The flags are
+    typed by the trainer's own parser, so a value reads as the trainer reads it (the last of a repeated flag,
+    `yes` for true, 2e-5 for 0.00002)."""
     path = os.path.join(folder, "config.json")
     if not os.path.exists(path):
         return None
     config = json.load(open(path))
     if config.get("script", script) != script:
         return f"the script {config['script']} (now {script})"
-    for flag, value in dict(zip(flags[::2], flags[1::2])).items():
-        old = config.get(flag[2:].replace("-", "_"))
-        try:
-            if isinstance(old, bool):
-                same = old == options.boolean(value)
-            elif isinstance(old, (int, float)):
-                same = float(old) == float(value)
-            else:
-                same = str(old) == value
-        except (ValueError, TypeError, argparse.ArgumentTypeError):
-            same = False
-        if not same:
-            return f"{flag} {old} (now {value})"
+    args = options.parse_args(importlib.import_module(script[:-3]).Args, flags)
+    given = dict(zip(flags[::2], flags[1::2]))
+    for flag, value in given.items():
+        name = flag[2:].replace("-", "_")
+        if config.get(name) != getattr(args, name):
+            return f"{flag} {config.get(name)} (now {value})"
     return None
 
 
