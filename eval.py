@@ -236,10 +236,10 @@ def summarize(task, examples: list, scores: list, n: int, ks: list, boot: bool =
     return out
 
 
-def question_id(example) -> str:
-    """A held-out question's identity across evaluations: a hash of its prompt (text or chat messages) and its
-    answer (calibration's 2,000 questions share 20 prompts; their outcomes tell two splits apart)."""
-    key = json.dumps([example["prompt"], example.get("answer")], sort_keys=True, default=str)
+def question_id(index: int, example) -> str:
+    """A held-out question's identity across evaluations: a hash of its place in the held-out split, its
+    prompt (text or chat messages) and its answer (calibration's 2,000 questions share 20 prompts, 2 answers)."""
+    key = json.dumps([index, example["prompt"], example.get("answer")], sort_keys=True, default=str)
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -247,7 +247,7 @@ def per_question(task, examples: list, scores: list, n: int) -> dict:
     """Per question, in order: its id, pass@1 (the share of its n samples that are correct) and mean reward
     (and, on an ordinal task, the share at or above the pass threshold)."""
     blocks = [scores[i * n:(i + 1) * n] for i in range(len(examples))]
-    out = {"id": [question_id(e) for e in examples],
+    out = {"id": [question_id(i, e) for i, e in enumerate(examples)],
            "pass@1": [float(np.mean([s.correct >= 1.0 for s in b])) for b in blocks],
            "reward": [float(np.mean([s.reward for s in b])) for b in blocks]}
     if task.kind == "ordinal":
