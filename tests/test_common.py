@@ -163,6 +163,40 @@ def test_hf_greedy_decoding_is_transformers_greedy_generate(tiny_addition):
                                rtol=0)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_samplers_frequencies_are_the_softmax_chi_square(temperature):
+    """engine.sample_rows (inverse-CDF sampling): over 400,000 draws from fixed logits, the token counts fit
+    softmax(logits / T) by Pearson's chi-square at p = 1e-4 (49 degrees of freedom); a masked (-inf) token is
+    never drawn; each draw's log-prob is log_softmax's at that token within fp32 rounding of the logits'
+    scale; and the draws follow the generator's seed."""
+    from scipy.stats import chi2
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(50, generator=g) * 2.0
+    logits[7] = -float("inf")
+    n = 400_000
+    rows = logits.expand(n, 50).contiguous()
+    tok, logp = engine.sample_rows(rows, temperature, torch.Generator().manual_seed(1))
+    counts = torch.bincount(tok, minlength=50).double()
+    p = torch.softmax(logits.double() / temperature, -1)
+    assert counts[7] == 0 and p[7] == 0
+    keep = p > 0
+    stat = float(((counts[keep] - n * p[keep]) ** 2 / (n * p[keep])).sum())
+    assert stat < chi2.ppf(1 - 1e-4, int(keep.sum()) - 1), stat
+    expected = torch.log_softmax(logits.float() / temperature, -1)[tok]
+    torch.testing.assert_close(logp, expected, atol=1e-6 * float(logits[keep].abs().max()) * 4, rtol=0)
+    again, _ = engine.sample_rows(rows[:1000], temperature, torch.Generator().manual_seed(1))
+    other, _ = engine.sample_rows(rows[:1000], temperature, torch.Generator().manual_seed(2))
+    assert torch.equal(again, tok[:1000]) and not torch.equal(other, again)
+    # a 49,152-token vocabulary (SmolLM2's): one heavy token at its softmax share, log-probs as log_softmax's
+    big = torch.randn(49_152, generator=g)
+    big[1234] = 10.0
+    share = float(torch.softmax(big / temperature, -1)[1234])
+    tok, logp = engine.sample_rows(big.expand(2000, -1).contiguous(), temperature,
+                                   torch.Generator().manual_seed(3))
+    assert abs(float((tok == 1234).double().mean()) - share) < 4 * (share * (1 - share) / 2000) ** 0.5
+    torch.testing.assert_close(logp, torch.log_softmax(big / temperature, -1)[tok], atol=1e-5, rtol=0)
+
+
 def hf_run(tmp_path, *argv):
     argv = ["--engine", "hf", "--out_dir", str(tmp_path), "--wandb", "false", "--prompts_per_step", "4",
             "--group_size", "3", *argv]
