@@ -171,20 +171,34 @@ class HFEngine:
         return r
 
 
-def sample_rows(logits, temperature: float, gen) -> tuple:
-    """One token per row drawn from softmax(logits / T), and its log-prob: inverse-CDF sampling, one uniform
+def sample_rows(logits, temperature: float, gen, chunk: int = 256) -> tuple:
+    """One token per row drawn from softmax(logits / T), and its log-prob. Inverse-CDF sampling: one uniform
     draw a row against the running sum of exp(logits - max) (torch.multinomial draws a variate for every
-    vocabulary entry: the rollout's largest per-token cost on a 49k vocabulary). The log-prob is
-    (logit - max) - log(sum), log_softmax's value for the drawn token, with no full log-softmax pass; at T = 1
-    the logits are not divided. A token of zero probability is never drawn (the search is for the first
-    running sum above the draw)."""
+    vocabulary entry: the rollout's largest per-token cost on a 49k vocabulary). The running sum is fp32
+    within chunks of `chunk` entries and fp64 across them: an fp32 sum over the whole row would drop every
+    increment below half an ulp of the sum (after a dominant token, a 150k vocabulary's tail of 1e-8 tokens
+    is never drawn). The log-prob is (logit - max) - log(sum), log_softmax's value at the drawn token; at
+    T = 1 the logits are not divided. A token of zero probability is never drawn: the draw stays below the
+    sum, and the search returns the first entry whose running sum exceeds it."""
     x = logits.float() if temperature == 1 else logits.float() / temperature
+    rows, vocab = x.shape
     top = x.max(-1, keepdim=True).values
-    cdf = (x - top).exp_().cumsum_(-1)
-    total = cdf[:, -1:]
-    u = torch.rand(total.shape, generator=gen, device=x.device, dtype=torch.float32) * total
-    tok = torch.searchsorted(cdf, u, right=True).clamp_(max=x.shape[-1] - 1).squeeze(1)
-    logp = (x.gather(1, tok[:, None]) - top - total.log()).squeeze(1)
+    local = x.new_zeros(rows, vocab + -vocab % chunk)  # the last chunk padded with zeros, never drawn
+    torch.sub(x, top, out=local[:, :vocab]).exp_()
+    local = local.view(rows, -1, chunk).cumsum_(-1)
+    offsets = local[..., -1].double().cumsum_(-1)  # the running sum at each chunk's end
+    total = offsets[:, -1:]
+    if not bool(torch.isfinite(total).all()):
+        raise ValueError("the policy's logits hold NaN or inf (or a row is all -inf): no token can be drawn")
+    u = torch.rand(total.shape, generator=gen, device=x.device, dtype=torch.float64) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+    k = torch.searchsorted(offsets, u, right=True)  # the chunk: the first whose end is above the draw
+    before = torch.where(k > 0, offsets.gather(1, (k - 1).clamp_(min=0)), 0.0)
+    within = local[torch.arange(rows, device=x.device), k.squeeze(1)]  # (rows, chunk) that chunk's sums
+    last = within[:, -1:]
+    r = torch.minimum((u - before).float(), torch.nextafter(last, torch.zeros_like(last)))
+    tok = (k * chunk + torch.searchsorted(within, r, right=True)).squeeze(1)
+    logp = (x.gather(1, tok[:, None]) - top - total.log().float()).squeeze(1)
     return tok, logp
 
 

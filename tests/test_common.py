@@ -197,6 +197,32 @@ def test_the_samplers_frequencies_are_the_softmax_chi_square(temperature):
     torch.testing.assert_close(logp, torch.log_softmax(big / temperature, -1)[tok], atol=1e-5, rtol=0)
 
 
+def test_the_sampler_keeps_a_large_vocabularys_tail_and_refuses_nan():
+    """A dominant token first, then Qwen's 151,936-token vocabulary of tokens at e^-17 (4e-8 each, 0.6% in
+    all), each below half an fp32 ulp of a running sum of 1. The chunked sum draws the tail at its share
+    (Poisson bounds, mean 25.0 of 4,000), across the vocabulary, and draws the tokens a one-pass fp32 running
+    sum never draws (CPU torch rounds each partial sum to fp32: a token whose rounded sum does not move is
+    never drawn, its neighbour at 3x its share). The last token (0 probability) is never drawn. NaN logits
+    are refused in one line."""
+    vocab = 151_936
+    logits = torch.full((vocab,), -17.0)
+    logits[0], logits[-1] = 0.0, -float("inf")
+    tail = float(1 - torch.softmax(logits.double(), -1)[0])
+    drawn = torch.cat([engine.sample_rows(logits.expand(500, -1), 1.0, torch.Generator().manual_seed(s))[0]
+                       for s in range(8)])
+    hits = drawn[drawn != 0]
+    assert 4000 * tail == pytest.approx(25.0, abs=0.1) and 10 <= len(hits) <= 45, len(hits)
+    assert hits.max() > vocab // 2 and hits.min() < vocab // 2 and int(drawn.max()) < vocab - 1
+    one_pass = (logits - logits.max()).exp().cumsum(-1)  # where its fp32 value does not move, never drawn
+    unreachable = torch.nonzero(one_pass[1:] == one_pass[:-1]).squeeze(1) + 1
+    share = len(unreachable) / (vocab - 2)  # about 65% of the tail
+    assert 0.3 < share < 0.9 and torch.isin(hits, unreachable).sum() >= 0.5 * share * len(hits)
+    bad = torch.zeros(2, 100)
+    bad[1, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        engine.sample_rows(bad, 1.0, torch.Generator().manual_seed(0))
+
+
 def hf_run(tmp_path, *argv):
     argv = ["--engine", "hf", "--out_dir", str(tmp_path), "--wandb", "false", "--prompts_per_step", "4",
             "--group_size", "3", *argv]
