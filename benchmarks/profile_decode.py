@@ -1,18 +1,19 @@
 """Where a decoding step's CPU time goes: the HF engine (rlmini/engine.py::HFEngine.generate) sampling one
 training batch, under torch's profiler, each operator's self time charged to the part of the step it ran in:
 the body (the decoder layers: matrix products, attention, the rest), the LM head, the sampler, and what no
-operator accounts for (Python, the cache's bookkeeping). Both samplers: `multinomial` (log_softmax over the
-vocabulary, then torch.multinomial: the engine's sampler before issue 52) and `inverse_cdf`
-(engine.sample_rows, today's). For issue 52's rollout work.
+operator accounts for (Python, the cache's bookkeeping). Three variants: `before` (issue 52's starting point:
+log_softmax over the vocabulary then torch.multinomial, and transformers' masked sdpa copying the KV cache
+per query head), `sampler` (engine.sample_rows, the copy kept) and `after` (today's: engine.sample_rows and
+rlmini/packing.py::_grouped_sdpa).
 
     python benchmarks/profile_decode.py                                   # SmolLM2, 8 prompts x 8, 32 tokens
     python benchmarks/profile_decode.py --model tiny --prompts 32 --max_new_tokens 16
 
 One thread (benchmarks/vs_trl.py's setting), fp32, the vs_trl.py --model smollm2 configuration's batch: a
-warm-up batch first, then per sampler one batch timed without the profiler (CPU-seconds per decoding step)
+warm-up batch first, then per variant one batch timed without the profiler (CPU-seconds per decoding step)
 and one profiled (the table's wall milliseconds: the profiler adds its own overhead, the shares are what
 to read; an idle machine, or the wall clock counts the waits).
-Writes <out>/profile_decode.md and one Chrome trace per sampler.
+Writes <out>/profile_decode.md and one Chrome trace per variant.
 """
 import argparse
 import contextlib
@@ -68,8 +69,8 @@ def main(argv=None):
     p.add_argument("--prompts", type=int, default=8, help="prompts in the batch")
     p.add_argument("--group", type=int, default=8, help="completions per prompt")
     p.add_argument("--max_new_tokens", type=int, default=32)
-    p.add_argument("--samplers", nargs="+", default=["multinomial", "inverse_cdf"],
-                   choices=["multinomial", "inverse_cdf"], help="the samplers to profile, in this order")
+    p.add_argument("--variants", nargs="+", default=["before", "sampler", "after"],
+                   choices=["before", "sampler", "after"], help="what to profile, in this order")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "profile_decode"), help="table and traces")
     a = p.parse_args(argv)
     import torch
@@ -77,7 +78,7 @@ def main(argv=None):
 
     import common
     import train_grpo
-    from rlmini import engine
+    from rlmini import engine, packing
     torch.set_num_threads(1)
     os.makedirs(a.out, exist_ok=True)
     args = common.parse_args(train_grpo.Args, [
@@ -91,13 +92,17 @@ def main(argv=None):
     head = model.get_output_embeddings()
     head.forward = labelled(head.forward, "lm_head")
     examples = run.task.train[:a.prompts]
-    samplers = {"multinomial": multinomial_rows, "inverse_cdf": engine.sample_rows}
+    grouped = packing._grouped_on_cpu
+    copied = lambda *a: False  # noqa: E731 (transformers' path: repeat_kv, then sdpa)
+    variants = {"before": (multinomial_rows, copied), "sampler": (engine.sample_rows, copied),
+                "after": (engine.sample_rows, grouped)}
     common.generate(run, examples, a.group, seed=0)  # warm-up
     lines = [f"# one decoding batch: {a.model}, {a.prompts} prompts x {a.group}, up to {a.max_new_tokens} "
              f"new tokens, HF engine, fp32, 1 thread", ""]
     summary = []
-    for name in a.samplers:
-        engine.sample_rows = labelled(samplers[name], "sampler")
+    for name in a.variants:
+        sampler, packing._grouped_on_cpu = variants[name]
+        engine.sample_rows = labelled(sampler, "sampler")
         start = time.process_time()
         scored = common.generate(run, examples, a.group, seed=1)
         cpu = time.process_time() - start
@@ -115,7 +120,7 @@ def main(argv=None):
         charged[("python and the rest", "")] = max(profiled * 1e3 - sum(charged.values()), 0.0)
         total = sum(charged.values())
         summary.append((name, cpu / steps * 1e3, charged.get(("sampler", ""), 0) / total))
-        lines += [f"## sampler: {name}", "",
+        lines += [f"## {name}", "",
                   f"{cpu:.2f} CPU-s for the batch unprofiled, {steps} decoding steps: "
                   f"{cpu / steps * 1e3:.1f} ms a step (profiled, wall: {profiled / steps * 1e3:.1f} ms)", "",
                   "| part | operators | ms a step (profiled) | share |", "|---|---|---|---|"]
@@ -123,7 +128,7 @@ def main(argv=None):
             lines.append(f"| {part} | {group or '-'} | {ms / steps:.2f} | {ms / total:.1%} |")
         lines.append("")
         prof.export_chrome_trace(os.path.join(a.out, f"decode-{name}.trace.json"))
-    lines += ["| sampler | ms a decoding step (unprofiled) | sampler's share |", "|---|---|---|"]
+    lines += ["| variant | ms a decoding step (unprofiled) | sampler's share |", "|---|---|---|"]
     lines += [f"| {n} | {ms:.1f} | {share:.1%} |" for n, ms, share in summary]
     text = "\n".join(lines)
     with open(os.path.join(a.out, "profile_decode.md"), "w") as f:
