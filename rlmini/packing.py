@@ -254,8 +254,8 @@ def _grouped_on_cpu(delegate, module, query, attention_mask, kwargs) -> bool:
     query head of a group (sdpa_attention.py::repeat_kv, kept because CUDA's masked kernels lack grouped
     queries): on CPU, for each layer of each decoding step, the whole KV cache (SmolLM2: 3 -> 9 heads, most of
     a decoding step's attention time). torch's CPU flash kernel takes the mask with enable_gqa, a query head
-    reading its KV head in place (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp: gqa_shards = num_head /
-    num_head_k), the same values: used there, for calls carrying nothing else sdpa_attention_forward handles."""
+    reading its KV head in place (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp: gqa_shards =
+    num_head / num_head_k), the same values: used there, for calls with nothing else sdpa handles."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     return (delegate is sdpa_attention_forward and query.device.type == "cpu" and attention_mask is not None
             and getattr(module, "num_key_value_groups", 1) > 1 and not kwargs.get("output_attentions")
