@@ -38,6 +38,35 @@ def test_chunked_logprobs_match_full_log_softmax_values_and_gradients(tiny_addit
     assert (entropy[batch["mask"] > 0] > 0).all() and (entropy[batch["mask"] == 0] == 0).all()
 
 
+def test_one_chunk_on_cpu_is_kept_not_recomputed_with_the_same_bits(tiny_addition, monkeypatch):
+    """On CPU a micro-batch of one vocabulary chunk is not checkpointed (no recomputation in backward): its
+    log-probs, entropies and gradients equal the checkpointed pass's bit for bit, at T = 1 (no division) and
+    T = 0.7; two chunks or more are still checkpointed."""
+    model, tok, _ = tiny_addition
+    batch = packing.make_batch([[4, 13, 5, 14], [6, 13, 7, 14]], [[5, 6, 1], [12, 3, 4, 5, 6]],
+                               tok.pad_token_id, torch.device("cpu"))
+    calls, checkpoint, default = [], torch.utils.checkpoint.checkpoint, logprobs.recompute_chunks
+
+    def counted(*a, **k):
+        calls.append(1)
+        return checkpoint(*a, **k)
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", counted)
+
+    def run(temperature, recompute, **kw):
+        monkeypatch.setattr(logprobs, "recompute_chunks", recompute)
+        calls.clear()
+        model.zero_grad(set_to_none=True)
+        logp, entropy = logprobs.token_logprobs(model, batch, temperature, with_entropy=True, **kw)
+        (logp * batch["mask"]).sum().backward()
+        return logp.detach(), entropy, [p.grad.clone() for p in model.parameters()], len(calls)
+    for temperature in (1.0, 0.7):
+        (lp, ent, grads, n), (lp_c, ent_c, grads_c, n_c) = (run(temperature, default),
+                                                            run(temperature, lambda h, c: True))
+        assert (n, n_c) == (0, 1) and torch.equal(lp, lp_c) and torch.equal(ent, ent_c)
+        assert all(torch.equal(a, b) for a, b in zip(grads, grads_c))
+    assert run(1.0, default, chunk_tokens=3)[3] == 3  # 8 targets in chunks of 3: each recomputed
+
+
 def test_the_entropy_as_a_metric_keeps_no_vocabulary_buffers_through_the_backward(tiny_addition):
     """The first pass's entropy is a metric: computed without a graph (entropy_grad False), the backward of
     the log-probs leaves no [chunk, vocab] tensor alive. With a graph no gradient reaches, the checkpoint's
