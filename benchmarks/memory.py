@@ -333,8 +333,14 @@ def track_rollout(name: str, layers: int = 2, prompts: int = 2, n: int = 4, prom
                                                    lora_targets="all-linear", lora_dropout=0.0))
     engine = HFEngine(model, SimpleNamespace(eos_token_id=None, pad_token_id=0), torch.device("cpu"), dtype)
     engine.eos_ids = frozenset()  # every completion runs to new_tokens: the plan's case
-    with _LiveBytes() as live:
-        engine.generate([[5 + k] * prompt for k in range(prompts)], n, new_tokens, 1.0, seed=0)
+    from rlmini import packing
+    # the attention CUDA runs (transformers' repeat_kv under a mask), not the CPU's grouped kernel
+    grouped, packing._grouped_on_cpu = packing._grouped_on_cpu, lambda *a: False
+    try:
+        with _LiveBytes() as live:
+            engine.generate([[5 + k] * prompt for k in range(prompts)], n, new_tokens, 1.0, seed=0)
+    finally:
+        packing._grouped_on_cpu = grouped
     return live.peak
 
 

@@ -16,6 +16,10 @@ rollout = CPU-seconds of sampling and scoring (ours: common.rollout; TRL: _gener
 update = from the rollout's end to the optimizer step's end (ours: pre_update to check_sampler; TRL: to
 on_step_end), the rest of the step (logging, the guard) in neither.
 
+`--engine vllm` puts the default engines side by side: ours as a CPU user gets it (vLLM, in the process)
+against TRL's default (its HF generation; TRL's vLLM modes do not run on the CPU build), every other setting
+the same; steps per CPU-second and per wall second are both printed, with each phase's CPU and wall seconds.
+
 A model with a chat template (anything but `tiny`) gets it on both sides: ours renders each prompt as the
 user's message (rlmini/data.py::encode_prompts), TRL is given the same message in its conversational format.
 Both workers report the prompt token ids they handed to generation, and every prompt's ids as each side's
@@ -38,7 +42,7 @@ LR, CLIP, SEED = 3e-4, 0.2, 0
 
 def ours_args(c: dict) -> list:
     """train_grpo.py's options for configuration `c` (TRL's names in trl_config)."""
-    return ["--model", c["model"], "--engine", "hf", "--task", c["task"],
+    return ["--model", c["model"], "--engine", c.get("engine", "hf"), "--task", c["task"],
             "--prompts_per_step", str(c["prompts"]), "--group_size", str(c["group"]),
             "--micro_batch_size", str(c["micro"]), "--max_new_tokens", str(c["max_new_tokens"]),
             "--lr", str(c["lr"]), "--warmup", "0", "--weight_decay", "0", "--grad_clip", "1.0",
@@ -74,25 +78,28 @@ def worker_ours(c: dict, out: str, root: str) -> dict:
     import common
     import train_grpo
     from rlmini import data, rollouts as rollouts_mod, runlog
-    marks, cur, fed = [], {"rollout": 0.0, "update": 0.0, "groups": []}, {}
+    marks, cur, fed = [], {"rollout": 0.0, "update": 0.0, "rollout_wall": 0.0, "update_wall": 0.0,
+                           "groups": []}, {}
     clock = {}
     log, rollout, pre_update, check_sampler = (runlog.RunLog.log, common.rollout, common.pre_update,
                                                  common.check_sampler)
     sample = rollouts_mod.sample
 
     def timed_rollout(*a, **kw):
-        start = time.process_time()
+        start, wall = time.process_time(), time.perf_counter()
         try:
             return rollout(*a, **kw)
         finally:
             cur["rollout"] += time.process_time() - start
+            cur["rollout_wall"] += time.perf_counter() - wall
 
     def timed_pre_update(*a, **kw):
-        clock["update"] = time.process_time()
+        clock["update"], clock["update_wall"] = time.process_time(), time.perf_counter()
         return pre_update(*a, **kw)
 
     def timed_check_sampler(*a, **kw):
         cur["update"] += time.process_time() - clock.pop("update")
+        cur["update_wall"] += time.perf_counter() - clock.pop("update_wall")
         return check_sampler(*a, **kw)
 
     def recorded_sample(run, examples, n, *a, **kw):
@@ -109,7 +116,7 @@ def worker_ours(c: dict, out: str, root: str) -> dict:
         log(self, step, metrics)
         marks.append({"cpu": time.process_time(), "wall": time.perf_counter(),
                       "reward": metrics["reward/mean"], "len": metrics["len/mean"], **cur})
-        cur.update(rollout=0.0, update=0.0, groups=[])
+        cur.update(rollout=0.0, update=0.0, rollout_wall=0.0, update_wall=0.0, groups=[])
     runlog.RunLog.log, common.rollout, common.pre_update, common.check_sampler = (
         timed_log, timed_rollout, timed_pre_update, timed_check_sampler)
     rollouts_mod.sample = recorded_sample
@@ -136,7 +143,8 @@ def worker_trl(c: dict, out: str, root: str) -> dict:
         text = [x[-1]["content"] if chat else x for x in completions]  # conversational: the assistant's turn
         return [task.score(t, {"answer": a}, bool(ids) and ids[-1] == tok.eos_token_id).reward
                 for t, ids, a in zip(text, completion_ids, answer)]
-    marks, cur, fed, clock = [], {"rollout": 0.0, "update": 0.0, "groups": []}, {}, {}
+    marks, cur, fed, clock = [], {"rollout": 0.0, "update": 0.0, "rollout_wall": 0.0, "update_wall": 0.0,
+                                  "groups": []}, {}, {}
     as_prompt = (lambda p: [{"role": "user", "content": p}]) if chat else (lambda p: p)
     as_key = (lambda p: json.dumps(p[-1]["content"])) if chat else json.dumps
 
@@ -144,12 +152,13 @@ def worker_trl(c: dict, out: str, root: str) -> dict:
                                                  GRPOTrainer._generate, GRPOTrainer._generate_single_turn)
 
     def timed_generate_and_score(self, *a, **kw):
-        start = time.process_time()
+        start, wall = time.process_time(), time.perf_counter()
         try:
             return generate_and_score(self, *a, **kw)
         finally:
-            clock["rollout_end"] = time.process_time()
+            clock["rollout_end"], clock["rollout_end_wall"] = time.process_time(), time.perf_counter()
             cur["rollout"] += clock["rollout_end"] - start
+            cur["rollout_wall"] += clock["rollout_end_wall"] - wall
 
     def recorded_generate(self, prompts):
         clock["prompts"] = prompts
@@ -172,13 +181,14 @@ def worker_trl(c: dict, out: str, root: str) -> dict:
     class Timer(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
             cur["update"] = time.process_time() - clock.pop("rollout_end")  # to the optimizer step's end
+            cur["update_wall"] = time.perf_counter() - clock.pop("rollout_end_wall")
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "reward" in logs:
                 marks.append({"cpu": time.process_time(), "wall": time.perf_counter(),
                               "reward": logs["reward"],
                               "len": logs.get("completions/mean_length", float("nan")), **cur})
-                cur.update(rollout=0.0, update=0.0, groups=[])
+                cur.update(rollout=0.0, update=0.0, rollout_wall=0.0, update_wall=0.0, groups=[])
     data = Dataset.from_list([{"prompt": as_prompt(e["prompt"]), "answer": e["answer"]} for e in task.train])
     config = GRPOConfig(output_dir=out, max_steps=c["steps"], **trl_config(c))
     trainer = GRPOTrainer(model=c["path"], reward_funcs=reward, args=config, train_dataset=data,
@@ -228,9 +238,11 @@ def run_pair(order: list, pythons: dict, c: dict, root: str, concurrent: bool) -
 def summary(r: dict, skip: int) -> dict:
     m = r["marks"]
     cpu, counted, tail = m[-1]["cpu"] - m[skip - 1]["cpu"], m[skip:], m[len(m) // 2:]
-    return {"sps": len(counted) / cpu, "steps": len(m), "cpu_per_step": cpu / len(counted),
-            "rollout": statistics.mean(x["rollout"] for x in counted),
-            "update": statistics.mean(x["update"] for x in counted),
+    wall = m[-1]["wall"] - m[skip - 1]["wall"]
+    return {"sps": len(counted) / cpu, "sps_wall": len(counted) / wall, "steps": len(m),
+            "cpu_per_step": cpu / len(counted), "wall_per_step": wall / len(counted),
+            **{k: statistics.mean(x.get(k, float("nan")) for x in counted)
+               for k in ("rollout", "update", "rollout_wall", "update_wall")},
             "reward": statistics.mean(x["reward"] for x in tail),
             "len": statistics.mean(x["len"] for x in tail)}
 
@@ -264,6 +276,9 @@ def main():
     p.add_argument("--ours_root", default=ROOT, help="the checkout of this project to time")
     p.add_argument("--model", default="tiny", help="tiny | smollm2 (built in) | a local model folder")
     p.add_argument("--task", default="addition")
+    p.add_argument("--engine", default="hf", choices=["hf", "vllm"],
+                   help="our rollout engine: hf (TRL's own, HF against HF) or vllm (our default on a CPU, "
+                        "against TRL's default, its HF generation: the default engines side by side)")
     p.add_argument("--prompts", type=int, default=32, help="prompts per step")
     p.add_argument("--group", type=int, default=8, help="completions per prompt (G)")
     p.add_argument("--micro", type=int, default=64, help="completions per micro-batch (TRL: per device)")
@@ -290,7 +305,12 @@ def main():
         p.error("--micro must divide --prompts x --group, and 1 <= --skip < --steps")
     sys.path.insert(0, ROOT)
     from rlmini import models
-    c = {"model": args.model, "task": args.task, "prompts": args.prompts, "group": args.group,
+    if args.engine == "vllm" and subprocess.run([sys.executable, "-c", "import vllm"],
+                                                capture_output=True).returncode:
+        sys.exit(f"--engine vllm: vLLM is not installed in {sys.executable} (pip install -r "
+                 f"requirements-vllm.txt, or use --engine hf)")
+    c = {"model": args.model, "task": args.task, "engine": args.engine, "prompts": args.prompts,
+         "group": args.group,
          "micro": args.micro, "lr": args.lr, "threads": args.threads, "steps": args.steps,
          "style": models.prompt_style(args.model)}
     task = load_task(c, ROOT)
@@ -317,7 +337,8 @@ def main():
         results.append({side: {"summary": s[side], "marks": res[side]["marks"],
                                "first_step_s": res[side]["first_step_s"]} for side in res})
         print(f"pair {i + 1}: ours {s['ours']['sps']:.4f} steps/CPU-s, TRL {s['trl']['sps']:.4f}, ratio "
-              f"{s['ours']['sps'] / s['trl']['sps']:.2f}", flush=True)
+              f"{s['ours']['sps'] / s['trl']['sps']:.2f}; per wall second ratio "
+              f"{s['ours']['sps_wall'] / s['trl']['sps_wall']:.2f}", flush=True)
         if args.json:  # after every pair: a cut-short run keeps what it measured
             with open(args.json, "w") as f:
                 json.dump({"config": c, "skip": args.skip, "concurrent": args.concurrent,
@@ -331,13 +352,19 @@ def main():
               f"{o['update']:.3g} | {t['rollout']:.3g} / {t['update']:.3g} | {fo:.1f} | {ft:.1f} | "
               f"{o['reward']:.3f} / {o['len']:.2f} | {t['reward']:.3f} / {t['len']:.2f} |")
     ratios = [o["sps"] / t["sps"] for _, o, t, _, _ in rows]
-    print(f"\nmedian ratio (ours / TRL steps per CPU-second): {statistics.median(ratios):.2f} (min "
+    walls = [o["sps_wall"] / t["sps_wall"] for _, o, t, _, _ in rows]
+    print(f"\nours with --engine {args.engine} against TRL's HF generation")
+    print(f"median ratio (ours / TRL steps per CPU-second): {statistics.median(ratios):.2f} (min "
           f"{min(ratios):.2f}, max {max(ratios):.2f}; {args.pairs} interleaved pairs x {args.steps} steps, "
           f"first {args.skip} left out)")
+    print(f"median ratio (ours / TRL steps per wall second): {statistics.median(walls):.2f} (min "
+          f"{min(walls):.2f}, max {max(walls):.2f})")
     for side, k in (("ours", 1), ("TRL", 2)):
-        med = {ph: statistics.median(r[k][ph] for r in rows) for ph in ("rollout", "update", "cpu_per_step")}
-        print(f"{side}: per step (median over pairs) {med['cpu_per_step']:.3g} CPU-s, rollout "
-              f"{med['rollout']:.3g}, update {med['update']:.3g}")
+        phases = ("rollout", "update", "cpu_per_step", "rollout_wall", "update_wall", "wall_per_step")
+        med = {ph: statistics.median(r[k][ph] for r in rows) for ph in phases}
+        print(f"{side}: per step (median over pairs) {med['cpu_per_step']:.3g} CPU-s (rollout "
+              f"{med['rollout']:.3g}, update {med['update']:.3g}), {med['wall_per_step']:.3g} wall s "
+              f"(rollout {med['rollout_wall']:.3g}, update {med['update_wall']:.3g})")
 
 
 if __name__ == "__main__":

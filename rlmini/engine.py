@@ -125,11 +125,11 @@ class HFEngine:
             if greedy:
                 logp, tok = torch.log_softmax(logits.float(), -1), logits.float().argmax(-1)
             else:
-                logp = torch.log_softmax(logits.float() / temperature, -1)
-                tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
+                tok, logp = sample_rows(logits, temperature, gen)
             live = ~done
             rows = active[live]
-            tokens[rows, t], logps[rows, t], length[rows] = tok[live], logp[live, tok[live]], t + 1
+            picked = logp[live, tok[live]] if greedy else logp[live]
+            tokens[rows, t], logps[rows, t], length[rows] = tok[live], picked, t + 1
             done = done | torch.isin(tok, eos) | (t + 1 >= budget[active])
             if stop:  # a stop string completed by this token: decoded from the last few tokens only
                 for k in (~done).nonzero().squeeze(1).tolist():
@@ -169,6 +169,37 @@ class HFEngine:
                 r.sampler_logprobs.append(logps[i][:length[i]])
                 r.finished.append(bool(toks) and toks[-1] in self.eos_ids)
         return r
+
+
+def sample_rows(logits, temperature: float, gen, chunk: int = 256) -> tuple:
+    """One token per row drawn from softmax(logits / T), and its log-prob. Inverse-CDF sampling: one uniform
+    draw a row against the running sum of exp(logits - max) (torch.multinomial draws a variate for every
+    vocabulary entry: the rollout's largest per-token cost on a 49k vocabulary). The running sum is fp32
+    within chunks of `chunk` entries and fp64 across them: an fp32 sum over the whole row would drop every
+    increment below half an ulp of the sum (after a dominant token, a 150k vocabulary's tail of 1e-8 tokens
+    is never drawn). The log-prob is (logit - max) - log(sum), log_softmax's value at the drawn token; at
+    T = 1 the logits are not divided. A token of zero probability is never drawn: the draw stays below the
+    sum, and the search returns the first entry whose running sum exceeds it."""
+    x = logits.float() if temperature == 1 else logits.float() / temperature
+    rows, vocab = x.shape
+    top = x.max(-1, keepdim=True).values
+    local = x.new_zeros(rows, vocab + -vocab % chunk)  # the last chunk padded with zeros, never drawn
+    torch.sub(x, top, out=local[:, :vocab]).exp_()
+    local = local.view(rows, -1, chunk).cumsum_(-1)
+    offsets = local[..., -1].double().cumsum_(-1)  # the running sum at each chunk's end
+    total = offsets[:, -1:]
+    if not bool(torch.isfinite(total).all()):
+        raise ValueError("the policy's logits hold NaN or inf (or a row is all -inf): no token can be drawn")
+    u = torch.rand(total.shape, generator=gen, device=x.device, dtype=torch.float64) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+    k = torch.searchsorted(offsets, u, right=True)  # the chunk: the first whose end is above the draw
+    before = torch.where(k > 0, offsets.gather(1, (k - 1).clamp_(min=0)), 0.0)
+    within = local[torch.arange(rows, device=x.device), k.squeeze(1)]  # (rows, chunk) that chunk's sums
+    last = within[:, -1:]
+    r = torch.minimum((u - before).float(), torch.nextafter(last, torch.zeros_like(last)))
+    tok = (k * chunk + torch.searchsorted(within, r, right=True)).squeeze(1)
+    logp = (x.gather(1, tok[:, None]) - top - total.log().float()).squeeze(1)
+    return tok, logp
 
 
 def _start_vllm(args, path: str, device, dtype, max_len: int, share: float = 0.0):

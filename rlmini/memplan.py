@@ -236,9 +236,10 @@ def plan(c: dict, *, ranks: int = 1, compute_bytes: int = 2, tokens: int = 8192,
     per_layer = layer_activation_bytes(c, cb)
     rows = min(tokens, chunk_for(V))  # positions per vocabulary chunk (rlmini/logprobs.py::token_logprobs)
     # the chunked projection (rlmini/logprobs.py::_chunk_logprobs): its forward holds three fp32 [chunk,
-    # vocab] buffers (logits / T, the entropy's softmax and product); its backward five (the recomputed
-    # logits, the gradients of the gather and of logsumexp), the head's gradient in the compute dtype (none
-    # for a frozen LoRA base), in one process the head's recomputed cast, Gemma 2's soft cap its tanh
+    # vocab] buffers (logits / T, the entropy's softmax and product; at T = 1 one fewer: a bound); its
+    # backward five (the recomputed logits, the gradients of the gather and of logsumexp), the head's
+    # gradient in the compute dtype (none for a frozen LoRA base), in one process the head's recomputed
+    # cast, Gemma 2's soft cap its tanh
     head_grad = cb * V * h * (not lora_rank)
     chunk_fwd = 12 * rows * V
     chunk_bwd = (20 + cb * c["softcap"]) * rows * V + head_grad + (cb * V * h if fp32_stream else 0)

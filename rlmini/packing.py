@@ -221,6 +221,8 @@ def packed_attention(delegate):
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
                   softcap=None, packed_rows=None, **kwargs):
         if packed_rows is None:
+            if softcap is None and _grouped_on_cpu(delegate, module, query, attention_mask, kwargs):
+                return _grouped_sdpa(query, key, value, attention_mask, scaling, dropout), None
             extra = {} if softcap is None else {"softcap": softcap}
             return delegate(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                             sliding_window=sliding_window, **extra, **kwargs)
@@ -245,6 +247,27 @@ def packed_attention(delegate):
             out.append(o.transpose(1, 2)[q_valid])  # row-major valid queries: this row set's packed order
         return torch.cat(out)[None], None
     return attention
+
+
+def _grouped_on_cpu(delegate, module, query, attention_mask, kwargs) -> bool:
+    """transformers' sdpa given a mask with fewer key than query heads copies the keys and values once per
+    query head of a group (sdpa_attention.py::repeat_kv, kept because CUDA's masked kernels lack grouped
+    queries): on CPU, for each layer of each decoding step, the whole KV cache (SmolLM2: 3 -> 9 heads, most of
+    a decoding step's attention time). torch's CPU flash kernel takes the mask with enable_gqa, a query head
+    reading its KV head in place (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp: gqa_shards =
+    num_head / num_head_k), the same values: used there, for calls with nothing else sdpa handles."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    return (delegate is sdpa_attention_forward and query.device.type == "cpu" and attention_mask is not None
+            and getattr(module, "num_key_value_groups", 1) > 1 and not kwargs.get("output_attentions")
+            and kwargs.get("position_bias") is None and kwargs.get("cache") is None)
+
+
+def _grouped_sdpa(query, key, value, attention_mask, scaling, dropout):
+    """sdpa_attention_forward's computation for a masked call, the key and value heads shared by their groups
+    of query heads in the kernel (enable_gqa) rather than copied: [B, L, heads, head_dim] out."""
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous()
 
 
 def _flex_attention(query, key, value, block_mask, scaling, softcap):

@@ -38,6 +38,35 @@ def test_chunked_logprobs_match_full_log_softmax_values_and_gradients(tiny_addit
     assert (entropy[batch["mask"] > 0] > 0).all() and (entropy[batch["mask"] == 0] == 0).all()
 
 
+def test_one_chunk_on_cpu_is_kept_not_recomputed_with_the_same_bits(tiny_addition, monkeypatch):
+    """On CPU a micro-batch of one vocabulary chunk is not checkpointed (no recomputation in backward): its
+    log-probs, entropies and gradients equal the checkpointed pass's bit for bit, at T = 1 (no division) and
+    T = 0.7; two chunks or more are still checkpointed."""
+    model, tok, _ = tiny_addition
+    batch = packing.make_batch([[4, 13, 5, 14], [6, 13, 7, 14]], [[5, 6, 1], [12, 3, 4, 5, 6]],
+                               tok.pad_token_id, torch.device("cpu"))
+    calls, checkpoint, default = [], torch.utils.checkpoint.checkpoint, logprobs.recompute_chunks
+
+    def counted(*a, **k):
+        calls.append(1)
+        return checkpoint(*a, **k)
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", counted)
+
+    def run(temperature, recompute, **kw):
+        monkeypatch.setattr(logprobs, "recompute_chunks", recompute)
+        calls.clear()
+        model.zero_grad(set_to_none=True)
+        logp, entropy = logprobs.token_logprobs(model, batch, temperature, with_entropy=True, **kw)
+        (logp * batch["mask"]).sum().backward()
+        return logp.detach(), entropy, [p.grad.clone() for p in model.parameters()], len(calls)
+    for temperature in (1.0, 0.7):
+        (lp, ent, grads, n), (lp_c, ent_c, grads_c, n_c) = (run(temperature, default),
+                                                            run(temperature, lambda h, c: True))
+        assert (n, n_c) == (0, 1) and torch.equal(lp, lp_c) and torch.equal(ent, ent_c)
+        assert all(torch.equal(a, b) for a, b in zip(grads, grads_c))
+    assert run(1.0, default, chunk_tokens=3)[3] == 3  # 8 targets in chunks of 3: each recomputed
+
+
 def test_the_entropy_as_a_metric_keeps_no_vocabulary_buffers_through_the_backward(tiny_addition):
     """The first pass's entropy is a metric: computed without a graph (entropy_grad False), the backward of
     the log-probs leaves no [chunk, vocab] tensor alive. With a graph no gradient reaches, the checkpoint's
@@ -161,6 +190,66 @@ def test_hf_greedy_decoding_is_transformers_greedy_generate(tiny_addition):
     trainer = torch.cat([lp[i][batch["mask"][i] > 0] for i in range(len(r.completion_ids))])
     torch.testing.assert_close(torch.tensor([x for s in r.sampler_logprobs for x in s]), trainer, atol=1e-4,
                                rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_samplers_frequencies_are_the_softmax_chi_square(temperature):
+    """engine.sample_rows (inverse-CDF sampling): over 400,000 draws from fixed logits, the token counts fit
+    softmax(logits / T) by Pearson's chi-square at p = 1e-4 (49 degrees of freedom); a masked (-inf) token is
+    never drawn; each draw's log-prob is log_softmax's at that token within fp32 rounding of the logits'
+    scale; and the draws follow the generator's seed."""
+    from scipy.stats import chi2
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(50, generator=g) * 2.0
+    logits[7] = -float("inf")
+    n = 400_000
+    rows = logits.expand(n, 50).contiguous()
+    tok, logp = engine.sample_rows(rows, temperature, torch.Generator().manual_seed(1))
+    counts = torch.bincount(tok, minlength=50).double()
+    p = torch.softmax(logits.double() / temperature, -1)
+    assert counts[7] == 0 and p[7] == 0
+    keep = p > 0
+    stat = float(((counts[keep] - n * p[keep]) ** 2 / (n * p[keep])).sum())
+    assert stat < chi2.ppf(1 - 1e-4, int(keep.sum()) - 1), stat
+    expected = torch.log_softmax(logits.float() / temperature, -1)[tok]
+    torch.testing.assert_close(logp, expected, atol=1e-6 * float(logits[keep].abs().max()) * 4, rtol=0)
+    again, _ = engine.sample_rows(rows[:1000], temperature, torch.Generator().manual_seed(1))
+    other, _ = engine.sample_rows(rows[:1000], temperature, torch.Generator().manual_seed(2))
+    assert torch.equal(again, tok[:1000]) and not torch.equal(other, again)
+    # a 49,152-token vocabulary (SmolLM2's): one heavy token at its softmax share, log-probs as log_softmax's
+    big = torch.randn(49_152, generator=g)
+    big[1234] = 10.0
+    share = float(torch.softmax(big / temperature, -1)[1234])
+    tok, logp = engine.sample_rows(big.expand(2000, -1).contiguous(), temperature,
+                                   torch.Generator().manual_seed(3))
+    assert abs(float((tok == 1234).double().mean()) - share) < 4 * (share * (1 - share) / 2000) ** 0.5
+    torch.testing.assert_close(logp, torch.log_softmax(big / temperature, -1)[tok], atol=1e-5, rtol=0)
+
+
+def test_the_sampler_keeps_a_large_vocabularys_tail_and_refuses_nan():
+    """A dominant token first, then Qwen's 151,936-token vocabulary of tokens at e^-17 (4e-8 each, 0.6% in
+    all), each below half an fp32 ulp of a running sum of 1. The chunked sum draws the tail at its share
+    (Poisson bounds, mean 25.0 of 4,000), across the vocabulary, and draws the tokens a one-pass fp32 running
+    sum never draws (CPU torch rounds each partial sum to fp32: a token whose rounded sum does not move is
+    never drawn, its neighbour at 3x its share). The last token (0 probability) is never drawn. NaN logits
+    are refused in one line."""
+    vocab = 151_936
+    logits = torch.full((vocab,), -17.0)
+    logits[0], logits[-1] = 0.0, -float("inf")
+    tail = float(1 - torch.softmax(logits.double(), -1)[0])
+    drawn = torch.cat([engine.sample_rows(logits.expand(500, -1), 1.0, torch.Generator().manual_seed(s))[0]
+                       for s in range(8)])
+    hits = drawn[drawn != 0]
+    assert 4000 * tail == pytest.approx(25.0, abs=0.1) and 10 <= len(hits) <= 45, len(hits)
+    assert hits.max() > vocab // 2 and hits.min() < vocab // 2 and int(drawn.max()) < vocab - 1
+    one_pass = (logits - logits.max()).exp().cumsum(-1)  # where its fp32 value does not move, never drawn
+    unreachable = torch.nonzero(one_pass[1:] == one_pass[:-1]).squeeze(1) + 1
+    share = len(unreachable) / (vocab - 2)  # about 65% of the tail
+    assert 0.3 < share < 0.9 and torch.isin(hits, unreachable).sum() >= 0.5 * share * len(hits)
+    bad = torch.zeros(2, 100)
+    bad[1, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        engine.sample_rows(bad, 1.0, torch.Generator().manual_seed(0))
 
 
 def hf_run(tmp_path, *argv):

@@ -254,7 +254,8 @@ def test_a_training_step_is_the_same_packed_or_padded(tmp_path, monkeypatch):
 
 def naive_sample(model, prompt_ids, n, max_new_tokens, temperature, seed, eos):
     """Reference sampler: every step recomputes each running sequence from its tokens (no cache, no padding),
-    samples the running ones together in the engine's order, and drops those that produced EOS."""
+    samples the running ones together in the engine's order with its sampler (engine.sample_rows, tested
+    against the softmax in test_common.py), and drops those that produced EOS."""
     gen = torch.Generator().manual_seed(seed)
     seqs = [list(p) for p in prompt_ids for _ in range(n)]
     done, out, lps = [False] * len(seqs), [[] for _ in seqs], [[] for _ in seqs]
@@ -265,7 +266,7 @@ def naive_sample(model, prompt_ids, n, max_new_tokens, temperature, seed, eos):
                 break
             logits = torch.stack([model(input_ids=torch.tensor([seqs[i]])).logits[0, -1] for i in running])
             logp = torch.log_softmax(logits.float() / temperature, -1)
-            tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
+            tok, _ = engine.sample_rows(logits, temperature, gen)
             for j, i in enumerate(running):
                 seqs[i].append(int(tok[j]))
                 out[i].append(int(tok[j]))
@@ -312,6 +313,38 @@ def test_hf_sampling_draws_from_the_tempered_policy():
     assert 0.5 * (freq - probs).abs().sum() < 0.05
     tempered_wrong = torch.softmax(torch.log(probs) * 0.5, -1)  # what T = 1 would sample
     assert 0.5 * (tempered_wrong - probs).abs().sum() > 0.1
+
+
+def test_masked_grouped_attention_on_cpu_shares_the_kv_heads_and_equals_transformers(monkeypatch):
+    """Generation's masked attention (left padding) with fewer key than query heads: transformers' sdpa copies
+    the KV cache once per query head of a group (repeat_kv); the packed wrapper's CPU path gives sdpa the
+    mask and enable_gqa instead, with transformers' values (a decoding step and a prefill, float and bool
+    masks), and a model's cached sampling gives the same tokens and log-probs as before, repeat_kv unused."""
+    from transformers.integrations import sdpa_attention
+    attend = packing.packed_attention(sdpa_attention.sdpa_attention_forward)
+    module = type("Layer", (), {"num_key_value_groups": 3, "is_causal": True})()
+    g = torch.Generator().manual_seed(0)
+    for q_len, kv_len in ((1, 37), (5, 5)):
+        q, k, v = (torch.randn(4, h, n, 16, generator=g) for h, n in ((6, q_len), (2, kv_len), (2, kv_len)))
+        allowed = torch.ones(4, 1, q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+        allowed[1, ..., :3] = False  # a left-padded row
+        for mask in (allowed, torch.zeros(allowed.shape).masked_fill(~allowed, -1e9)):
+            want, _ = sdpa_attention.sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+            got, _ = attend(module, q, k, v, mask, scaling=0.25)
+            assert got.shape == want.shape == (4, q_len, 6, 16) and got.is_contiguous()
+            torch.testing.assert_close(got, want, atol=1e-6 * float(want.abs().max()), rtol=0)
+    model = qwen3().eval()  # 4 query heads on 2 KV heads
+    sampler = engine.HFEngine(model, type("Tokenizer", (), {"eos_token_id": 1, "pad_token_id": 0})())
+    before = sampler.generate([[5, 6, 7, 8], [9]], 3, 6, 1.0, 7)
+    assert packing.enable_packing(model)
+
+    def copied(*a):
+        raise AssertionError("repeat_kv called")
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", copied)
+    after = sampler.generate([[5, 6, 7, 8], [9]], 3, 6, 1.0, 7)
+    assert after.completion_ids == before.completion_ids
+    for a, b in zip(after.sampler_logprobs, before.sampler_logprobs):
+        assert a == pytest.approx(b, abs=1e-5)
 
 
 def test_a_model_whose_packed_forward_differs_keeps_padded_rows(monkeypatch, capsys):
