@@ -238,7 +238,8 @@ def summarize(task, examples: list, scores: list, n: int, ks: list, boot: bool =
 
 def question_id(index: int, example) -> str:
     """A held-out question's identity across evaluations: a hash of its place in the held-out split, its
-    prompt (text or chat messages) and its answer (calibration's 2,000 questions share 20 prompts, 2 answers)."""
+    prompt (text or chat messages) and its answer (calibration's 2,000 questions share 20 prompts and 2
+    answers)."""
     key = json.dumps([index, example["prompt"], example.get("answer")], sort_keys=True, default=str)
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
