@@ -19,7 +19,7 @@ import torch
 
 from rlmini import dist, memplan, memstats, progress, quiet
 from rlmini.data import Rollouts, rng_state, set_rng_state
-from rlmini.faults import EngineStateError, PushError  # noqa: F401 (raised here, caught by user_errors)
+from rlmini.faults import EngineStateError, NonFiniteError, PushError  # noqa: F401 (caught by user_errors)
 from rlmini.logprobs import token_logprobs
 from rlmini.models import autocast, is_lora
 from rlmini.packing import make_batch, unwrapped
@@ -179,7 +179,8 @@ def sample_rows(logits, temperature: float, gen, chunk: int = 256) -> tuple:
     increment below half an ulp of the sum (after a dominant token, a 150k vocabulary's tail of 1e-8 tokens
     is never drawn). The log-prob is (logit - max) - log(sum), log_softmax's value at the drawn token; at
     T = 1 the logits are not divided. A token of zero probability is never drawn: the draw stays below the
-    sum, and the search returns the first entry whose running sum exceeds it."""
+    sum, and the search returns the first entry whose running sum exceeds it. Non-finite logits stop the
+    run in one line (NonFiniteError, as a non-finite reward or loss does)."""
     x = logits.float() if temperature == 1 else logits.float() / temperature
     rows, vocab = x.shape
     top = x.max(-1, keepdim=True).values
@@ -189,7 +190,8 @@ def sample_rows(logits, temperature: float, gen, chunk: int = 256) -> tuple:
     offsets = local[..., -1].double().cumsum_(-1)  # the running sum at each chunk's end
     total = offsets[:, -1:]
     if not bool(torch.isfinite(total).all()):
-        raise ValueError("the policy's logits hold NaN or inf (or a row is all -inf): no token can be drawn")
+        raise NonFiniteError("the policy's logits hold NaN or inf (or a row is all -inf): no token can be "
+                             "drawn (the weights diverged?)")
     u = torch.rand(total.shape, generator=gen, device=x.device, dtype=torch.float64) * total
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
     k = torch.searchsorted(offsets, u, right=True)  # the chunk: the first whose end is above the draw

@@ -248,7 +248,7 @@ def test_the_sampler_keeps_a_large_vocabularys_tail_and_refuses_nan():
     assert 0.3 < share < 0.9 and torch.isin(hits, unreachable).sum() >= 0.5 * share * len(hits)
     bad = torch.zeros(2, 100)
     bad[1, 3] = float("nan")
-    with pytest.raises(ValueError, match="NaN or inf"):
+    with pytest.raises(engine.NonFiniteError, match="NaN or inf"):  # user_errors: one line
         engine.sample_rows(bad, 1.0, torch.Generator().manual_seed(0))
 
 
