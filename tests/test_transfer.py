@@ -5,6 +5,8 @@ load_weights), joined by vLLM's real StatelessProcessGroup rendezvous (a TCPStor
 stand-in is the NCCL communicator: PyNcclCommunicator is replaced by one whose broadcast goes through that
 TCPStore, and CUDA streams by no-ops. What NCCL itself does on a GPU is not proven here."""
 import contextlib
+import faulthandler
+import gc
 import json
 import os
 import subprocess
@@ -274,10 +276,21 @@ def fsdp_rank(out: str):
         same = [n for n, _ in server.loaded] == [n for n, _ in expected] and all(
             torch.equal(as_bytes(got), as_bytes(want)) for (_, got), (_, want) in pairs)
         sent = [c.sent for c in FakeNccl.made if c.group.rank == 0][0]
-        json.dump({"calls": [c[:2] for c in server.calls], "same": same, "sent": len(sent)}, open(out, "w"))
+        with open(out, "w") as f:
+            json.dump({"calls": [c[:2] for c in server.calls], "same": same, "sent": len(sent)}, f)
     pusher.close()
+    torch.distributed.barrier()  # neither rank ends the group while the other is still in a collective
+    del pusher, model, expected
+    gc.collect()  # FSDP's cycles hold the group: freed now, not by the interpreter's teardown
     torch.distributed.destroy_process_group()
+    # A gloo thread reached in the interpreter's teardown aborts the rank now and then (rlmini/dist.py::
+    # _end_process_group; CI 2026-11-28: rank 1, "terminate called without an active exception" after the
+    # result was written): the result is written and the group ended, so this worker leaves without it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # an abort prints each thread's Python stack
     fsdp_rank(sys.argv[1])
