@@ -46,11 +46,12 @@ def parser():
     p.add_argument("--algos", nargs="+", choices=list(ALGOS), default=list(ALGOS), help="algorithms")
     p.add_argument("--out", default=os.path.join("runs", "seed000_smollm2"), help="runs, results, figure")
     p.add_argument("--model", default="smollm2", help="the policy (tiny: the tests' few steps)")
-    p.add_argument("--steps", type=int, default=150, help="training steps per run")
-    p.add_argument("--prompts_per_step", type=int, default=16, help="questions per step")
+    p.add_argument("--steps", type=int, default=100, help="training steps per run")
+    p.add_argument("--prompts_per_step", type=int, default=8, help="questions per step")
     p.add_argument("--group_size", type=int, default=8, help="completions per question")
     p.add_argument("--lr", type=float, default=2e-5, help="learning rate, every algorithm")
-    p.add_argument("--eval_every", type=int, default=25, help="curves: evaluate every N steps")
+    p.add_argument("--max_new_tokens", type=int, default=8, help="reply tokens, training and evaluation (0: task's)")
+    p.add_argument("--eval_every", type=int, default=20, help="curves: evaluate every N steps")
     p.add_argument("--curve_limit", type=int, default=500, help="curves: held-out questions")
     p.add_argument("--eval_n", type=int, default=4, help="samples per held-out question (curves and final)")
     p.add_argument("--final_limit", type=int, default=0, help="final evaluation: questions (0: all 2,000)")
@@ -72,7 +73,7 @@ def train_flags(a, algo: str, seed: int) -> list:
     """The trainer's flags of one run: what its folder records and a reuse compares."""
     return ["--model", a.model, "--task", "calibration_plain", "--engine", a.engine, "--steps", str(a.steps),
             "--prompts_per_step", str(a.prompts_per_step), "--group_size", str(a.group_size),
-            "--lr", str(a.lr),
+            "--lr", str(a.lr), "--max_new_tokens", str(a.max_new_tokens),
             "--eval_every", str(a.eval_every), "--eval_limit", str(a.curve_limit), "--eval_n", str(a.eval_n),
             "--seed", str(seed), *ALGOS[algo][2], *a.flags.split()]
 
@@ -139,7 +140,8 @@ def run_one(a, algo: str, seed: int) -> dict:
         record["eval_s"] = 0.0
         call(["eval.py", "--model", os.path.join(folder, "final"), "--task", "calibration_plain", "--engine",
               a.engine, "--n", str(a.eval_n), "--k", "1", "--limit", str(a.final_limit), "--seed", str(seed),
-              "--out", ev_dir], os.path.join(a.out, f"eval-{name}.log"), record, "eval_s", record_path)
+              "--max_new_tokens", str(a.max_new_tokens), "--out", ev_dir],
+             os.path.join(a.out, f"eval-{name}.log"), record, "eval_s", record_path)
         ev = json.load(open(path))
     rows = runlog.read_metrics(os.path.join(folder, "metrics.jsonl"))
     curve = {k: {r["step"]: r[f"eval/{k}"] for r in rows if f"eval/{k}" in r} for k in METRICS}

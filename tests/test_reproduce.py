@@ -223,7 +223,8 @@ def test_the_page_holds_the_generated_result():
 import seed000_smollm2 as sm  # noqa: E402
 
 SM_SMALL = ["--model", "tiny", "--engine", "hf", "--steps", "2", "--prompts_per_step", "4", "--group_size",
-            "2", "--eval_every", "1", "--curve_limit", "20", "--eval_n", "2", "--final_limit", "40"]
+            "2", "--eval_every", "1", "--curve_limit", "20", "--eval_n", "2", "--final_limit", "40",
+            "--max_new_tokens", "0"]
 
 
 @pytest.mark.slow
