@@ -50,7 +50,8 @@ def parser():
     p.add_argument("--prompts_per_step", type=int, default=8, help="questions per step")
     p.add_argument("--group_size", type=int, default=8, help="completions per question")
     p.add_argument("--lr", type=float, default=2e-5, help="learning rate, every algorithm")
-    p.add_argument("--max_new_tokens", type=int, default=8, help="reply tokens, training and evaluation (0: task's)")
+    p.add_argument("--max_new_tokens", type=int, default=8,
+                   help="reply tokens, training and evaluation (0: the task's)")
     p.add_argument("--eval_every", type=int, default=20, help="curves: evaluate every N steps")
     p.add_argument("--curve_limit", type=int, default=500, help="curves: held-out questions")
     p.add_argument("--eval_n", type=int, default=4, help="samples per held-out question (curves and final)")
