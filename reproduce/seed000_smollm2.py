@@ -202,7 +202,7 @@ def figure(details: list, path: str) -> None:
     edges = np.linspace(0, 1, 11)
     for algo in dict.fromkeys(d["algo"] for d in details):
         h = np.sum([d["histogram"] for d in details if d["algo"] == algo], axis=0)
-        right.step(edges[:-1], h / max(1, h.sum()), where="post", color=colours[algo], label=ALGOS[algo][0])
+        right.stairs(h / max(1, h.sum()), edges, color=colours[algo], label=ALGOS[algo][0])
     right.set(xlabel="predicted probability (final, mean of samples)", ylabel="share of questions",
               title="predictions")
     right.legend(fontsize=8)
