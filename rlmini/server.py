@@ -29,7 +29,8 @@ import torch
 
 from rlmini import dist, httpclient, progress
 from rlmini.data import Rollouts
-from rlmini.engine import PushError, _check_awake, named_weights, stop_ids, trainer_logprobs
+from rlmini.engine import (CPU_BLOCK_SIZE, PushError, _check_awake, named_weights, stop_ids,
+                           trainer_logprobs)
 from rlmini.faults import ServerError
 from rlmini.options import arg
 
@@ -424,7 +425,7 @@ def launch_local(model: str, port: int, log) -> subprocess.Popen:
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host",
             "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "512",
             "--logprobs-mode", "processed_logprobs", "--enforce-eager", "--seed", "0",
-            "--no-enable-chunked-prefill", "--block-size", "32",  # as engine._start_vllm: n samples, 1 prompt
+            "--no-enable-chunked-prefill", "--block-size", str(CPU_BLOCK_SIZE),
             "--worker-extension-cls", "rlmini.server_worker.WorkerExtension"]
     return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
