@@ -128,12 +128,28 @@ def save_checkpoint(path: str, state: dict) -> None:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-    except OSError as e:  # disk full, quota, I/O error: say so in one line; the previous file is untouched
+    except BaseException as e:  # any failed write: the partial file goes, the previous checkpoint stays
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        raise SystemExit(f"could not write {path} ({e.strerror or e}); the previous checkpoint is "
+        disk = os_error_in(e)
+        if disk is None:
+            raise
+        raise SystemExit(f"could not write {path} ({disk.strerror or disk}); the previous checkpoint is "
                          f"intact") from None
     os.replace(tmp, path)
+
+
+def os_error_in(e: BaseException):
+    """The OSError behind e. torch.save's zip writer meets a failed write (disk full) again in __exit__ and
+    raises a RuntimeError ("unexpected pos") there (torch/serialization.py::_open_zipfile_writer_buffer, whose
+    __exit__ calls write_end_of_file), so the OSError is only that RuntimeError's __context__."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def load_checkpoint(path: str) -> dict:
@@ -380,12 +396,20 @@ def save_final(model, tokenizer, path: str, style: str = "chat", since: float | 
         state.pop(name, None)  # save_pretrained would write it as a second copy
     tmp = f"{path}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    base.save_pretrained(tmp, state_dict=state)
-    if adapters is not None:
-        save_adapter(model, adapters, os.path.join(tmp, "adapter"))
-    tokenizer.save_pretrained(tmp)
-    with open(os.path.join(tmp, "rlmini.json"), "w") as f:
-        json.dump({"prompt_style": style}, f)
+    try:
+        base.save_pretrained(tmp, state_dict=state)
+        if adapters is not None:
+            save_adapter(model, adapters, os.path.join(tmp, "adapter"))
+        tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, "rlmini.json"), "w") as f:
+            json.dump({"prompt_style": style}, f)
+    except BaseException as e:  # a full disk: the partial folder goes; a previous final/ and checkpoint stay
+        shutil.rmtree(tmp, ignore_errors=True)
+        disk = os_error_in(e)
+        if disk is None:
+            raise
+        raise SystemExit(f"could not write {path} ({disk.strerror or disk}); the previous {path} and the "
+                         f"run's checkpoint, if any, are intact") from None
     _swap_in(tmp, path)
     if since is not None:  # a save of many GB takes a while: say what it wrote, and how long it took
         what = "merged model, adapter" if adapters is not None else "model"

@@ -1,6 +1,7 @@
 """Faults and bad inputs (issue "Nothing lost, nothing silent"): non-finite rewards and gradients, a collapsed
 policy, runs protected from being overwritten or shared, resume against changed options or another algorithm,
 a torn metrics line, and one-line errors at the entry points."""
+import errno
 import json
 import os
 import subprocess
@@ -15,7 +16,7 @@ import train_grpo
 import train_ppo
 import train_rloo
 from conftest import ROOT, read_metrics
-from rlmini import faults, rollouts, runlog
+from rlmini import checkpoint, faults, rollouts, runlog
 
 BASE = ["--wandb", "false", "--engine", "hf", "--prompts_per_step", "4", "--group_size", "4"]
 
@@ -328,12 +329,18 @@ import errno, os, signal, sys, torch
 sys.path.insert(0, {root!r})
 import train_grpo
 real, calls = torch.save, [0]
+class Full:  # the disk fills after 1,000 bytes: torch's own zip writer meets it, as on a real disk
+    def __init__(self, f): self.f, self.n = f, 0
+    def write(self, b):
+        if self.n + len(b) > 1000: raise OSError(errno.ENOSPC, "No space left on device")
+        self.n += len(b); return self.f.write(b)
+    def flush(self): self.f.flush()
 def save(obj, f, *a, **k):  # the {k}-th checkpoint write is cut short
     calls[0] += 1
     if calls[0] == {k}:
+        if {enospc}:  # torch then raises a RuntimeError from its writer's __exit__, the OSError its context
+            return real(obj, Full(f), *a, **k)
         f.write(b"half a checkpoint"); f.flush()
-        if {enospc}:
-            raise OSError(errno.ENOSPC, "No space left on device")
         os.kill(os.getpid(), signal.SIGKILL)
     return real(obj, f, *a, **k)
 torch.save = save
@@ -372,6 +379,26 @@ def test_a_full_disk_during_a_save_leaves_the_previous_checkpoint(tmp_path):
     assert "checkpoint.pt (No space left on device); the previous checkpoint is intact" in proc.stderr
     assert torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=False)["step"] == 1
     assert not (tmp_path / "full" / "checkpoint.pt.tmp").exists()
+
+
+def test_a_full_disk_during_the_final_save_keeps_the_previous_one_and_leaves_no_partial_folder(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=1, n_embd=8, vocab_size=16, n_positions=8))
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / "before").write_text("the previous final/")
+    real = model.save_pretrained
+
+    def full(path, **kw):  # half the weights written, then the disk is full
+        real(path, **kw)
+        with open(os.path.join(path, "model.safetensors"), "r+b") as f:
+            f.truncate(100)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    model.save_pretrained = full
+    tokenizer = SimpleNamespace(save_pretrained=lambda path: None)
+    with pytest.raises(SystemExit, match=r"could not write .*final \(No space left on device\); the prev"):
+        checkpoint.save_final(model, tokenizer, str(final))
+    assert os.listdir(final) == ["before"] and not (tmp_path / "final.tmp").exists()
 
 
 # ------------------------------------------------------------------------------------ logs without a terminal
