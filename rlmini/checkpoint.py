@@ -15,7 +15,7 @@ import torch
 from rlmini import dist, reward_model
 from rlmini.data import rng_state, set_rng_state
 from rlmini.engine import adapter_state, named_weights, save_adapter
-from rlmini.faults import NonFiniteError
+from rlmini.faults import NonFiniteError, in_chain
 from rlmini.models import is_lora
 
 # what a finished or running run leaves in its folder; --overwrite removes them
@@ -131,25 +131,15 @@ def save_checkpoint(path: str, state: dict) -> None:
     except BaseException as e:  # any failed write: the partial file goes, the previous checkpoint stays
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        disk = os_error_in(e)
+        # torch.save meets a full disk again in its zip writer's __exit__ and raises a RuntimeError there, the
+        # OSError its __context__ (torch/serialization.py::_open_zipfile_writer_buffer)
+        disk = in_chain(e, lambda x: isinstance(x, OSError))
         if disk is None:
             raise
         raise SystemExit(f"could not write {path} ({disk.strerror or disk}); the previous checkpoint is "
                          f"intact") from None
     os.replace(tmp, path)
 
-
-def os_error_in(e: BaseException):
-    """The OSError behind e. torch.save's zip writer meets a failed write (disk full) again in __exit__ and
-    raises a RuntimeError ("unexpected pos") there (torch/serialization.py::_open_zipfile_writer_buffer, whose
-    __exit__ calls write_end_of_file), so the OSError is only that RuntimeError's __context__."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, OSError):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
 
 
 def load_checkpoint(path: str) -> dict:
@@ -405,7 +395,7 @@ def save_final(model, tokenizer, path: str, style: str = "chat", since: float | 
             json.dump({"prompt_style": style}, f)
     except BaseException as e:  # a full disk: the partial folder goes; a previous final/ and checkpoint stay
         shutil.rmtree(tmp, ignore_errors=True)
-        disk = os_error_in(e)
+        disk = in_chain(e, lambda x: isinstance(x, OSError))
         if disk is None:
             raise
         raise SystemExit(f"could not write {path} ({disk.strerror or disk}); the previous {path} and the "

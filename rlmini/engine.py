@@ -20,6 +20,7 @@ import torch
 from rlmini import dist, memplan, memstats, progress, quiet
 from rlmini.data import Rollouts, rng_state, set_rng_state
 from rlmini.faults import EngineStateError, NonFiniteError, PushError  # noqa: F401 (caught by user_errors)
+from rlmini.faults import in_chain
 from rlmini.logprobs import token_logprobs
 from rlmini.models import autocast, is_lora
 from rlmini.packing import make_batch, unwrapped
@@ -293,11 +294,8 @@ _MEMORY_ERRORS = {
 def _out_of_memory(e: BaseException):
     """The exception in `e`'s chain that says vLLM's start-up ran out of memory (_MEMORY_ERRORS, torch's
     OutOfMemoryError), or None."""
-    while e is not None:
-        if isinstance(e, torch.OutOfMemoryError) or any(m in str(e) for m in _MEMORY_ERRORS):
-            return e
-        e = e.__cause__ or e.__context__
-    return None
+    return in_chain(e, lambda x: isinstance(x, torch.OutOfMemoryError)
+                    or any(m in str(x) for m in _MEMORY_ERRORS))
 
 
 def _memory_failure(e: BaseException, text: str, kwargs: dict, device) -> str:

@@ -18,6 +18,17 @@ from rlmini import dist, quiet
 from rlmini.task import DataError
 
 
+def in_chain(e: BaseException, match):
+    """The first exception of e's chain (e, then each one's __cause__ or __context__) that `match` accepts, or
+    None: a library may re-raise the error that matters as another type (vLLM's start-up, torch.save)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if match(e):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
 class NonFiniteError(RuntimeError):
     """A NaN or infinite reward, loss or gradient norm, with --on_nonfinite stop."""
 
