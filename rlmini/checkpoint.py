@@ -3,6 +3,7 @@ resumed run may change, atomic checkpoints (one file, or torch.distributed.check
 exact restore, and final/ (the policy in HF format)."""
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import pickle
@@ -131,15 +132,26 @@ def save_checkpoint(path: str, state: dict) -> None:
     except BaseException as e:  # any failed write: the partial file goes, the previous checkpoint stays
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        # torch.save meets a full disk again in its zip writer's __exit__ and raises a RuntimeError there, the
-        # OSError its __context__ (torch/serialization.py::_open_zipfile_writer_buffer)
-        disk = in_chain(e, lambda x: isinstance(x, OSError))
+        disk = disk_error(e)
         if disk is None:
             raise
-        raise SystemExit(f"could not write {path} ({disk.strerror or disk}); the previous checkpoint is "
-                         f"intact") from None
+        raise SystemExit(f"could not write {path} ({disk}); the previous checkpoint is intact") from None
     os.replace(tmp, path)
 
+
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS)
+
+
+def disk_error(e: BaseException):
+    """What a full or failing disk said in e's chain, or None. torch.save meets a failed write again in its
+    zip writer's __exit__ and raises a RuntimeError there, the OSError its __context__
+    (torch/serialization.py::_open_zipfile_writer_buffer); safetensors raises a SafetensorError, no OSError,
+    whose text names the errno ("... (os error 28)")."""
+    x = in_chain(e, lambda x: isinstance(x, OSError) and x.errno in DISK_ERRNOS
+                 or any(f"(os error {n})" in str(x) for n in DISK_ERRNOS))
+    if x is None:
+        return None
+    return x.strerror if isinstance(x, OSError) and x.strerror else str(x)
 
 
 def load_checkpoint(path: str) -> dict:
@@ -395,10 +407,10 @@ def save_final(model, tokenizer, path: str, style: str = "chat", since: float | 
             json.dump({"prompt_style": style}, f)
     except BaseException as e:  # a full disk: the partial folder goes; a previous final/ and checkpoint stay
         shutil.rmtree(tmp, ignore_errors=True)
-        disk = in_chain(e, lambda x: isinstance(x, OSError))
+        disk = disk_error(e)
         if disk is None:
             raise
-        raise SystemExit(f"could not write {path} ({disk.strerror or disk}); the previous {path} and the "
+        raise SystemExit(f"could not write {path} ({disk}); the previous {path} and the "
                          f"run's checkpoint, if any, are intact") from None
     _swap_in(tmp, path)
     if since is not None:  # a save of many GB takes a while: say what it wrote, and how long it took

@@ -19,8 +19,8 @@ import torch
 
 from rlmini import dist, memplan, memstats, progress, quiet
 from rlmini.data import Rollouts, rng_state, set_rng_state
-from rlmini.faults import EngineStateError, NonFiniteError, PushError  # noqa: F401 (caught by user_errors)
-from rlmini.faults import in_chain
+from rlmini.faults import (EngineStateError, NonFiniteError, PushError,  # noqa: F401 (caught by user_errors)
+                           in_chain)
 from rlmini.logprobs import token_logprobs
 from rlmini.models import autocast, is_lora
 from rlmini.packing import make_batch, unwrapped

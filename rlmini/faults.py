@@ -29,6 +29,7 @@ def in_chain(e: BaseException, match):
         e = e.__cause__ or e.__context__
     return None
 
+
 class NonFiniteError(RuntimeError):
     """A NaN or infinite reward, loss or gradient norm, with --on_nonfinite stop."""
 
