@@ -124,19 +124,27 @@ def save_checkpoint(path: str, state: dict) -> None:
     """Write to a temporary file, fsync, then rename over the old one: an interrupted save leaves the previous
     checkpoint intact."""
     tmp = f"{path}.tmp"
-    try:
+    with _partial_removed(path, tmp, "the previous checkpoint is intact"):
         with open(tmp, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-    except BaseException as e:  # any failed write: the partial file goes, the previous checkpoint stays
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _partial_removed(path: str, tmp: str, kept: str):
+    """A failed write of tmp (file or folder) removes it; a full or failing disk then ends the run in one line
+    naming path and what is `kept`, any other error keeps its traceback."""
+    try:
+        yield
+    except BaseException as e:
         with contextlib.suppress(OSError):
-            os.remove(tmp)
+            shutil.rmtree(tmp) if os.path.isdir(tmp) else os.remove(tmp)
         disk = disk_error(e)
         if disk is None:
             raise
-        raise SystemExit(f"could not write {path} ({disk}); the previous checkpoint is intact") from None
-    os.replace(tmp, path)
+        raise SystemExit(f"could not write {path} ({disk}); {kept}") from None
 
 
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS)
@@ -398,20 +406,13 @@ def save_final(model, tokenizer, path: str, style: str = "chat", since: float | 
         state.pop(name, None)  # save_pretrained would write it as a second copy
     tmp = f"{path}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with _partial_removed(path, tmp, f"the previous {path} and the run's checkpoint, if any, are intact"):
         base.save_pretrained(tmp, state_dict=state)
         if adapters is not None:
             save_adapter(model, adapters, os.path.join(tmp, "adapter"))
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "rlmini.json"), "w") as f:
             json.dump({"prompt_style": style}, f)
-    except BaseException as e:  # a full disk: the partial folder goes; a previous final/ and checkpoint stay
-        shutil.rmtree(tmp, ignore_errors=True)
-        disk = disk_error(e)
-        if disk is None:
-            raise
-        raise SystemExit(f"could not write {path} ({disk}); the previous {path} and the "
-                         f"run's checkpoint, if any, are intact") from None
     _swap_in(tmp, path)
     if since is not None:  # a save of many GB takes a while: say what it wrote, and how long it took
         what = "merged model, adapter" if adapters is not None else "model"
