@@ -133,14 +133,15 @@ def save_checkpoint(path: str, state: dict) -> None:
 
 
 @contextlib.contextmanager
-def _partial_removed(path: str, tmp: str, kept: str):
-    """A failed write of tmp (file or folder) removes it; a full or failing disk then ends the run in one line
-    naming path and what is `kept`, any other error keeps its traceback."""
+def _partial_removed(path: str, tmp: str | None, kept: str):
+    """A failed write of tmp (file or folder; None: another rank removes it) removes it; a full or failing
+    disk then ends the run in one line naming path and what is `kept`, any other error keeps its traceback."""
     try:
         yield
     except BaseException as e:
         with contextlib.suppress(OSError):
-            shutil.rmtree(tmp) if os.path.isdir(tmp) else os.remove(tmp)
+            if tmp is not None:
+                shutil.rmtree(tmp) if os.path.isdir(tmp) else os.remove(tmp)
         disk = disk_error(e)
         if disk is None:
             raise
@@ -154,12 +155,40 @@ def disk_error(e: BaseException):
     """What a full or failing disk said in e's chain, or None. torch.save meets a failed write again in its
     zip writer's __exit__ and raises a RuntimeError there, the OSError its __context__
     (torch/serialization.py::_open_zipfile_writer_buffer); safetensors raises a SafetensorError, no OSError,
-    whose text names the errno ("... (os error 28)")."""
-    x = in_chain(e, lambda x: isinstance(x, OSError) and x.errno in DISK_ERRNOS
-                 or any(f"(os error {n})" in str(x) for n in DISK_ERRNOS))
+    whose text names the errno ("... (os error 28)"); torch.distributed.checkpoint raises on every rank a
+    CheckpointException holding each failed rank's error (torch/distributed/checkpoint/utils.py::
+    _DistWrapper.all_reduce)."""
+    x = _disk_failure(e)
     if x is None:
         return None
     return x.strerror if isinstance(x, OSError) and x.strerror else str(x)
+
+
+def _disk_failure(e: BaseException):
+    """The exception of disk_error's message: in e's chain, or in a CheckpointException's ranks' errors."""
+    for failure, _ in getattr(e, "failures", {}).values():
+        if (found := _disk_failure(failure)) is not None:
+            return found
+    return in_chain(e, lambda x: isinstance(x, OSError) and x.errno in DISK_ERRNOS
+                    or any(f"(os error {n})" in str(x) for n in DISK_ERRNOS))
+
+
+def _shard_writer(path: str):
+    """torch.distributed.checkpoint's FileSystemWriter, a full disk raised as its OSError: dcp pickles each
+    rank's error to rank 0 and back (torch/distributed/checkpoint/utils.py::_DistWrapper.all_reduce), which
+    drops the __context__ where torch.save's zip writer leaves the OSError (see disk_error)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class Writer(FileSystemWriter):
+        def write_data(self, plan, planner):
+            try:
+                return super().write_data(plan, planner)
+            except Exception as e:
+                x = _disk_failure(e)
+                if x is None or x is e:
+                    raise
+                raise x from None
+    return Writer(path)
 
 
 def load_checkpoint(path: str) -> dict:
@@ -207,14 +236,22 @@ def save_sharded_checkpoint(path: str, state: dict, meta: dict) -> None:
     rank 0 adds `meta` (meta.pt) and swaps the folder in for `path`: an interrupted save leaves the previous
     checkpoint intact. Across nodes, path must be on storage every node sees."""
     import torch.distributed.checkpoint as dcp
-    tmp = f"{path}.tmp"
+    tmp, kept = f"{path}.tmp", "the previous checkpoint is intact"
     if dist.rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     torch.distributed.barrier()
-    dcp.save(state, checkpoint_id=tmp)
+    with _partial_removed(path, tmp if dist.rank() == 0 else None, kept):  # a full disk: every rank raises
+        dcp.save(state, checkpoint_id=tmp, storage_writer=_shard_writer(tmp))
+    error = None
     if dist.rank() == 0:
-        save_checkpoint(os.path.join(tmp, "meta.pt"), meta)
-        _swap_in(tmp, path)
+        try:
+            save_checkpoint(os.path.join(tmp, "meta.pt"), meta)
+            _swap_in(tmp, path)
+        except SystemExit as e:  # save_checkpoint's one line on a full disk: every rank stops with it
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = str(e)
+    if (error := dist.from_rank0(error)) is not None:
+        raise SystemExit(error)
     torch.distributed.barrier()
 
 

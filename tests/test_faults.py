@@ -406,6 +406,67 @@ def test_a_full_disk_during_the_final_save_keeps_the_previous_one_and_leaves_no_
     assert os.listdir(final) == ["before"] and not (tmp_path / "final.tmp").exists()
 
 
+SHARDED_FULL = """import contextlib, errno, os, sys, torch
+sys.path.insert(0, {root!r})
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+from rlmini import checkpoint
+torch.distributed.init_process_group("gloo")
+rank = torch.distributed.get_rank()
+mesh = init_device_mesh("cpu", (2,))
+class Full:  # the disk fills after 100 bytes of this file
+    def __init__(self, f): self.f, self.n = f, 0
+    def write(self, b):
+        if self.n + memoryview(b).nbytes > 100: raise OSError(errno.ENOSPC, "No space left on device")
+        self.n += memoryview(b).nbytes; return self.f.write(b)
+    def __getattr__(self, name): return getattr(self.f, name)
+real_stream, real_save = FileSystem.create_stream, torch.save
+@contextlib.contextmanager
+def full_stream(self, path, mode):  # rank 1's shard file meets a full disk
+    with real_stream(self, path, mode) as f:
+        yield Full(f) if rank == 1 and mode == "wb" else f
+path = os.path.join({out!r}, "checkpoint")
+def save(step):
+    state = {{"w": distribute_tensor(torch.arange(4096.) + step, mesh, [Shard(0)])}}
+    try:
+        checkpoint.save_sharded_checkpoint(path, state, {{"step": step}})
+        return "saved"
+    except SystemExit as e:
+        return str(e)
+out = [save(1)]
+FileSystem.create_stream = full_stream
+out.append(save(2))  # a shard's write fails on rank 1
+FileSystem.create_stream = real_stream
+torch.save = lambda obj, f, *a, **k: real_save(  # rank 0's meta.pt write fails
+    obj, Full(f) if getattr(f, "name", "").endswith("meta.pt.tmp") else f, *a, **k)
+out.append(save(3))
+torch.save = real_save
+saved = torch.load(os.path.join(path, "meta.pt"))["step"]
+out += [saved, os.path.exists(path + ".tmp"), save(4)]
+os.write(1, ("RESULT %d %r\\n" % (rank, out)).encode())
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_a_sharded_checkpoint_stops_every_rank_in_one_line(tmp_path):
+    """torchrun: a rank's shard write or rank 0's meta.pt meets a full disk: every rank stops with the same
+    line (none left waiting in a collective), the partial folder is removed, the previous checkpoint kept."""
+    script = tmp_path / "full.py"
+    script.write_text(SHARDED_FULL.format(root=ROOT, out=str(tmp_path)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(script)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = sorted(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
+    path = tmp_path / "checkpoint"
+    shard = f"could not write {path} (No space left on device); the previous checkpoint is intact"
+    meta = f"could not write {path}.tmp/meta.pt (No space left on device); the previous checkpoint is intact"
+    assert results == [f"RESULT {r} {['saved', shard, meta, 1, False, 'saved']!r}" for r in (0, 1)], \
+        proc.stdout[-2000:]
+
+
 # ------------------------------------------------------------------------------------ logs without a terminal
 
 
