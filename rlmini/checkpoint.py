@@ -125,27 +125,34 @@ def save_checkpoint(path: str, state: dict) -> None:
     checkpoint intact."""
     tmp = f"{path}.tmp"
     with _partial_removed(path, tmp, "the previous checkpoint is intact"):
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
+        _write(tmp, state)
     os.replace(tmp, path)
 
 
+def _write(path: str, state: dict) -> None:
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 @contextlib.contextmanager
-def _partial_removed(path: str, tmp: str | None, kept: str):
-    """A failed write of tmp (file or folder; None: another rank removes it) removes it; a full or failing
-    disk then ends the run in one line naming path and what is `kept`, any other error keeps its traceback."""
+def _partial_removed(path: str, tmp: str, kept: str):
+    """A failed write of tmp (file or folder) removes it; a full or failing disk then ends the run in one line
+    naming path and what is `kept`, any other error keeps its traceback."""
     try:
         yield
     except BaseException as e:
         with contextlib.suppress(OSError):
-            if tmp is not None:
-                shutil.rmtree(tmp) if os.path.isdir(tmp) else os.remove(tmp)
+            shutil.rmtree(tmp) if os.path.isdir(tmp) else os.remove(tmp)
         disk = disk_error(e)
         if disk is None:
             raise
-        raise SystemExit(f"could not write {path} ({disk}); {kept}") from None
+        raise SystemExit(_could_not_write(path, disk, kept)) from None
+
+
+def _could_not_write(path: str, why: str, kept: str) -> str:
+    return f"could not write {path} ({why}); {kept}"
 
 
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS)
@@ -166,9 +173,10 @@ def disk_error(e: BaseException):
 
 def _disk_failure(e: BaseException):
     """The exception of disk_error's message: in e's chain, or in a CheckpointException's ranks' errors."""
-    for failure, _ in getattr(e, "failures", {}).values():
-        if (found := _disk_failure(failure)) is not None:
-            return found
+    if type(e).__name__ == "CheckpointException":  # torch.distributed.checkpoint's: {rank: (error, trace)}
+        for failure, _ in e.failures.values():
+            if (found := _disk_failure(failure)) is not None:
+                return found
     return in_chain(e, lambda x: isinstance(x, OSError) and x.errno in DISK_ERRNOS
                     or any(f"(os error {n})" in str(x) for n in DISK_ERRNOS))
 
@@ -236,23 +244,33 @@ def save_sharded_checkpoint(path: str, state: dict, meta: dict) -> None:
     rank 0 adds `meta` (meta.pt) and swaps the folder in for `path`: an interrupted save leaves the previous
     checkpoint intact. Across nodes, path must be on storage every node sees."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     tmp, kept = f"{path}.tmp", "the previous checkpoint is intact"
     if dist.rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     torch.distributed.barrier()
-    with _partial_removed(path, tmp if dist.rank() == 0 else None, kept):  # a full disk: every rank raises
+    failed = None
+    try:
         dcp.save(state, checkpoint_id=tmp, storage_writer=_shard_writer(tmp))
-    error = None
-    if dist.rank() == 0:
+    except CheckpointException as e:  # raised on every rank alike, once every rank's writes are over
+        failed = e
+    if failed is None and dist.rank() == 0:
         try:
-            save_checkpoint(os.path.join(tmp, "meta.pt"), meta)
+            _write(os.path.join(tmp, "meta.pt"), meta)
             _swap_in(tmp, path)
-        except SystemExit as e:  # save_checkpoint's one line on a full disk: every rank stops with it
-            shutil.rmtree(tmp, ignore_errors=True)
-            error = str(e)
-    if (error := dist.from_rank0(error)) is not None:
-        raise SystemExit(error)
-    torch.distributed.barrier()
+        except (Exception, SystemExit) as e:
+            failed = e
+    if failed is not None and dist.rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    # rank 0's verdict reaches every rank, so that none waits in a collective for one that stopped
+    why = None if failed is None else disk_error(failed) or f"rank 0: {type(failed).__name__}: " + (
+        str(failed).strip().splitlines() or [""])[0]
+    line = dist.from_rank0(None if why is None else _could_not_write(path, why, kept))
+    if line is None:
+        return
+    if failed is not None and disk_error(failed) is None:
+        raise failed  # not a disk's: its traceback
+    raise SystemExit(line)
 
 
 def _swap_in(tmp: str, path: str) -> None:

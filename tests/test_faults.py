@@ -408,6 +408,7 @@ def test_a_full_disk_during_the_final_save_keeps_the_previous_one_and_leaves_no_
 
 SHARDED_FULL = """import contextlib, errno, os, sys, torch
 sys.path.insert(0, {root!r})
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 from rlmini import checkpoint
@@ -420,29 +421,40 @@ class Full:  # the disk fills after 100 bytes of this file
         if self.n + memoryview(b).nbytes > 100: raise OSError(errno.ENOSPC, "No space left on device")
         self.n += memoryview(b).nbytes; return self.f.write(b)
     def __getattr__(self, name): return getattr(self.f, name)
+fail = {{}}
 real_stream, real_save = FileSystem.create_stream, torch.save
 @contextlib.contextmanager
-def full_stream(self, path, mode):  # rank 1's shard file meets a full disk
+def stream(self, path, mode):  # dcp's files: (rank, name's end) meets a full disk
     with real_stream(self, path, mode) as f:
-        yield Full(f) if rank == 1 and mode == "wb" else f
+        hit = fail.get("stream") and fail["stream"][0] == rank and str(path).endswith(fail["stream"][1])
+        yield Full(f) if hit else f
+def save_meta(obj, f, *a, **k):  # rank 0's meta.pt: a full disk, or another error
+    if fail.get("meta") and rank == 0 and getattr(f, "name", "").endswith("meta.pt"):
+        if fail["meta"] == "value":
+            raise ValueError("not a disk's")
+        f = Full(f)
+    return real_save(obj, f, *a, **k)
+FileSystem.create_stream, torch.save = stream, save_meta
 path = os.path.join({out!r}, "checkpoint")
-def save(step):
+def save(step, **failure):
+    fail.clear(); fail.update(failure)
     state = {{"w": distribute_tensor(torch.arange(4096.) + step, mesh, [Shard(0)])}}
     try:
         checkpoint.save_sharded_checkpoint(path, state, {{"step": step}})
-        return "saved"
+        said = "saved"
     except SystemExit as e:
-        return str(e)
-out = [save(1)]
-FileSystem.create_stream = full_stream
-out.append(save(2))  # a shard's write fails on rank 1
-FileSystem.create_stream = real_stream
-torch.save = lambda obj, f, *a, **k: real_save(  # rank 0's meta.pt write fails
-    obj, Full(f) if getattr(f, "name", "").endswith("meta.pt.tmp") else f, *a, **k)
-out.append(save(3))
-torch.save = real_save
-saved = torch.load(os.path.join(path, "meta.pt"))["step"]
-out += [saved, os.path.exists(path + ".tmp"), save(4)]
+        said = str(e)
+    except Exception as e:
+        said = type(e).__name__
+    torch.distributed.barrier()
+    return said, os.path.exists(path + ".tmp")
+out = [save(1), save(2, stream=(1, ".distcp")), save(3, stream=(0, ".distcp")),
+       save(4, stream=(0, ".metadata.tmp")), save(5, meta="full"), save(6, meta="value")]
+out.append(torch.load(os.path.join(path, "meta.pt"))["step"])
+out.append(save(7))
+w = distribute_tensor(torch.zeros(4096), mesh, [Shard(0)])
+dcp.load({{"w": w}}, checkpoint_id=path)
+out.append(torch.equal(w.to_local(), (torch.arange(4096.) + 7).chunk(2)[rank]))
 os.write(1, ("RESULT %d %r\\n" % (rank, out)).encode())
 torch.distributed.destroy_process_group()
 """
@@ -450,8 +462,9 @@ torch.distributed.destroy_process_group()
 
 @pytest.mark.slow
 def test_a_full_disk_during_a_sharded_checkpoint_stops_every_rank_in_one_line(tmp_path):
-    """torchrun: a rank's shard write or rank 0's meta.pt meets a full disk: every rank stops with the same
-    line (none left waiting in a collective), the partial folder is removed, the previous checkpoint kept."""
+    """torchrun: a full disk in a shard (rank 1's, rank 0's), in dcp's .metadata or in rank 0's meta.pt stops
+    every rank with the same line (none left waiting in a collective), the partial folder removed, the
+    previous checkpoint kept; another error on rank 0 keeps its traceback there and names it on the others."""
     script = tmp_path / "full.py"
     script.write_text(SHARDED_FULL.format(root=ROOT, out=str(tmp_path)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -460,11 +473,12 @@ def test_a_full_disk_during_a_sharded_checkpoint_stops_every_rank_in_one_line(tm
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = sorted(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
-    path = tmp_path / "checkpoint"
-    shard = f"could not write {path} (No space left on device); the previous checkpoint is intact"
-    meta = f"could not write {path}.tmp/meta.pt (No space left on device); the previous checkpoint is intact"
-    assert results == [f"RESULT {r} {['saved', shard, meta, 1, False, 'saved']!r}" for r in (0, 1)], \
-        proc.stdout[-2000:]
+    kept = "the previous checkpoint is intact"
+    full = (f"could not write {tmp_path / 'checkpoint'} (No space left on device); {kept}", False)
+    named = f"could not write {tmp_path / 'checkpoint'} (rank 0: ValueError: not a disk's); {kept}"
+    other = {0: ("ValueError", False), 1: (named, False)}
+    assert results == [f"RESULT {r} {[('saved', False), *[full] * 4, other[r], 1, ('saved', False), True]!r}"
+                       for r in (0, 1)], proc.stdout[-2000:]
 
 
 # ------------------------------------------------------------------------------------ logs without a terminal
