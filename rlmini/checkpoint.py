@@ -245,7 +245,7 @@ def save_sharded_checkpoint(path: str, state: dict, meta: dict) -> None:
     checkpoint intact. Across nodes, path must be on storage every node sees."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    tmp, kept = f"{path}.tmp", "the previous checkpoint is intact"
+    tmp = f"{path}.tmp"
     if dist.rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     torch.distributed.barrier()
@@ -258,17 +258,19 @@ def save_sharded_checkpoint(path: str, state: dict, meta: dict) -> None:
         try:
             _write(os.path.join(tmp, "meta.pt"), meta)
             _swap_in(tmp, path)
-        except (Exception, SystemExit) as e:
+        except Exception as e:
             failed = e
     if failed is not None and dist.rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     # rank 0's verdict reaches every rank, so that none waits in a collective for one that stopped
-    why = None if failed is None else disk_error(failed) or f"rank 0: {type(failed).__name__}: " + (
-        str(failed).strip().splitlines() or [""])[0]
-    line = dist.from_rank0(None if why is None else _could_not_write(path, why, kept))
+    disk = why = None
+    if failed is not None:
+        disk = disk_error(failed)
+        why = disk or f"rank 0: {type(failed).__name__}: " + (str(failed).strip().splitlines() or [""])[0]
+    line = dist.from_rank0(why and _could_not_write(path, why, "the previous checkpoint is intact"))
     if line is None:
         return
-    if failed is not None and disk_error(failed) is None:
+    if failed is not None and disk is None:
         raise failed  # not a disk's: its traceback
     raise SystemExit(line)
 

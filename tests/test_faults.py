@@ -324,22 +324,25 @@ def test_unknown_and_abbreviated_flags_and_bad_choices_are_refused(tmp_path):
 
 # -------------------------------------------------------------------------------------- killed and full disks
 
+# the disk fills after `room` bytes of this file: torch's writers meet it as on a real disk
+FULL = """class Full:
+    def __init__(self, f, room): self.f, self.room = f, room
+    def write(self, b):
+        if memoryview(b).nbytes > self.room: raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= memoryview(b).nbytes; return self.f.write(b)
+    def __getattr__(self, name): return getattr(self.f, name)"""
+
 DYING_SAVE = """
 import errno, os, signal, sys, torch
 sys.path.insert(0, {root!r})
 import train_grpo
 real, calls = torch.save, [0]
-class Full:  # the disk fills after 1,000 bytes: torch's own zip writer meets it, as on a real disk
-    def __init__(self, f): self.f, self.n = f, 0
-    def write(self, b):
-        if self.n + len(b) > 1000: raise OSError(errno.ENOSPC, "No space left on device")
-        self.n += len(b); return self.f.write(b)
-    def flush(self): self.f.flush()
+{full}
 def save(obj, f, *a, **k):  # the {k}-th checkpoint write is cut short
     calls[0] += 1
     if calls[0] == {k}:
         if {enospc}:  # torch then raises a RuntimeError from its writer's __exit__, the OSError its context
-            return real(obj, Full(f), *a, **k)
+            return real(obj, Full(f, 1000), *a, **k)
         f.write(b"half a checkpoint"); f.flush()
         os.kill(os.getpid(), signal.SIGKILL)
     return real(obj, f, *a, **k)
@@ -350,7 +353,7 @@ with train_grpo.common.user_errors():  # the entry point's own, as `python train
 
 
 def dying_run(argv, k, enospc=False):
-    code = DYING_SAVE.format(root=ROOT, k=k, enospc=enospc, argv=argv)
+    code = DYING_SAVE.format(root=ROOT, k=k, enospc=enospc, argv=argv, full=FULL)
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "WANDB_MODE": "disabled"})
 
@@ -415,24 +418,19 @@ from rlmini import checkpoint
 torch.distributed.init_process_group("gloo")
 rank = torch.distributed.get_rank()
 mesh = init_device_mesh("cpu", (2,))
-class Full:  # the disk fills after 100 bytes of this file
-    def __init__(self, f): self.f, self.n = f, 0
-    def write(self, b):
-        if self.n + memoryview(b).nbytes > 100: raise OSError(errno.ENOSPC, "No space left on device")
-        self.n += memoryview(b).nbytes; return self.f.write(b)
-    def __getattr__(self, name): return getattr(self.f, name)
+{full}
 fail = {{}}
 real_stream, real_save = FileSystem.create_stream, torch.save
 @contextlib.contextmanager
 def stream(self, path, mode):  # dcp's files: (rank, name's end) meets a full disk
     with real_stream(self, path, mode) as f:
         hit = fail.get("stream") and fail["stream"][0] == rank and str(path).endswith(fail["stream"][1])
-        yield Full(f) if hit else f
+        yield Full(f, 100) if hit else f
 def save_meta(obj, f, *a, **k):  # rank 0's meta.pt: a full disk, or another error
     if fail.get("meta") and rank == 0 and getattr(f, "name", "").endswith("meta.pt"):
         if fail["meta"] == "value":
             raise ValueError("not a disk's")
-        f = Full(f)
+        f = Full(f, 100)
     return real_save(obj, f, *a, **k)
 FileSystem.create_stream, torch.save = stream, save_meta
 path = os.path.join({out!r}, "checkpoint")
@@ -466,7 +464,7 @@ def test_a_full_disk_during_a_sharded_checkpoint_stops_every_rank_in_one_line(tm
     every rank with the same line (none left waiting in a collective), the partial folder removed, the
     previous checkpoint kept; another error on rank 0 keeps its traceback there and names it on the others."""
     script = tmp_path / "full.py"
-    script.write_text(SHARDED_FULL.format(root=ROOT, out=str(tmp_path)))
+    script.write_text(SHARDED_FULL.format(root=ROOT, out=str(tmp_path), full=FULL))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(script)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
