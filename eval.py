@@ -226,8 +226,14 @@ def summarize(task, examples: list, scores: list, n: int, ks: list, boot: bool =
         out["scorer_errors"] = sum(s.error is not None for s in scores)
     if task.kind == "ordinal":
         out["pass_rate"] = float(np.mean([s.reward >= task.pass_threshold for s in scores]))
+    for tag in SUBSET_TAGS:  # by level (sums_levels): each value's questions, pass@k of each k
+        if examples and all(tag in e for e in examples) and len({e[tag] for e in examples}) > 1:
+            out[f"by_{tag}"] = {str(v): {"questions": sum(e[tag] == v for e in examples), **{
+                f"pass@{k}": float(np.mean([pass_at_k(n, sum(c), k) for c, e in zip(correct, examples)
+                                            if e[tag] == v])) for k in ks}}
+                for v in sorted({e[tag] for e in examples})}
     if boot:  # each question's own values, for a paired comparison of two policies (eval.py compare)
-        out["per_question"] = per_question(task, examples, scores, n)
+        out["per_question"] = per_question(task, examples, scores, n, [k for k in ks if k > 1])
     if task.kind == "probability":
         probs, labels = probability_predictions(scores, examples, n)
         out.update(ece=expected_calibration_error(probs, labels), auroc=auroc(probs, labels),
@@ -244,15 +250,24 @@ def question_id(index: int, example) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def per_question(task, examples: list, scores: list, n: int) -> dict:
+SUBSET_TAGS = ("level", "family", "difficulty")  # an example's tags, kept per question for a subset
+
+
+def per_question(task, examples: list, scores: list, n: int, ks: tuple = ()) -> dict:
     """Per question, in order: its id, pass@1 (the share of its n samples that are correct) and mean reward
-    (and, on an ordinal task, the share at or above the pass threshold)."""
+    (and, on an ordinal task, the share at or above the pass threshold), pass@k for each k in `ks`, and the
+    examples' tags (SUBSET_TAGS) where every example has it."""
     blocks = [scores[i * n:(i + 1) * n] for i in range(len(examples))]
     out = {"id": [question_id(i, e) for i, e in enumerate(examples)],
            "pass@1": [float(np.mean([s.correct >= 1.0 for s in b])) for b in blocks],
            "reward": [float(np.mean([s.reward for s in b])) for b in blocks]}
     if task.kind == "ordinal":
         out["pass_rate"] = [float(np.mean([s.reward >= task.pass_threshold for s in b])) for b in blocks]
+    for k in ks:  # unbiased pass@k per question (Chen et al. 2021), for a paired pass@k (eval.py compare)
+        out[f"pass@{k}"] = [pass_at_k(n, sum(s.correct >= 1.0 for s in b), k) for b in blocks]
+    for tag in SUBSET_TAGS:  # what a subset names (eval.py compare --subset level=3)
+        if examples and all(tag in e for e in examples):
+            out[tag] = [e[tag] for e in examples]
     return out
 
 
