@@ -181,7 +181,7 @@ def sums_levels_task(style: str, seed: int, levels: int = 3, per_level: int = 10
     `sums`' chat form, each example tagged with its "level" (HA-DW's hard and easy prompts on SmolLM2, seed
     001). Held out per level: `n_test` pairs, at most a fifth of the level's (level 1: 20 of its 100); the
     train split holds `per_level` draws of each level's other pairs (level 1 repeats its 80), shuffled, so
-    every level is trained on equally. Scored like `sums` (score_last_number)."""
+    every level is trained on equally; both splits shuffled. Scored like `sums` (score_last_number)."""
     rng = random.Random(seed)
     train, test = [], []
     for level in range(1, levels + 1):
@@ -199,6 +199,7 @@ def sums_levels_task(style: str, seed: int, levels: int = 3, per_level: int = 10
         train += [_chat_arith(style, f"{a} + {b}", a + b, level=level)
                   for a, b in (level_train[i % len(level_train)] for i in range(per_level))]
     rng.shuffle(train)
+    rng.shuffle(test)  # levels mixed: eval.py --limit N takes some of each
     return Task("sums_levels", "binary", train, test, score_last_number, pass_threshold=1.0,
                 alphabet=DIGITS + ["+", "="], max_new_tokens=levels + 3 if style == "tiny" else 32)
 
