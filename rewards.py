@@ -175,14 +175,15 @@ def _chat_arith(style: str, shown: str, answer: int, **tags) -> dict:
             "answer": answer, **tags}
 
 
-def sums_levels_task(style: str, seed: int, levels: int = 3, per_level: int = 1000,
-                     n_test: int = 100) -> Task:
+def sums_levels_task(style: str, levels: int = 3, per_level: int = 1000, n_test: int = 100) -> Task:
     """a + b at difficulty levels 1..`levels`: at level L both operands have L digits (level 1: 0..9), in
     `sums`' chat form, each example tagged with its "level" (HA-DW's hard and easy prompts on SmolLM2, seed
     001). Held out per level: `n_test` pairs, at most a fifth of the level's (level 1: 20 of its 100); the
     train split holds `per_level` draws of each level's other pairs (level 1 repeats its 80), shuffled, so
-    every level is trained on equally; both splits shuffled. Scored like `sums` (score_last_number)."""
-    rng = random.Random(seed)
+    every level is trained on equally; both splits shuffled. The questions and split are the same for every
+    --seed (drawn from seed 0), so runs of different seeds are evaluated on the same held-out questions and
+    eval.py compare pairs them. Scored like `sums` (score_last_number)."""
+    rng = random.Random(0)
     train, test = [], []
     for level in range(1, levels + 1):
         low, high = (0 if level == 1 else 10 ** (level - 1)), 10 ** level - 1
@@ -213,16 +214,17 @@ ARITH_FAMILIES = {
 }
 
 
-def arith_family_task(name: str, style: str, seed: int, max_operand: int | None = None, n_test: int = 200,
+def arith_family_task(name: str, style: str, max_operand: int | None = None, n_test: int = 200,
                       size: int = 5000) -> Task:
     """An out-of-domain family in `sums`' chat form and verifier (score_last_number): `subtraction` a - b
     (0 <= b <= a), `products` a * b (operands from 2), `sums3` a + b + c, operands up to `max_operand`. At
-    most `size` distinct questions, drawn from the seed; `n_test` of them (at most a fifth) held out. A
-    policy trained on `sums` never saw them: they measure what training carries out of domain."""
+    most `size` distinct questions, the same for every --seed (drawn from seed 0: every run is evaluated on
+    the same ones, which eval.py compare pairs); `n_test` of them (at most a fifth) held out. A policy trained
+    on `sums` never saw them: they measure what training carries out of domain."""
     default, symbol, terms, value = ARITH_FAMILIES[name]
     top = default if max_operand is None else max_operand
     low = 2 if name == "products" else 0
-    rng = random.Random(seed)
+    rng = random.Random(0)
     width = top - low + 1
     count = min(size, width ** terms)
     tuples, seen = [], set()
@@ -465,13 +467,13 @@ def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False
         if local and not (local.isdigit() and 2 <= int(local) <= 4):
             raise DataError(f"--task {spec!r}: sums_levels takes the number of levels, 2 to 4, e.g. "
                             f"sums_levels:3")
-        return sums_levels_task(style, seed, int(local) if local else 3)
+        return sums_levels_task(style, int(local) if local else 3)
     if name in ARITH_FAMILIES:  # subtraction[:N], products[:N], sums3[:N]
         low = 3 if name == "products" else 2
         if local and not (local.isdigit() and int(local) >= low):
             raise DataError(f"--task {spec!r}: {name} takes the largest operand >= {low}, e.g. "
                             f"{name}:{ARITH_FAMILIES[name][0]}")
-        return arith_family_task(name, style, seed, int(local) if local else None)
+        return arith_family_task(name, style, int(local) if local else None)
     if name in ("calibration", "calibration_plain"):
         return calibration_task(style, seed, brier=brier, plain=name == "calibration_plain")
     if name == "ordinal":

@@ -231,7 +231,7 @@ def test_sums_levels_holds_each_level_out_and_trains_on_every_level_equally():
     assert task.score("345 + 678 = 1,023.", ex, True) == rewards.Score(1.0, 1.0, 1.0, pred="1023")
     assert task.score("345 + 678 = 1013", ex, True) == rewards.Score(0.0, 0.0, 1.0, pred="1013")
     assert task.score("345 + 678 = 1023", ex, False) == rewards.Score(0.0, 0.0, 0.0)  # no EOS
-    assert rewards.load_task("sums_levels", style="chat", seed=0).test == task.test  # from the seed
+    assert rewards.load_task("sums_levels", style="chat", seed=5).test == task.test  # every seed's: paired
     tiny = rewards.load_task("sums_levels:2", style="tiny")
     assert {e["level"] for e in tiny.test} == {1, 2} and tiny.test[0]["prompt"].endswith("=")
     for spec in ("sums_levels:1", "sums_levels:5", "sums_levels:x"):
@@ -261,6 +261,7 @@ def test_out_of_domain_families_are_sums_chat_form_with_its_verifier(name, symbo
     assert task.score(f"The answer is {ex['answer']}.", ex, True) == rewards.Score(1.0, 1.0, 1.0,
                                                                                    pred=str(ex["answer"]))
     assert task.score(f"{ex['answer'] + 1}", ex, True).correct == 0.0
+    assert rewards.load_task(name, style="chat", seed=6).test == task.test  # every seed's: paired
     small = rewards.load_task(f"{name}:4", style="tiny")
     assert small.test[0]["prompt"].endswith("=") and symbol in small.alphabet
     with pytest.raises(rewards.DataError, match=f"{name} takes the largest operand >= "):
