@@ -317,9 +317,8 @@ def evaluate(run) -> dict:
                 "tool_error_rate", "scorer_errors"):
         if key in full:
             metrics[f"eval/{key}"] = full[key]
-    for tag in SUBSET_TAGS:  # sums_levels: pass@1 of each level over steps (eval/pass@1_level3)
-        for value, m in full.get(f"by_{tag}", {}).items():
-            metrics[f"eval/pass@1_{tag}{value}"] = m["pass@1"]
+    for value, m in full.get("by_level", {}).items():  # sums_levels: each level's pass@1 over steps
+        metrics[f"eval/pass@1_level{value}"] = m["pass@1"]
     if run.task.on_eval is not None:  # rg: --rg_curriculum raises the level here (every rank alike)
         metrics.update(run.task.on_eval(run.task, metrics))
     if dist.rank() == 0:  # every prediction: the scores of all ranks were gathered

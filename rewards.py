@@ -208,7 +208,7 @@ def sums_levels_task(style: str, levels: int = 3, per_level: int = 1000, n_test:
 # out-of-domain families of `sums` (CoRPO, seed 004): name -> (default largest operand, symbol, terms, the
 # answer); the questions are every tuple of operands in range (subtraction: a >= b, so no negative answer)
 ARITH_FAMILIES = {
-    "subtraction": (99, "-", 2, lambda x: x[0] - x[1]),
+    "subtraction": (49, "-", 2, lambda x: x[0] - x[1]),
     "products": (19, "*", 2, math.prod),
     "sums3": (49, "+", 3, sum),
 }
