@@ -210,7 +210,7 @@ def sums_levels_task(style: str, levels: int = 3, per_level: int = 1000, n_test:
 ARITH_FAMILIES = {
     "subtraction": (49, "-", 2, lambda x: x[0] - x[1]),
     "products": (19, "*", 2, math.prod),
-    "sums3": (49, "+", 3, sum),
+    "sums3": (9, "+", 3, sum),
 }
 
 
