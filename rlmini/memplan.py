@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlmini import durable
 from rlmini.logprobs import chunk_for
 from rlmini.options import arg
 
@@ -447,8 +448,7 @@ def write(p: dict, run_dir: str, device: str) -> None:
     data = {f"{k}_gb": p[k] / 1e9 for k in keys} | {"share": p["share"], "device": device}
     # what torch's allocator holds in each phase: max_memory_allocated's basis (rlmini/memstats.py)
     data |= {f"{k}_allocator_gb": (p[k] - p["outside"]) / 1e9 for k in ("update", "rollout", "push")}
-    with open(os.path.join(run_dir, "memory_plan.json"), "w") as f:
-        json.dump(data, f, indent=1)
+    durable.write_text(os.path.join(run_dir, "memory_plan.json"), json.dumps(data, indent=1))
 
 
 def nccl_communicators(ranks: int, vllm: bool, tp: int = 1, server_push: bool = False) -> int:

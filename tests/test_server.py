@@ -283,16 +283,18 @@ def test_options_that_need_a_server_are_refused():
 
 
 def test_a_push_folder_is_complete_before_it_is_named(tmp_path, monkeypatch):
-    """Shards of at most SHARD_BYTES, written under a temporary name and renamed whole; the previous push's
-    folder removed; the tensors read back equal."""
+    """Shards of at most SHARD_BYTES, written under a temporary name with the run's marker and renamed whole;
+    nothing else in the root touched (the engine removes its own previous push: tests/test_outputs.py); the
+    tensors read back equal."""
     from safetensors.torch import load_file
     monkeypatch.setattr(server, "SHARD_BYTES", 100)
     weights = [(f"w{i}", torch.randn(5, 3)) for i in range(4)]  # 60 bytes each: two per shard
-    first = server.write_safetensors(iter(weights), str(tmp_path), 1)
-    second = server.write_safetensors(iter(weights), str(tmp_path), 2)
-    assert not os.path.exists(first) and sorted(os.listdir(tmp_path)) == ["v2"]
-    files = sorted(os.listdir(second))
+    first = server.write_safetensors(iter(weights), str(tmp_path), 1, "n0", "runs/x")
+    second = server.write_safetensors(iter(weights), str(tmp_path), 2, "n0", "runs/x")
+    assert sorted(os.listdir(tmp_path)) == ["rlmini-push-n0-v1", "rlmini-push-n0-v2"] and os.path.isdir(first)
+    files = sorted(f for f in os.listdir(second) if f != server.PUSH_MARKER)
     assert files == ["model-00001.safetensors", "model-00002.safetensors"]
+    assert json.load(open(os.path.join(second, server.PUSH_MARKER)))["run_dir"] == os.path.abspath("runs/x")
     back = {k: v for f in files for k, v in load_file(os.path.join(second, f)).items()}
     assert all(torch.equal(back[k], v) for k, v in weights)
     assert json.dumps(sorted(back)) == json.dumps([k for k, _ in weights])
