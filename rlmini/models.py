@@ -11,7 +11,7 @@ import tempfile
 
 import torch
 
-from rlmini import dist, smollm2
+from rlmini import dist, durable, smollm2
 from rlmini.stfile import safetensors_header
 from rlmini.logprobs import check_output_head
 from rlmini.packing import enable_packing, exact_attention, use_kernel

@@ -81,9 +81,18 @@ def test_lock_step_server_trains_like_the_in_process_engine_and_resumes_exactly(
     base = ["--task", TASK, "--out_dir", str(tmp_path), "--wandb", "false", "--prompts_per_step", "8",
             "--push_check_every", "1", "--steps", "4", "--save_every", "2", *MOVING]
     run_script("train_grpo.py", [*base, "--engine", "vllm", "--run_name", "inproc"])
-    train_grpo.main(_args(tmp_path, url, "--steps", "2", "--save_every", "2", "--run_name", "split"))
+    # a push root shared with a user's files and another run's push (tests/test_outputs.py): left as found
+    pushes = tmp_path / "pushes"
+    (pushes / "keep").mkdir(parents=True)
+    (pushes / "notes.txt").write_text("mine")
+    (pushes / "keep" / "data.txt").write_text("also mine")
+    other = server.write_safetensors(iter([("w", torch.ones(2))]), str(pushes), 3, "other", "runs/other")
+    shared = ["--server_push_dir", str(pushes)]
+    train_grpo.main(_args(tmp_path, url, "--steps", "2", "--save_every", "2", "--run_name", "split", *shared))
     run = train_grpo.main(_args(tmp_path, url, "--steps", "4", "--save_every", "2", "--run_name", "split",
-                                "--resume", "true"))
+                                "--resume", "true", *shared))
+    assert sorted(os.listdir(pushes)) == ["keep", "notes.txt", os.path.basename(other)]
+    assert (pushes / "keep" / "data.txt").read_text() == "also mine"
     a, b = read_metrics(tmp_path / "inproc"), read_metrics(run.run_dir)
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     _close(a, b, "in-process vs server")
@@ -270,6 +279,8 @@ def test_server_killed_mid_run_stops_in_one_line_then_resume_continues(served, t
     rows = read_metrics(run.run_dir)
     assert [r["step"] for r in rows][-2:] == [ckpt["step"] + 1, ckpt["step"] + 2]
     assert [r["rollout/staleness"] for r in rows][-2:] == [0, 1]
+    # the killed run's last push (no close) went at the resumed run's first push; its own at its end
+    assert os.listdir(tmp_path / "killed" / "push") == []
 
 
 def test_options_that_need_a_server_are_refused():
