@@ -69,18 +69,21 @@ def _claim(args, run_dir: str, inputs: dict) -> None:
     and with --overwrite the earlier run's files go, only where they are ours and once the lock is held."""
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         raise SystemExit(f"--out_dir {args.out_dir}: is a file, not a folder")
+    for flag, path in inputs.items():  # inputs are never outputs (checked before anything is removed)
+        hit = next((f for f in (*RUN_FILES, "push") if path and durable.inside(path, os.path.join(run_dir, f))),
+                   None)
+        if hit is None and os.path.realpath(path) == os.path.realpath(run_dir):  # its config.json, its files
+            raise SystemExit(f"{flag} {path} is the run folder {run_dir} itself, into which this run writes "
+                             f"(config.json, final/, ...): choose another --run_name")
+        if hit is not None:
+            raise SystemExit(f"{flag} {path} lies in {os.path.join(run_dir, hit)}, which this run writes or "
+                             f"replaces: copy it elsewhere first, or choose another --run_name")
     found = [f for f in RUN_FILES if os.path.lexists(os.path.join(run_dir, f))]
     if args.resume:
         _check_resumable(run_dir, found)
     if found and not args.resume and not args.overwrite:
         raise SystemExit(f"{run_dir} already holds a run ({', '.join(found)}): pass --resume true to "
                          f"continue it, --overwrite true to replace it, or another --run_name")
-    for flag, path in inputs.items():  # inputs are never outputs (checked before anything is removed)
-        hit = next((f for f in (*RUN_FILES, "push") if path and durable.inside(path, os.path.join(run_dir, f))),
-                   None)
-        if hit is not None:
-            raise SystemExit(f"{flag} {path} lies in {os.path.join(run_dir, hit)}, which this run writes or "
-                             f"replaces: copy it elsewhere first, or choose another --run_name")
     doomed = found if args.overwrite and not args.resume else []
     if doomed and (why := _not_ours(run_dir, doomed)):
         raise SystemExit(f"--overwrite true: {run_dir} {why}: not removed; move them, or choose another "

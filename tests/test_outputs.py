@@ -101,6 +101,10 @@ def test_inputs_are_never_outputs(tmp_path):
             train(tmp_path, "--steps", "1", *argv)
     assert os.path.isfile(os.path.join(final, "rlmini.json")) and os.path.exists(os.path.join(run.run_dir,
                                                                                                "checkpoint.pt"))
+    shutil.copytree(final, tmp_path / "model")  # a model folder given as the run folder: its config.json
+    with pytest.raises(SystemExit, match=r"^--model \S+model is the run folder \S+model itself"):
+        train(tmp_path, "--steps", "1", "--model", str(tmp_path / "model"), "--run_name", "model")
+    assert sorted(os.listdir(tmp_path / "model")) == sorted(os.listdir(final))
 
 
 def test_every_publishing_rename_is_synced_and_final_is_durable_before_the_checkpoint_goes(tmp_path,
