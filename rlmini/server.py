@@ -29,8 +29,8 @@ import torch
 
 from rlmini import dist, durable, httpclient, progress
 from rlmini.data import Rollouts
-from rlmini.engine import (CPU_BLOCK_SIZE, PushError, _check_awake, named_weights, stop_ids,
-                           trainer_logprobs)
+from rlmini.engine import (CPU_BLOCK_SIZE, PushError, _check_awake, check_moe_reload, pushed_weights,
+                           stop_ids, trainer_logprobs)
 from rlmini.faults import ServerError
 from rlmini.options import arg
 
@@ -75,6 +75,8 @@ class ServerEngine:
         self.local = threading.local()
         self.collective = False  # its requests are no collective (rlmini/tools.py::generate)
         self.served, device_type = served
+        if push:
+            check_moe_reload(model, device_type, f"--engine server ({self.url} on {device_type})")
         tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
         self.repack = device_type == "cpu" and tied  # rlmini/server_worker.py
         self.transfer = None
@@ -180,7 +182,7 @@ class ServerEngine:
         for future in list(self.inflight):  # a rollout in flight finishes on the weights it started with
             self.wait(future)
         dist.barrier()  # every rank's rollouts are done before rank 0 pauses the server (which queues them)
-        weights = named_weights(self.model, self.dtype)
+        weights = pushed_weights(self.model, self.dtype)  # the checkpoint's layout (MoE experts unfused)
         if self.transfer is not None:  # pause, load, finish with the version, resume (rlmini/transfer.py)
             self.transfer.push(f"{self.nonce}-{self.pushes + 1}")
         elif dist.rank() == 0:
