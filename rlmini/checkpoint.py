@@ -57,8 +57,8 @@ def inputs(args) -> dict:
     """{flag: path} of the files and folders a run reads: --model, --reward_model, --config, --task_config,
     --judge_prompt, a jsonl: task's file (where they are local paths)."""
     task = args.task[len("jsonl:"):] if args.task.startswith("jsonl:") else ""
-    paths = {"--model": args.model, "--reward_model": getattr(args, "reward_model", ""), "--config": args.config,
-             "--task_config": getattr(args, "task_config", ""),
+    paths = {"--model": args.model, "--reward_model": getattr(args, "reward_model", ""),
+             "--config": args.config, "--task_config": getattr(args, "task_config", ""),
              "--judge_prompt": getattr(args, "judge_prompt", ""), "--task": task}
     return {flag: path for flag, path in paths.items() if path and os.path.exists(path)}
 
@@ -70,8 +70,7 @@ def _claim(args, run_dir: str, inputs: dict) -> None:
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         raise SystemExit(f"--out_dir {args.out_dir}: is a file, not a folder")
     for flag, path in inputs.items():  # inputs are never outputs (checked before anything is removed)
-        hit = next((f for f in (*RUN_FILES, "push") if path and durable.inside(path, os.path.join(run_dir, f))),
-                   None)
+        hit = next((f for f in (*RUN_FILES, "push") if durable.inside(path, os.path.join(run_dir, f))), None)
         if hit is None and os.path.realpath(path) == os.path.realpath(run_dir):  # its config.json, its files
             raise SystemExit(f"{flag} {path} is the run folder {run_dir} itself, into which this run writes "
                              f"(config.json, final/, ...): choose another --run_name")
@@ -110,9 +109,9 @@ def _check_resumable(run_dir: str, found: list) -> None:
     if "checkpoint.pt" not in found and not sharded and "final" in found:  # --keep_checkpoint false
         final = os.path.join(run_dir, "final")
         raise SystemExit(f"--resume true: {run_dir} finished without its checkpoint (--keep_checkpoint "
-                         f"false); final/ holds the weights but not the optimizer: start a new run from them, the "
-                         f"same command with --model {final} and without --resume, --run_name and --overwrite "
-                         f"(the new run is named after this one)")
+                         f"false); final/ holds the weights but not the optimizer: start a new run from "
+                         f"them, the same command with --model {final} and without --resume, --run_name and "
+                         f"--overwrite (the new run is named after this one)")
     if "checkpoint.pt" not in found and not sharded:
         raise SystemExit(f"--resume true: no checkpoint in {run_dir} (checkpoint.pt, or checkpoint/ under "
                          f"torchrun)")

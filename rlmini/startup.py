@@ -68,7 +68,7 @@ def build(args, algo: str) -> Run:
     path = models.model_path(args.model, task)  # builds the tiny model on first use, before torch.distributed
     tokenizer = models.load_tokenizer(path)
     data.check_vocabulary(task, tokenizer, style, args.model, args.task)  # a tiny checkpoint on another task
-    device, dtype = dist.setup_device(args)  # torchrun: the process group, so rank 0's claim reaches every rank
+    device, dtype = dist.setup_device(args)  # torchrun: the group first, so rank 0's claim reaches every rank
     # after the data and the model's tokenizer (no folder left by either); rank 0 locks it before any rank
     # writes into it, and no input may lie where the run writes
     run_dir = ckpt.prepare_run_dir(args, ckpt.inputs(args))

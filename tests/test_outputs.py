@@ -51,7 +51,8 @@ def test_overwrite_removes_only_the_runs_own_files_and_refuses_a_folder_not_ours
     train(tmp_path, "--steps", "3", "--run_name", "x", "--resume", "true")
     out = capsys.readouterr().out
     assert f"--resume: {run.run_dir} continues from step 2 (its checkpoint); nothing dropped" in out
-    run = train(tmp_path, "--steps", "1", "--run_name", "x", "--overwrite", "true", "--keep_checkpoint", "false")
+    run = train(tmp_path, "--steps", "1", "--run_name", "x", "--overwrite", "true", "--keep_checkpoint",
+                "false")
     assert survived(run.run_dir) == mine and [r["step"] for r in read_metrics(run.run_dir)] == [1]
     assert not os.path.exists(os.path.join(run.run_dir, "checkpoint.pt"))
     theirs = tmp_path / "theirs"
@@ -78,9 +79,9 @@ def test_a_resume_names_its_step_and_the_rows_it_drops_and_refuses_two_checkpoin
     shards = os.path.join(run.run_dir, "checkpoint")  # a torchrun run's, older, beside the plain one's
     os.makedirs(shards)
     torch.save({"step": 1}, os.path.join(shards, "meta.pt"))
-    with pytest.raises(SystemExit, match=r"--resume true: \S+r holds two checkpoints, \S+checkpoint.pt \(step "
-                                         r"3, from a plain process\) and \S+checkpoint/ \(step 1, from "
-                                         r"torchrun\); remove the one not to continue"):
+    with pytest.raises(SystemExit, match=r"--resume true: \S+r holds two checkpoints, \S+checkpoint.pt "
+                                         r"\(step 3, from a plain process\) and \S+checkpoint/ \(step 1, "
+                                         r"from torchrun\); remove the one not to continue"):
         train(tmp_path, "--steps", "4", "--run_name", "r", "--resume", "true")
 
 
@@ -99,8 +100,8 @@ def test_inputs_are_never_outputs(tmp_path):
         with pytest.raises(SystemExit, match=rf"^{flag} \S+ lies in \S+m/(final|push), which this run writes "
                                              rf"or replaces"):
             train(tmp_path, "--steps", "1", *argv)
-    assert os.path.isfile(os.path.join(final, "rlmini.json")) and os.path.exists(os.path.join(run.run_dir,
-                                                                                               "checkpoint.pt"))
+    assert os.path.isfile(os.path.join(final, "rlmini.json"))
+    assert os.path.exists(os.path.join(run.run_dir, "checkpoint.pt"))
     shutil.copytree(final, tmp_path / "model")  # a model folder given as the run folder: its config.json
     with pytest.raises(SystemExit, match=r"^--model \S+model is the run folder \S+model itself"):
         train(tmp_path, "--steps", "1", "--model", str(tmp_path / "model"), "--run_name", "model")
@@ -155,14 +156,16 @@ def full_disk(*a, **k):
 
 def test_a_final_save_that_fails_leaves_a_checkpoint_in_its_place_and_says_what_survived(tmp_path,
                                                                                         monkeypatch):
-    """--keep_checkpoint false: final/ fails (a full disk) -> a checkpoint of the last step in its place, kept,
-    and one line; when that fails too, the line names the last periodic checkpoint, which is kept."""
+    """--keep_checkpoint false: final/ fails (a full disk) -> a checkpoint of the last step in its place,
+    kept, and one line; when that fails too, the line names the last periodic checkpoint, which is kept."""
     from transformers import PreTrainedModel
     monkeypatch.setattr(PreTrainedModel, "save_pretrained", full_disk)
-    with pytest.raises(SystemExit, match=r"could not write \S+f1/final \(No space left on device\); the previous "
-                                         r"\S+final, if any, is intact; wrote \S+f1/checkpoint.pt \(step 2\) in "
-                                         r"its place and kept it: --resume true writes final/ from it"):
-        train(tmp_path, "--steps", "2", "--save_every", "0", "--run_name", "f1", "--keep_checkpoint", "false")
+    with pytest.raises(SystemExit, match=r"could not write \S+f1/final \(No space left on device\); the "
+                                         r"previous \S+final, if any, is intact; wrote \S+f1/checkpoint.pt "
+                                         r"\(step 2\) in its place and kept it: --resume true writes final/ "
+                                         r"from it"):
+        train(tmp_path, "--steps", "2", "--save_every", "0", "--run_name", "f1", "--keep_checkpoint",
+              "false")
     assert torch.load(tmp_path / "f1" / "checkpoint.pt", weights_only=True, mmap=True)["step"] == 2
     assert not [f for f in os.listdir(tmp_path / "f1") if f.startswith("final")]
     real_save = checkpoint._write
@@ -175,8 +178,9 @@ def test_a_final_save_that_fails_leaves_a_checkpoint_in_its_place_and_says_what_
         real_save(path, state)
     monkeypatch.setattr(checkpoint, "_write", second_fails)
     with pytest.raises(SystemExit, match=r"nor could a checkpoint be written in its place \(could not write "
-                                         r"\S+checkpoint.pt \(No space left on device\); the previous checkpoint "
-                                         r"is intact\); what survives: \S+f2/checkpoint.pt \(step 2\), its last"):
+                                         r"\S+checkpoint.pt \(No space left on device\); the previous "
+                                         r"checkpoint is intact\); what survives: \S+f2/checkpoint.pt \(step "
+                                         r"2\), its last"):
         train(tmp_path, "--steps", "3", "--save_every", "2", "--run_name", "f2", "--keep_checkpoint", "false")
     assert torch.load(tmp_path / "f2" / "checkpoint.pt", weights_only=True, mmap=True)["step"] == 2
     calls[:] = ["every write fails"]
@@ -188,8 +192,8 @@ def test_a_final_save_that_fails_leaves_a_checkpoint_in_its_place_and_says_what_
 def test_interrupt_after_final_says_the_model_is_saved():
     run = SimpleNamespace(args=SimpleNamespace(steps=3, save_every=0), step=3, checkpoint_step=None,
                           final="runs/x/final", log=SimpleNamespace(last_step=3), run_dir="runs/x")
-    assert faults.interrupt_line(run, ["--steps", "3"]) == ("interrupted (Ctrl-C) after the run finished: the "
-                                                            "model is saved in runs/x/final")
+    line = faults.interrupt_line(run, ["--steps", "3"])
+    assert line == "interrupted (Ctrl-C) after the run finished: the model is saved in runs/x/final"
 
 
 # ------------------------------------------------------------------------------------------- locks and caches
@@ -215,8 +219,8 @@ def test_a_read_only_cache_without_the_model_is_one_line(tmp_path, monkeypatch):
         if os.access(cache, os.W_OK):  # root ignores modes: a file where the folder would be does the same
             cache.chmod(0o700)
             (cache / smollm2.NAME).write_text("")
-        with pytest.raises(SystemExit, match=r"^--model smollm2: \S+ is not built and its cache cannot take a "
-                                             r"build \(.+\): set RLMINI_CACHE to a writable folder"):
+        with pytest.raises(SystemExit, match=r"^--model smollm2: \S+ is not built and its cache cannot "
+                                             r"take a build \(.+\): set RLMINI_CACHE to a writable folder"):
             smollm2.folder(str(cache))
     finally:
         cache.chmod(0o700)
@@ -238,7 +242,7 @@ def test_a_build_killed_between_its_renames_is_taken_not_thrown_away(tmp_path):
     assert lines == [f"smollm2: took the finished build a killed process left ({out})"]
 
 
-# --------------------------------------------------------------------------------------------- the push folder
+# ----------------------------------------------------------------------------------------- the push folder
 
 
 class _Pusher:
@@ -286,7 +290,8 @@ import torch
 import train_grpo
 from rlmini import checkpoint, dist
 out = {out!r}
-base = ["--out_dir", out, "--wandb", "false", "--engine", "hf", "--prompts_per_step", "4", "--group_size", "4"]
+base = ["--out_dir", out, "--wandb", "false", "--engine", "hf", "--prompts_per_step", "4",
+        "--group_size", "4"]
 said = []
 def attempt(*argv):
     try:
@@ -299,7 +304,7 @@ if dist.rank() == 0:
     for name, text in (("notes.txt", "mine"), ("keep/data.txt", "also mine")):
         os.makedirs(os.path.join(out, "a", "keep"), exist_ok=True)
         open(os.path.join(out, "a", name), "w").write(text)
-    torch.save({{"step": 9}}, os.path.join(out, "a", "checkpoint.pt"))  # a plain process's, beside checkpoint/
+    torch.save({{"step": 9}}, os.path.join(out, "a", "checkpoint.pt"))  # a plain process's, beside shards
 attempt("--steps", "3", "--run_name", "a")  # refused on rank 0: every rank gets the line
 attempt("--steps", "3", "--run_name", "a", "--resume", "true")  # two checkpoints: refused
 if dist.rank() == 0:
@@ -322,8 +327,8 @@ def test_two_ranks_keep_a_users_files_and_every_rank_hears_rank_0(tmp_path):
     --overwrite leaves the user's files."""
     script = tmp_path / "ranks.py"
     script.write_text(RANKS.format(root=ROOT, out=str(tmp_path / "runs")))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(script)], cwd=ROOT, capture_output=True, text=True, timeout=400,
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                           "2", str(script)], cwd=ROOT, capture_output=True, text=True, timeout=400,
                           env={**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     said = dict(json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("SAID "))
