@@ -177,7 +177,7 @@ def prompts(run_dir: str) -> dict:
     for _ in range(args.steps):
         examples, pos = data.prompt_batch(task.train, pos, args.prompts_per_step, args.seed)
         steps.append(data.encode_prompts(tokenizer, [e["prompt"] for e in examples], style == "chat"))
-    params = memplan.count_cached(path, 0, "all-linear")["total"]
+    params = memplan.count_cached(path, 0, "all-linear")["active"]  # a mixture of experts: top-k's FLOPs
     return {"args": args, "path": path, "tokenizer": tokenizer, "max_new": max_new, "steps": steps,
             "params": params}
 
