@@ -423,6 +423,9 @@ def cmd_evaluate(argv) -> dict:
     if a.engine == "vllm":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     out = a.out or os.path.join("runs", f"eval-{_model_name(a.model)}-{_task_name(a.task)}")
+    if all(os.path.isfile(os.path.join(out, f)) for f in ("config.json", "metrics.jsonl")):
+        raise SystemExit(f"--out {out}: a training run's folder (config.json, metrics.jsonl): its eval.json "
+                         f"and logs/ are the run's; choose another --out, e.g. {os.path.join(out, 'eval')}")
     counted = {}  # the sampling's progress count, once it began (a Ctrl-C line says how far it got)
 
     def interrupted() -> str:

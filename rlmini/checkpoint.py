@@ -10,6 +10,7 @@ import pickle
 import shutil
 import sys
 import time
+import traceback
 
 import torch
 
@@ -44,26 +45,69 @@ def prepare_run_dir(args, inputs: dict | None = None) -> str:
     why = None
     if dist.rank() == 0:
         try:
-            _claim(args, run_dir, inputs or {})
+            _DOOMED[run_dir] = _claim(args, run_dir, inputs or {})
         except SystemExit as e:
             why = str(e)
+        except Exception as e:  # noqa: BLE001 - any failure of rank 0's reaches every rank as its one line
+            why = f"{run_dir}: {type(e).__name__}: {e}"
     line = dist.from_rank0(why)
     if line is not None:
         raise SystemExit(line)
     return run_dir
 
 
+_DOOMED = {}  # run folder -> the earlier run's entries --overwrite removes once start-up has passed
+
+
+def replace_earlier_run(run_dir: str) -> None:
+    """--overwrite: the earlier run's entries (_claim's list) removed, once every start-up check has passed
+    (a server down, a plan that cannot fit, a model that fails to load leave the earlier run as it was);
+    rank 0 removes, its failure reaches every rank in one line."""
+    why = None
+    if dist.rank() == 0:
+        try:
+            for f in _DOOMED.pop(run_dir, []):
+                durable.remove(os.path.join(run_dir, f))
+        except OSError as e:
+            why = (f"--overwrite true: could not remove the earlier run's {e.filename or run_dir} "
+                   f"({e.strerror})")
+    line = dist.from_rank0(why)
+    if line is not None:
+        raise SystemExit(line)
+
+
+def _adopt_swapped(run_dir: str) -> None:
+    """Rank 0, under the lock: a torchrun checkpoint save killed between its two renames left the newer
+    checkpoint.tmp/ whole (meta.pt is written last, after every shard and .metadata) and the older one as
+    checkpoint.old/: the newer is renamed in, so the newest state wins."""
+    path, tmp = os.path.join(run_dir, "checkpoint"), os.path.join(run_dir, "checkpoint.tmp")
+    whole = all(os.path.isfile(os.path.join(tmp, f)) for f in ("meta.pt", ".metadata"))
+    if not os.path.exists(path) and os.path.isdir(tmp) and whole:
+        durable.publish(tmp, path)
+
+
+OUTPUTS = ("out_dir", "run_name", "server_push_dir")  # options naming where a run writes
+
+
 def inputs(args) -> dict:
-    """{flag: path} of the files and folders a run reads: --model, --reward_model, --config, --task_config,
-    --judge_prompt, a jsonl: task's file (where they are local paths)."""
-    task = args.task[len("jsonl:"):] if args.task.startswith("jsonl:") else ""
-    paths = {"--model": args.model, "--reward_model": getattr(args, "reward_model", ""),
-             "--config": args.config, "--task_config": getattr(args, "task_config", ""),
-             "--judge_prompt": getattr(args, "judge_prompt", ""), "--task": task}
-    return {flag: path for flag, path in paths.items() if path and os.path.exists(path)}
+    """{flag: path} of the local files and folders a run reads: every option naming an existing path
+    (--model, --critic_model, --reward_model, --config, --task_config, --judge_prompt, ...), a jsonl: or hf:
+    task's file, a --reward or --env module's file (module.py:function)."""
+    found = {}
+    for f in dataclasses.fields(args):
+        value = getattr(args, f.name)
+        if f.name in OUTPUTS or not isinstance(value, str) or not value:
+            continue
+        if f.name == "task":
+            value = value.split(":", 1)[1] if value.startswith(("jsonl:", "hf:")) else ""
+        for part in value.split(","):
+            path = next((p for p in (part, part.rsplit(":", 1)[0]) if p and os.path.exists(p)), None)
+            if path is not None:
+                found.setdefault(f"--{f.name}", path)
+    return found
 
 
-def _claim(args, run_dir: str, inputs: dict) -> None:
+def _claim(args, run_dir: str, inputs: dict) -> list:
     """Rank 0: --resume needs a checkpoint (one kind: both is refused, naming their steps); an existing run
     is refused unless --overwrite; no input may lie where the run writes; then the folder is made and locked,
     and with --overwrite the earlier run's files go, only where they are ours and once the lock is held."""
@@ -93,8 +137,10 @@ def _claim(args, run_dir: str, inputs: dict) -> None:
         raise SystemExit(f"--out_dir {args.out_dir}: cannot create {run_dir} ({e.strerror})") from None
     if args.run_lock:
         lock_run_dir(run_dir)
-    for f in doomed:
-        durable.remove(os.path.join(run_dir, f))
+    if args.resume:
+        _adopt_swapped(run_dir)
+    # the marker last: a removal cut short leaves the folder still recognisably a run's
+    return sorted(doomed, key=lambda f: f == "config.json")
 
 
 def _check_resumable(run_dir: str, found: list) -> None:
@@ -162,7 +208,11 @@ def lock_run_dir(run_dir: str) -> None:
     path = os.path.join(os.path.abspath(run_dir), ".lock")
     if path in _LOCKS:
         return
-    f = open(path, "a+")
+    try:
+        f = open(path, "a+")
+    except OSError as e:  # a .lock another user made, a read-only folder
+        raise SystemExit(f"{run_dir}: cannot open its lock {path} ({e.strerror}): choose another --run_name "
+                         f"(or --out_dir)") from None
     try:
         fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -421,15 +471,17 @@ def save_end(run, since: float) -> None:
         return
     try:
         save_final(run.model, run.tokenizer, final, run.style, since=since)
-    except SystemExit as e:  # a full or failing disk, on any rank (save_final: every rank alike)
-        failed = str(e)
+    except (SystemExit, Exception) as e:  # every rank alike: a disk's one line, or rank 0's error named
+        if not isinstance(e, SystemExit):  # rank 0's own error: its traceback, then the checkpoint
+            traceback.print_exc()
+        failed = str(e) if isinstance(e, SystemExit) else f"could not write {final} ({type(e).__name__}: {e})"
         try:
             save(run)
         except SystemExit as again:
             raise SystemExit(f"{failed}; nor could a checkpoint be written in its place ({again}); "
                              f"{_survives(run)}") from None
         raise SystemExit(f"{failed}; wrote {_checkpoint_path(run)} (step {run.step}) in its place and kept "
-                         f"it: --resume true writes final/ from it once there is room") from None
+                         f"it: --resume true writes final/ from it") from None
     run.final = final
     remove(run)  # once final/ is durable (every rank's share of it written)
 
@@ -577,7 +629,8 @@ def save_final(model, tokenizer, path: str, style: str = "chat", since: float | 
     if failed is not None:
         disk = disk_error(failed)
         why = disk or f"rank 0: {type(failed).__name__}: " + (str(failed).strip().splitlines() or [""])[0]
-    line = dist.from_rank0(why and _could_not_write(path, why, f"the previous {path}, if any, is intact"))
+    kept = f"the previous {path} (or {path}.old), if any, is intact"
+    line = dist.from_rank0(why and _could_not_write(path, why, kept))
     if line is None:
         if since is not None and dist.rank() == 0:  # a save of many GB takes a while: what, and how long
             what = "merged model, adapter" if adapters is not None else "model"

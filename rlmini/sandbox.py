@@ -335,8 +335,9 @@ def _fresh_parent(key: str) -> str:
         raise SystemExit(f"--tools: {path} exists and was not made by rlmini (no {SCRATCH_MARKER}): not "
                          f"removed; move it, or set TMPDIR to another folder")
     remove_tree(path)  # ours (marked): a killed run's leftovers
-    os.makedirs(path, mode=0o700)
-    open(os.path.join(path, SCRATCH_MARKER), "w").close()
+    new = tempfile.mkdtemp(dir=tmp, prefix=".rlmini-tool-new-")  # marked before it is named: no window
+    open(os.path.join(new, SCRATCH_MARKER), "w").close()
+    os.rename(new, path)
     atexit.register(remove_tree, path)  # a finished process leaves none; a killed one, until its next start
     return path
 
@@ -345,12 +346,15 @@ SCRATCH_MARKER = ".rlmini-scratch"  # in every scratch parent this module made: 
 
 
 def _marked(path: str) -> bool:
-    """Whether `path` is a scratch parent of ours: a folder, owned by this user, holding the marker."""
+    """Whether `path` is a scratch parent of ours: a folder, owned by this user, holding the marker (or, made
+    before the marker, holding nothing but calls' folders)."""
     try:
-        return (os.path.isdir(path) and not os.path.islink(path) and os.stat(path).st_uid == os.getuid()
-                and os.path.isfile(os.path.join(path, SCRATCH_MARKER)))
+        if not os.path.isdir(path) or os.path.islink(path) or os.stat(path).st_uid != os.getuid():
+            return False
+        entries = os.listdir(path)
     except OSError:
         return False
+    return SCRATCH_MARKER in entries or all(e.startswith(("call-", "probe-")) for e in entries)
 
 
 def _alive(pid: int) -> bool:

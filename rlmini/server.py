@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -190,7 +191,7 @@ class ServerEngine:
                 self.made_root = not os.path.exists(self.folder)
                 clear_stale(self.folder, self.run_dir)
             for old in self.pushed:  # the server holds their weights in memory: one copy on disk at most
-                durable.remove(old)
+                _remove_push(old)
             self.pushed = [write_safetensors(weights, self.folder, self.pushes + 1, self.nonce, self.run_dir)]
             folder = self.pushed[0]
             self._call("/pause?mode=wait", {})  # what the server still runs finishes on the old weights
@@ -275,7 +276,7 @@ class ServerEngine:
             self.transfer.close()
         if dist.rank() == 0 and self.transfer is None:
             for old in self.pushed:
-                durable.remove(old)
+                _remove_push(old)
             self.pushed = []
             if self.made_root:  # the folder this run made, now empty (rmdir takes nothing else)
                 with contextlib.suppress(OSError):
@@ -422,8 +423,8 @@ def write_safetensors(weights, root: str, version: int, nonce: str = "", run_dir
         durable.remove(tmp)
     os.makedirs(tmp)
     with open(os.path.join(tmp, PUSH_MARKER), "w") as f:  # first: a tmp folder of ours is marked as such
-        json.dump({"run_dir": os.path.abspath(run_dir) if run_dir else "", "nonce": nonce,
-                   "version": version, "pid": os.getpid()}, f)
+        json.dump({"run_dir": os.path.realpath(run_dir) if run_dir else "", "nonce": nonce,
+                   "version": version, "host": socket.gethostname(), "pid": os.getpid()}, f)
     shard, size, k = {}, 0, 0
     for name, tensor in weights:
         shard[name], size = tensor.detach().cpu().contiguous(), size + tensor.numel() * tensor.element_size()
@@ -440,8 +441,9 @@ def write_safetensors(weights, root: str, version: int, nonce: str = "", run_dir
 
 def clear_stale(root: str, run_dir: str) -> list:
     """The push folders (finished or cut short) that an earlier run of the same run folder left in root: a
-    killed run's, whose close never came. Only those whose marker names run_dir go (this process holds the
-    run folder's lock: no live run wrote them); others' entries and a user's files stay. Returns them."""
+    killed run's, whose close never came. Only those whose marker names run_dir (its real path) and a
+    process of this host that is gone; other runs' entries (a live one's, another host's: a shared root seen
+    from machines whose paths coincide) and a user's files stay. Returns them."""
     if not run_dir or not os.path.isdir(root):
         return []
     gone = []
@@ -451,13 +453,38 @@ def clear_stale(root: str, run_dir: str) -> list:
             continue
         try:
             with open(os.path.join(path, PUSH_MARKER)) as f:
-                mine = json.load(f).get("run_dir") == os.path.abspath(run_dir)
-        except (OSError, ValueError, AttributeError):
+                marker = json.load(f)
+            mine = (marker.get("run_dir") == os.path.realpath(run_dir) and marker.get("host") ==
+                    socket.gethostname() and not _alive(int(marker.get("pid", 0))))
+        except (OSError, ValueError, AttributeError, TypeError):
             continue
         if mine:
-            durable.remove(path)
+            _remove_push(path)
             gone.append(path)
     return gone
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` of this host still runs (a pid of 0 or below: no process)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        pass
+    return True
+
+
+def _remove_push(path: str) -> None:
+    """A push folder of this run's, removed; a removal that fails (NFS's silly-renamed files while the server
+    still reads them, a permission) is said once and left, never stopping the run."""
+    try:
+        durable.remove(path)
+    except OSError as e:
+        print(f"warning: could not remove the earlier push {path} ({e.strerror}); remove it by hand",
+              file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------------------------------- a local server

@@ -77,7 +77,7 @@ def folder(cache: str, source: str | None = None, log=None, verify: bool = False
             why = _record_old(out)
         if why is None:  # whole, or another process built it while we waited
             return out
-        if _adopt(out):  # a build killed between its two renames: its finished folder is taken, not redone
+        if _adopt(out, verify):  # a build killed between its two renames: its finished folder is taken, not redone
             log(f"{NAME}: took the finished build a killed process left ({out})")
             return out
         for stale in glob.glob(os.path.join(os.path.dirname(out), ".build-*")):  # a killed build's
@@ -198,13 +198,13 @@ def build(out: str, source: str = "", log=None) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _adopt(out: str) -> bool:
+def _adopt(out: str, verify: bool = False) -> bool:
     """Under the lock: a killed build's work folder (.build-*) whose model/ is whole (its record checks out)
     while `out` is missing or damaged is renamed in as `out`, the damaged one moved aside into that work
     folder first (build's order)."""
     for work in sorted(glob.glob(os.path.join(os.path.dirname(out), ".build-*"))):
         staged = os.path.join(work, "model")
-        if os.path.isdir(staged) and damage(staged) is None:
+        if os.path.isdir(staged) and damage(staged, verify) is None:
             if os.path.exists(out):
                 os.rename(out, os.path.join(work, "old"))
             durable.publish(staged, out)

@@ -100,6 +100,7 @@ def build(args, algo: str) -> Run:
     args.push_check_tol = args.push_check_tol or max(engine.default_push_tol(dtype), 5 * push_base)
     args.sampler_diff_tol = args.sampler_diff_tol or max(faults.default_sampler_diff_tol(dtype),
                                                           10 * guard_base)
+    ckpt.replace_earlier_run(run_dir)  # --overwrite: the earlier run goes once start-up has passed
     run = Run(args, algo, run_dir, device, dtype, task, style, model, tokenizer, path, sampler, optimizer,
               scheduler, max_new, probe, tools.make_toolbox(args, run_dir, style, tokenizer), plan=plan)
     if args.resume:

@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -43,6 +42,7 @@ def survived(folder) -> dict:
 # ------------------------------------------------------------------------------------- the run folder
 
 
+@pytest.mark.slow
 def test_overwrite_removes_only_the_runs_own_files_and_refuses_a_folder_not_ours(tmp_path, capsys):
     """--overwrite (and a resume, and a run's end) leaves a user's files in the run folder; a folder holding
     names a run writes but no run's config.json is refused, nothing removed."""
@@ -55,6 +55,11 @@ def test_overwrite_removes_only_the_runs_own_files_and_refuses_a_folder_not_ours
                 "false")
     assert survived(run.run_dir) == mine and [r["step"] for r in read_metrics(run.run_dir)] == [1]
     assert not os.path.exists(os.path.join(run.run_dir, "checkpoint.pt"))
+    before = sorted(os.listdir(run.run_dir))  # an --overwrite whose start-up fails leaves the earlier run
+    with pytest.raises(faults.ServerError, match=r"--server_url http://127.0.0.1:9: no vLLM server answers"):
+        train(tmp_path, "--steps", "1", "--run_name", "x", "--overwrite", "true", "--engine", "server",
+              "--server_url", "http://127.0.0.1:9", "--server_timeout", "5")
+    assert sorted(os.listdir(run.run_dir)) == before and os.path.isdir(os.path.join(run.run_dir, "final"))
     theirs = tmp_path / "theirs"
     (theirs / "final").mkdir(parents=True)  # a user's folder that happens to use our names
     (theirs / "final" / "weights.bin").write_text("precious")
@@ -68,6 +73,7 @@ def test_overwrite_removes_only_the_runs_own_files_and_refuses_a_folder_not_ours
     assert (theirs / "final" / "weights.bin").read_text() == "precious"
 
 
+@pytest.mark.slow
 def test_a_resume_names_its_step_and_the_rows_it_drops_and_refuses_two_checkpoints(tmp_path, capsys):
     run = train(tmp_path, "--steps", "2", "--save_every", "1", "--run_name", "r")
     with open(os.path.join(run.run_dir, "metrics.jsonl"), "a") as f:  # rows logged after that checkpoint
@@ -102,6 +108,10 @@ def test_inputs_are_never_outputs(tmp_path):
             train(tmp_path, "--steps", "1", *argv)
     assert os.path.isfile(os.path.join(final, "rlmini.json"))
     assert os.path.exists(os.path.join(run.run_dir, "checkpoint.pt"))
+    import train_ppo
+    with pytest.raises(SystemExit, match=r"^--critic_model \S+m/final lies in \S+m/final"):  # any path option
+        train_ppo.main(["--out_dir", str(tmp_path), *BASE, "--steps", "1", "--critic_model", final,
+                        "--run_name", "m", "--overwrite", "true"])
     shutil.copytree(final, tmp_path / "model")  # a model folder given as the run folder: its config.json
     with pytest.raises(SystemExit, match=r"^--model \S+model is the run folder \S+model itself"):
         train(tmp_path, "--steps", "1", "--model", str(tmp_path / "model"), "--run_name", "model")
@@ -161,9 +171,9 @@ def test_a_final_save_that_fails_leaves_a_checkpoint_in_its_place_and_says_what_
     from transformers import PreTrainedModel
     monkeypatch.setattr(PreTrainedModel, "save_pretrained", full_disk)
     with pytest.raises(SystemExit, match=r"could not write \S+f1/final \(No space left on device\); the "
-                                         r"previous \S+final, if any, is intact; wrote \S+f1/checkpoint.pt "
-                                         r"\(step 2\) in its place and kept it: --resume true writes final/ "
-                                         r"from it"):
+                                         r"previous \S+final \(or \S+final.old\), if any, is intact; wrote "
+                                         r"\S+f1/checkpoint.pt \(step 2\) in its place and kept it: --resume "
+                                         r"true writes final/ from it$"):
         train(tmp_path, "--steps", "2", "--save_every", "0", "--run_name", "f1", "--keep_checkpoint",
               "false")
     assert torch.load(tmp_path / "f1" / "checkpoint.pt", weights_only=True, mmap=True)["step"] == 2
@@ -189,11 +199,32 @@ def test_a_final_save_that_fails_leaves_a_checkpoint_in_its_place_and_says_what_
         train(tmp_path, "--steps", "1", "--save_every", "0", "--run_name", "f3", "--keep_checkpoint", "false")
 
 
-def test_interrupt_after_final_says_the_model_is_saved():
-    run = SimpleNamespace(args=SimpleNamespace(steps=3, save_every=0), step=3, checkpoint_step=None,
-                          final="runs/x/final", log=SimpleNamespace(last_step=3), run_dir="runs/x")
-    line = faults.interrupt_line(run, ["--steps", "3"])
-    assert line == "interrupted (Ctrl-C) after the run finished: the model is saved in runs/x/final"
+def test_a_ctrl_c_after_final_says_the_model_is_saved_and_keeps_the_users_files(tmp_path, monkeypatch,
+                                                                              capsys):
+    """A real SIGINT inside the checkpoint's removal (--keep_checkpoint false: after final/ is durable): one
+    line saying where the model is, status 130; the user's files beside the run stay, final/ whole."""
+    import signal
+    import time
+    os.makedirs(tmp_path / "c")
+    mine = user_files(tmp_path / "c")
+    real = checkpoint.durable.remove
+
+    def interrupted(path):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)  # the handler runs at the next bytecode: KeyboardInterrupt is raised in here
+        real(path)
+    monkeypatch.setattr(checkpoint.durable, "remove", interrupted)
+    argv = ["--out_dir", str(tmp_path), *BASE, "--steps", "2", "--save_every", "1", "--run_name", "c",
+            "--keep_checkpoint", "false"]
+    try:
+        with pytest.raises(SystemExit, match="^130$"):
+            with faults.user_errors():
+                train_grpo.main(argv)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line == f"interrupted (Ctrl-C) after the run finished: the model is saved in {tmp_path}/c/final"
+    assert survived(tmp_path / "c") == mine and os.path.isfile(tmp_path / "c" / "final" / "rlmini.json")
 
 
 # ------------------------------------------------------------------------------------------- locks and caches
@@ -212,18 +243,29 @@ def test_a_filesystem_without_locks_is_named_and_run_lock_false_runs(tmp_path, m
 
 
 def test_a_read_only_cache_without_the_model_is_one_line(tmp_path, monkeypatch):
-    cache = tmp_path / "ro"
-    cache.mkdir()
-    cache.chmod(0o500)
-    try:
-        if os.access(cache, os.W_OK):  # root ignores modes: a file where the folder would be does the same
-            cache.chmod(0o700)
-            (cache / smollm2.NAME).write_text("")
-        with pytest.raises(SystemExit, match=r"^--model smollm2: \S+ is not built and its cache cannot "
-                                             r"take a build \(.+\): set RLMINI_CACHE to a writable folder"):
-            smollm2.folder(str(cache))
-    finally:
-        cache.chmod(0o700)
+    """A read-only cache (a shared, prebuilt one: the filesystem says EROFS to every write, as a double here,
+    since root ignores modes) that lacks the model: one line naming the folder and RLMINI_CACHE, for the
+    built-in SmolLM2 and the tiny model; a cache that holds the model is read as it is."""
+    from rlmini import models
+
+    makedirs = os.makedirs
+
+    def read_only(path, *a, **k):
+        if str(path).startswith(str(tmp_path)):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return makedirs(path, *a, **k)
+    monkeypatch.setattr(os, "makedirs", read_only)
+    with pytest.raises(SystemExit, match=r"^--model smollm2: \S+ is not built and its cache cannot take a "
+                                         r"build \(Read-only file system\): set RLMINI_CACHE to a writable"):
+        smollm2.folder(str(tmp_path))
+    with pytest.raises(SystemExit, match=r"^--model tiny: the cache \S+ holds no tiny model for this task's "
+                                         r"alphabet and cannot take one \(Read-only file system\): set "
+                                         r"RLMINI_CACHE"):
+        models.build_tiny_model(["1", "2", "+", "="], cache_dir=str(tmp_path))
+    monkeypatch.undo()
+    built = models.build_tiny_model(["1", "2", "+", "="], cache_dir=str(tmp_path))
+    monkeypatch.setattr(os, "makedirs", read_only)
+    assert models.build_tiny_model(["1", "2", "+", "="], cache_dir=str(tmp_path)) == built
 
 
 def test_a_build_killed_between_its_renames_is_taken_not_thrown_away(tmp_path):
@@ -266,16 +308,26 @@ def test_a_push_root_keeps_a_users_files_and_another_runs_pushes(tmp_path):
     mine = user_files(root)
     a, b = _Pusher(root, str(tmp_path / "a"), "aaaa"), _Pusher(root, str(tmp_path / "b"), "bbbb")
     stale = server.write_safetensors(iter([("w", torch.ones(2))]), root, 7, "dead", str(tmp_path / "a"))
+    live = server.write_safetensors(iter([("w", torch.ones(2))]), root, 3, "live", str(tmp_path / "a"))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    marker = os.path.join(stale, server.PUSH_MARKER)
+    with open(marker) as f:
+        dead = {**json.load(f), "pid": gone.pid}  # its writer killed: it never came to its close
+    with open(marker, "w") as f:
+        json.dump(dead, f)
     for k in range(2):
         a.engine.push()
         b.engine.push()
         ours = sorted(f for f in os.listdir(root) if f.startswith(server.PUSH_PREFIX))
-        assert ours == [f"rlmini-push-aaaa-v{k + 1}", f"rlmini-push-bbbb-v{k + 1}"]
-    assert not os.path.exists(stale)  # run a's folder's earlier run, killed before its close
+        assert ours == [f"rlmini-push-aaaa-v{k + 1}", f"rlmini-push-bbbb-v{k + 1}", "rlmini-push-live-v3"]
+    # run a's folder's earlier run, killed before its close, went; a live process's push of it stays
+    assert not os.path.exists(stale) and os.path.exists(live)
     a.engine.close()
-    assert sorted(os.listdir(root)) == ["keep", "notes.txt", "rlmini-push-bbbb-v2"] and survived(root) == mine
+    assert sorted(os.listdir(root)) == ["keep", "notes.txt", "rlmini-push-bbbb-v2", "rlmini-push-live-v3"]
+    assert survived(root) == mine
     b.engine.close()
-    assert sorted(os.listdir(root)) == ["keep", "notes.txt"]
+    assert sorted(os.listdir(root)) == ["keep", "notes.txt", "rlmini-push-live-v3"]
     fresh = _Pusher(str(tmp_path / "new"), str(tmp_path / "c"), "cccc")
     fresh.engine.push()
     fresh.engine.close()
@@ -284,7 +336,7 @@ def test_a_push_root_keeps_a_users_files_and_another_runs_pushes(tmp_path):
 
 # --------------------------------------------------------------------------------------------- 2 gloo ranks
 
-RANKS = """import errno, json, os, sys
+RANKS = """import errno, json, os, shutil, sys
 sys.path.insert(0, {root!r})
 import torch
 import train_grpo
@@ -300,6 +352,14 @@ def attempt(*argv):
     except SystemExit as e:
         said.append(str(e))
 attempt("--steps", "2", "--save_every", "1", "--run_name", "a")
+run_dir = os.path.join(out, "a")
+if dist.rank() == 0:  # a save killed between its renames: the newer checkpoint.tmp/, the older checkpoint.old/
+    os.rename(os.path.join(run_dir, "checkpoint"), os.path.join(run_dir, "checkpoint.tmp"))
+    shutil.copytree(os.path.join(run_dir, "checkpoint.tmp"), os.path.join(run_dir, "checkpoint.old"))
+    meta = os.path.join(run_dir, "checkpoint.old", "meta.pt")
+    torch.save({{**torch.load(meta, weights_only=True), "step": 1}}, meta)
+torch.distributed.barrier()
+attempt("--steps", "3", "--run_name", "a", "--resume", "true")  # continues from step 2, the newer
 if dist.rank() == 0:
     for name, text in (("notes.txt", "mine"), ("keep/data.txt", "also mine")):
         os.makedirs(os.path.join(out, "a", "keep"), exist_ok=True)
@@ -333,10 +393,11 @@ def test_two_ranks_keep_a_users_files_and_every_rank_hears_rank_0(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     said = dict(json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("SAID "))
     assert said[0] == said[1], said  # every rank heard the same
-    ok, exists, two, full, over = said[0]
-    assert ok == "ok" and over == "ok" and "already holds a run" in exists
-    assert "holds two checkpoints" in two and "(step 9, from a plain process)" in two and "(step 2," in two
+    ok, newer, exists, two, full, over = said[0]
+    assert ok == "ok" and newer == "ok" and over == "ok" and "already holds a run" in exists
+    assert "holds two checkpoints" in two and "(step 9, from a plain process)" in two and "(step 3," in two
     assert "No space left on device" in full and "checkpoint (step 3) in its place and kept it" in full
     run_dir = tmp_path / "runs" / "a"
     assert (run_dir / "notes.txt").read_text() == "mine" and (run_dir / "keep" / "data.txt").exists()
     assert [r["step"] for r in read_metrics(run_dir)] == [1]
+    assert f"--resume: {run_dir} continues from step 2 (its checkpoint); nothing dropped" in proc.stdout

@@ -305,7 +305,7 @@ def test_a_push_folder_is_complete_before_it_is_named(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["rlmini-push-n0-v1", "rlmini-push-n0-v2"] and os.path.isdir(first)
     files = sorted(f for f in os.listdir(second) if f != server.PUSH_MARKER)
     assert files == ["model-00001.safetensors", "model-00002.safetensors"]
-    assert json.load(open(os.path.join(second, server.PUSH_MARKER)))["run_dir"] == os.path.abspath("runs/x")
+    assert json.load(open(os.path.join(second, server.PUSH_MARKER)))["run_dir"] == os.path.realpath("runs/x")
     back = {k: v for f in files for k, v in load_file(os.path.join(second, f)).items()}
     assert all(torch.equal(back[k], v) for k, v in weights)
     assert json.dumps(sorted(back)) == json.dumps([k for k, _ in weights])
