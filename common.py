@@ -141,6 +141,8 @@ class Args(data.TaskArgs, tools.ToolArgs, server.ServerArgs, memplan.PlanArgs, r
     dist_timeout: int = arg(1800, "torchrun: seconds a rank waits in a collective before the run stops", ge=1)
     on_nonfinite: Literal["stop", "skip"] = arg("stop", "NaN/inf reward, loss or gradient: stop, or skip")
     overwrite: bool = arg(False, "replace an existing run of the same out_dir/run_name (default: refuse)")
+    run_lock: bool = arg(True, "lock the run folder against a second run (false: a filesystem without locks, "
+                               "e.g. NFS without lockd; keep a second run out of it yourself)")
     allow_option_changes: bool = arg(False, "--resume with options that change the experiment (listed)")
     print_every: int = arg(10, "without a terminal (cluster job, nohup, CI): a line every N steps", ge=0)
     verbose: bool = arg(False, "the libraries' output (vLLM, transformers, warnings, progress bars) on the "
@@ -214,11 +216,7 @@ def finish(run) -> None:
     run.log.close()  # the progress bar ends before the save's line
     start = time.perf_counter()
     if run.args.save_every >= 0:  # -1: a benchmark writes no checkpoint and no final/ (scripts/gpu_check.py)
-        if run.args.keep_checkpoint:
-            ckpt.save(run)
-        ckpt.save_final(run.model, run.tokenizer, os.path.join(run.run_dir, "final"), run.style, since=start)
-        if not run.args.keep_checkpoint:
-            ckpt.remove(run)  # once final/ is whole (every rank's share of it written)
+        ckpt.save_end(run, since=start)  # --keep_checkpoint false: removed once final/ is durable
     elif rank() == 0:
         print(f"nothing saved (--save_every -1); metrics in {os.path.join(run.run_dir, 'metrics.jsonl')}",
               flush=True)

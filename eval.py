@@ -30,8 +30,8 @@ import torch
 
 import common
 import rewards
-from rlmini import (data, datafiles, dist, engine, faults, models, options, progress, quiet, reward_fns,
-                    reward_model, runlog, server, tools)
+from rlmini import (data, datafiles, dist, durable, engine, faults, models, options, progress, quiet,
+                    reward_fns, reward_model, runlog, server, tools)
 
 TOOL_OPTIONS = ("tools", "tool_format", "max_turns", "tool_timeout", "tool_memory_mb", "tool_output_chars",
                 "tool_workers", "tool_sandbox", "env")  # the trainers' (common.Args), taken as they are
@@ -331,11 +331,11 @@ def evaluate(run) -> dict:
 
 
 def write_out(out_dir: str, name: str, obj) -> str:
-    """Write a string, or an object as JSON, to out_dir/name (creating the folder); returns the path."""
+    """Write a string, or an object as JSON, to out_dir/name (creating the folder) atomically and durably
+    (rlmini/durable.py::write_text: a reader sees the old file or the new one); returns the path."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name)
-    with open(path, "w") as f:
-        f.write(obj if isinstance(obj, str) else json.dumps(obj, indent=2))
+    durable.write_text(path, obj if isinstance(obj, str) else json.dumps(obj, indent=2))
     return path
 
 
@@ -441,6 +441,9 @@ def cmd_evaluate(argv) -> dict:
     if a.engine == "vllm":
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     out = a.out or os.path.join("runs", f"eval-{_model_name(a.model)}-{_task_name(a.task)}")
+    if all(os.path.isfile(os.path.join(out, f)) for f in ("config.json", "metrics.jsonl")):
+        raise SystemExit(f"--out {out}: a training run's folder (config.json, metrics.jsonl): its eval.json "
+                         f"and logs/ are the run's; choose another --out, e.g. {os.path.join(out, 'eval')}")
     counted = {}  # the sampling's progress count, once it began (a Ctrl-C line says how far it got)
 
     def interrupted() -> str:

@@ -19,6 +19,7 @@ import seed000_tabular as tab  # noqa: E402
 from seed000_lm import ROOT  # noqa: E402
 
 from eval import reliability_diagram, write_out  # noqa: E402
+from rlmini import durable  # noqa: E402
 
 TUNING_SEEDS = range(5)  # the seeds the language-model configuration was chosen on
 BEGIN, END = "<!-- seed000:begin -->", "<!-- seed000:end -->"
@@ -92,10 +93,7 @@ def write_page(path: str, section: str) -> None:
     if BEGIN not in text or END not in text:
         raise SystemExit(f"{path}: markers {BEGIN} ... {END} not found")
     head, rest = text.split(BEGIN, 1)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(head + section + rest.split(END, 1)[1])
-    os.replace(tmp, path)
+    durable.write_text(path, head + section + rest.split(END, 1)[1])  # whole, or the page as it was
 
 
 def main(argv=None):

@@ -10,19 +10,22 @@ import pickle
 import shutil
 import sys
 import time
+import traceback
 
 import torch
 
-from rlmini import dist, reward_model
+from rlmini import dist, durable, reward_model
 from rlmini.data import rng_state, set_rng_state
 from rlmini.engine import adapter_state, named_weights, save_adapter
 from rlmini.faults import NonFiniteError, in_chain
 from rlmini.models import is_lora
 
-# what a finished or running run leaves in its folder; --overwrite removes them
+# what a finished or running run leaves in its folder (with what was left by a save or removal cut short);
+# --overwrite removes them, each only where it is ours (_not_ours): the folder's config.json names a run
 RUN_FILES = ("metrics.jsonl", "rollouts.jsonl", "config.json", "eval.json", "checkpoint.pt", "checkpoint",
-             "checkpoint.old", "checkpoint.tmp", "final", "checkpoint.pt.removed", "checkpoint.removed",
-             "checkpoint.old.removed")
+             "checkpoint.old", "checkpoint.tmp", "final", "final.tmp", "final.old", "checkpoint.pt.tmp",
+             "checkpoint.pt.removed", "checkpoint.removed", "checkpoint.old.removed", "final.removed")
+SHARDED = ("checkpoint", "checkpoint.old")  # torchrun's checkpoint folder, and the one a swap left aside
 # options a resumed run may change freely: how it is run, logged and checked, not what it learns
 RESUMABLE_CHANGES = {
     "steps", "resume", "out_dir", "run_name", "config", "overwrite", "allow_option_changes", "eval_every",
@@ -31,62 +34,195 @@ RESUMABLE_CHANGES = {
     "dist_timeout", "on_nonfinite", "micro_batch_size", "gradient_checkpointing", "engine",
     "vllm_gpu_memory_utilization", "vllm_sleep", "print_every", "verbose", "packing", "packed_attention",
     "micro_batch_tokens", "lora_push", "vllm_seed", "vllm_tp", "server_url", "server_push",
-    "server_push_dir", "server_timeout", "server_concurrency"}
+    "server_push_dir", "server_timeout", "server_concurrency", "run_lock"}
 
 
-def prepare_run_dir(args) -> str:
-    """The run's folder, checked before anything is written: --resume needs a checkpoint there; without it an
-    existing run is refused unless --overwrite (then its files are removed). Rank 0 then takes a lock on the
-    folder for the life of the process (released on exit, a crash included)."""
+def prepare_run_dir(args, inputs: dict | None = None) -> str:
+    """The run's folder, claimed by rank 0 before any rank touches it (_claim: checked, locked, on --overwrite
+    emptied of the earlier run's files); its refusal reaches every rank as one line, so none waits. `inputs`:
+    {flag: path} of what the run reads (--model, ...), none of which may lie where the run writes."""
     run_dir = os.path.join(args.out_dir, args.run_name)
+    why = None
+    if dist.rank() == 0:
+        try:
+            _DOOMED[run_dir] = _claim(args, run_dir, inputs or {})
+        except SystemExit as e:
+            why = str(e)
+        except Exception as e:  # noqa: BLE001 - any failure of rank 0's reaches every rank as its one line
+            why = f"{run_dir}: {type(e).__name__}: {e}"
+    line = dist.from_rank0(why)
+    if line is not None:
+        raise SystemExit(line)
+    return run_dir
+
+
+_DOOMED = {}  # run folder -> the earlier run's entries --overwrite removes once start-up has passed
+
+
+def replace_earlier_run(run_dir: str) -> None:
+    """--overwrite: the earlier run's entries (_claim's list) removed, once every start-up check has passed
+    (a server down, a plan that cannot fit, a model that fails to load leave the earlier run as it was);
+    rank 0 removes, its failure reaches every rank in one line."""
+    why = None
+    if dist.rank() == 0:
+        try:
+            for f in _DOOMED.pop(run_dir, []):
+                durable.remove(os.path.join(run_dir, f))
+        except OSError as e:
+            why = (f"--overwrite true: could not remove the earlier run's {e.filename or run_dir} "
+                   f"({e.strerror})")
+    line = dist.from_rank0(why)
+    if line is not None:
+        raise SystemExit(line)
+
+
+def _adopt_swapped(run_dir: str) -> None:
+    """Rank 0, under the lock: a torchrun checkpoint save killed between its two renames left the newer
+    checkpoint.tmp/ whole (meta.pt is written last, after every shard and .metadata) and the older one as
+    checkpoint.old/: the newer is renamed in, so the newest state wins."""
+    path, tmp = os.path.join(run_dir, "checkpoint"), os.path.join(run_dir, "checkpoint.tmp")
+    whole = all(os.path.isfile(os.path.join(tmp, f)) for f in ("meta.pt", ".metadata"))
+    if not os.path.exists(path) and os.path.isdir(tmp) and whole:
+        durable.publish(tmp, path)
+
+
+OUTPUTS = ("out_dir", "run_name", "server_push_dir")  # options naming where a run writes
+
+
+def inputs(args) -> dict:
+    """{flag: path} of the local files and folders a run reads: every option naming an existing path
+    (--model, --critic_model, --reward_model, --config, --task_config, --judge_prompt, ...), a jsonl: or hf:
+    task's file, a --reward or --env module's file (module.py:function)."""
+    found = {}
+    for f in dataclasses.fields(args):
+        value = getattr(args, f.name)
+        if f.name in OUTPUTS or not isinstance(value, str) or not value:
+            continue
+        if f.name == "task":
+            value = value.split(":", 1)[1] if value.startswith(("jsonl:", "hf:")) else ""
+        for part in value.split(","):
+            path = next((p for p in (part, part.rsplit(":", 1)[0]) if p and os.path.exists(p)), None)
+            if path is not None:
+                found.setdefault(f"--{f.name}", path)
+    return found
+
+
+def _claim(args, run_dir: str, inputs: dict) -> list:
+    """Rank 0: --resume needs a checkpoint (one kind: both is refused, naming their steps); an existing run
+    is refused unless --overwrite; no input may lie where the run writes; then the folder is made and locked,
+    and with --overwrite the earlier run's files go, only where they are ours and once the lock is held."""
     if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
         raise SystemExit(f"--out_dir {args.out_dir}: is a file, not a folder")
-    found = [f for f in RUN_FILES if os.path.exists(os.path.join(run_dir, f))]
-    checkpoints = [f for f in ("checkpoint.pt", "checkpoint", "checkpoint.old") if f in found]
-    if args.resume and not checkpoints and "final" in found:  # finished with --keep_checkpoint false
-        raise SystemExit(f"--resume true: {run_dir} finished without its checkpoint (--keep_checkpoint "
-                         f"false); final/ holds the weights but not the optimizer: start a run from them "
-                         f"with --model {os.path.join(run_dir, 'final')}")
-    if args.resume and not checkpoints:
-        raise SystemExit(f"--resume true: no checkpoint in {run_dir} (checkpoint.pt, or checkpoint/ under "
-                         f"torchrun)")
+    for flag, path in inputs.items():  # inputs are never outputs (checked before anything is removed)
+        hit = next((f for f in (*RUN_FILES, "push") if durable.inside(path, os.path.join(run_dir, f))), None)
+        if hit is None and os.path.realpath(path) == os.path.realpath(run_dir):  # its config.json, its files
+            raise SystemExit(f"{flag} {path} is the run folder {run_dir} itself, into which this run writes "
+                             f"(config.json, final/, ...): choose another --run_name")
+        if hit is not None:
+            raise SystemExit(f"{flag} {path} lies in {os.path.join(run_dir, hit)}, which this run writes or "
+                             f"replaces: copy it elsewhere first, or choose another --run_name")
+    found = [f for f in RUN_FILES if os.path.lexists(os.path.join(run_dir, f))]
+    if args.resume:
+        _check_resumable(run_dir, found)
     if found and not args.resume and not args.overwrite:
         raise SystemExit(f"{run_dir} already holds a run ({', '.join(found)}): pass --resume true to "
                          f"continue it, --overwrite true to replace it, or another --run_name")
-    # a later run in the same torchrun process: every rank has looked before rank 0 writes
-    if dist.many_ranks():
-        torch.distributed.barrier()
+    doomed = found if args.overwrite and not args.resume else []
+    if doomed and (why := _not_ours(run_dir, doomed)):
+        raise SystemExit(f"--overwrite true: {run_dir} {why}: not removed; move them, or choose another "
+                         f"--run_name")
     try:
         os.makedirs(run_dir, exist_ok=True)
     except OSError as e:  # --out_dir under a file, no permission, ...
         raise SystemExit(f"--out_dir {args.out_dir}: cannot create {run_dir} ({e.strerror})") from None
-    if dist.rank() == 0:
+    if args.run_lock:
         lock_run_dir(run_dir)
-        if args.overwrite and not args.resume:
-            for f in found:
-                path = os.path.join(run_dir, f)
-                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    return run_dir
+    if args.resume:
+        _adopt_swapped(run_dir)
+    # the marker last: a removal cut short leaves the folder still recognisably a run's
+    return sorted(doomed, key=lambda f: f == "config.json")
+
+
+def _check_resumable(run_dir: str, found: list) -> None:
+    """--resume: one checkpoint to continue from, or one line on why there is none."""
+    sharded = [f for f in SHARDED if f in found]
+    if "checkpoint.pt" in found and sharded:
+        pt, folder = os.path.join(run_dir, "checkpoint.pt"), os.path.join(run_dir, sharded[0])
+        raise SystemExit(f"--resume true: {run_dir} holds two checkpoints, {pt} (step {_step(pt)}, from a "
+                         f"plain process) and {folder}/ (step {_step(os.path.join(folder, 'meta.pt'))}, from "
+                         f"torchrun); remove the one not to continue (or pass --run_name of a copy holding "
+                         f"the other)")
+    if "checkpoint.pt" not in found and not sharded and "final" in found:  # --keep_checkpoint false
+        final = os.path.join(run_dir, "final")
+        raise SystemExit(f"--resume true: {run_dir} finished without its checkpoint (--keep_checkpoint "
+                         f"false); final/ holds the weights but not the optimizer: start a new run from "
+                         f"them, the same command with --model {final} and without --resume, --run_name and "
+                         f"--overwrite (the new run is named after this one)")
+    if "checkpoint.pt" not in found and not sharded:
+        raise SystemExit(f"--resume true: no checkpoint in {run_dir} (checkpoint.pt, or checkpoint/ under "
+                         f"torchrun)")
+
+
+def _step(path: str):
+    """The step a checkpoint file holds, read without loading its tensors (mmap), or '?'."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"]
+    except Exception:  # noqa: BLE001 - a damaged file: its step is unknown, the refusal still names it
+        return "?"
+
+
+def _not_ours(run_dir: str, names: list) -> str | None:
+    """Why `names` in run_dir may not be a run's of ours, or None: the folder's config.json must name a run
+    (written at every run's start: a run id, or a folder from before ids, its algorithm), and each entry be
+    of its kind (final/ with rlmini.json, checkpoint/ with meta.pt, files as files)."""
+    try:
+        with open(os.path.join(run_dir, "config.json")) as f:
+            config = json.load(f)
+        if not isinstance(config, dict) or not ("run_id" in config or "algo" in config):
+            raise ValueError
+    except (OSError, ValueError):
+        return (f"holds {', '.join(names)} but no config.json of a run (written by every run): not a run "
+                f"folder of ours")
+    for name in names:
+        path = os.path.join(run_dir, name)
+        folder = os.path.isdir(path) and not os.path.islink(path)
+        need = {"final": "rlmini.json", "checkpoint": "meta.pt", "checkpoint.old": "meta.pt"}.get(name)
+        if need and not (folder and os.path.exists(os.path.join(path, need))):
+            return f"holds {name} without the {need} a run writes into it"
+        if name.endswith((".jsonl", ".json", ".pt")) and not os.path.isfile(path):
+            return f"holds {name}, which is not a file"
+    return None
 
 
 _LOCKS = {}  # run folder -> the open lock file this process holds
+# a lock held by another process (lockf: EACCES or EAGAIN); any other error is the filesystem's
+_HELD = (errno.EACCES, errno.EAGAIN)
 
 
 def lock_run_dir(run_dir: str) -> None:
     """An exclusive POSIX lock on run_dir/.lock: a second process training into the same folder stops at once.
     POSIX locks belong to the process (a resumed run in the same process takes it again) and the system drops
-    them when the process ends, however it ends: a crash leaves no stale lock."""
+    them when the process ends, however it ends: a crash leaves no stale lock. A filesystem without locks
+    (NFS without lockd: ENOLCK; some FUSE and parallel filesystems: ENOTSUP, ENOSYS) is named as such."""
     import fcntl
     path = os.path.join(os.path.abspath(run_dir), ".lock")
     if path in _LOCKS:
         return
-    f = open(path, "a+")
+    try:
+        f = open(path, "a+")
+    except OSError as e:  # a .lock another user made, a read-only folder
+        raise SystemExit(f"{run_dir}: cannot open its lock {path} ({e.strerror}): choose another --run_name "
+                         f"(or --out_dir)") from None
     try:
         fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as e:
         f.seek(0)
         holder = f.read().strip() or "unknown"
         f.close()
+        if e.errno not in _HELD:
+            raise SystemExit(f"{run_dir}: its filesystem cannot lock {path} ({e.strerror or e}); pass "
+                             f"--run_lock false to run without the lock (then keep a second run out of "
+                             f"this folder yourself)") from None
         raise SystemExit(f"{run_dir} is in use by another training process (pid {holder}, lock {path}): wait "
                          f"for it to finish or choose another --run_name") from None
     f.seek(0), f.truncate(), f.write(str(os.getpid())), f.flush()
@@ -111,22 +247,13 @@ def check_resumed_options(saved: dict, args, algo: str, run_dir: str) -> None:
               file=sys.stderr)
 
 
-def atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def save_checkpoint(path: str, state: dict) -> None:
     """Write to a temporary file, fsync, then rename over the old one: an interrupted save leaves the previous
     checkpoint intact."""
     tmp = f"{path}.tmp"
     with _partial_removed(path, tmp, "the previous checkpoint is intact"):
         _write(tmp, state)
-    os.replace(tmp, path)
+    durable.publish(tmp, path)
 
 
 def _write(path: str, state: dict) -> None:
@@ -276,13 +403,15 @@ def save_sharded_checkpoint(path: str, state: dict, meta: dict) -> None:
 
 
 def _swap_in(tmp: str, path: str) -> None:
-    """Replace folder `path` by the finished folder `tmp`: the old one is renamed aside first and removed
-    last, so a crash in between leaves path.old (sharded_checkpoint_dir falls back to it)."""
+    """Replace folder `path` by the finished folder `tmp`, durably: tmp's files synced first; the old one is
+    renamed aside, tmp renamed in, each rename synced, and the old one removed last, so a crash in between
+    leaves path.old (sharded_checkpoint_dir falls back to it)."""
+    durable.fsync_tree(tmp)
     old = f"{path}.old"
     if os.path.exists(path):
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(path, old)
-    os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)  # a swap of ours cut short (named by us, in our run folder)
+        durable.publish(path, old)
+    durable.publish(tmp, path)
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -311,9 +440,10 @@ def load_resumed(run_dir: str) -> dict:
 
 
 def remove(run) -> None:
-    """--keep_checkpoint false at the end of a run: its checkpoint.pt or checkpoint/ (and a checkpoint.old
-    left by a save cut short) go, after a barrier (every rank is done with final/), each renamed first so
-    that a removal cut short leaves no half checkpoint that --resume would take; rank 0 says so."""
+    """--keep_checkpoint false at the end of a run, once final/ is durable (save_final synced it): its
+    checkpoint.pt or checkpoint/ (and a checkpoint.old left by a save cut short) go, after a barrier (every
+    rank is done with final/), each renamed first so that a removal cut short leaves no half checkpoint that
+    --resume would take; rank 0 says so."""
     dist.barrier()
     run.checkpoint_step = None  # a Ctrl-C from here on has no checkpoint to offer
     if dist.rank() != 0:
@@ -322,16 +452,50 @@ def remove(run) -> None:
     for name in ("checkpoint.pt", "checkpoint", "checkpoint.old"):
         path = os.path.join(run.run_dir, name)
         if os.path.exists(path):
-            doomed = f"{path}.removed"
-            shutil.rmtree(doomed, ignore_errors=True)  # a removal cut short before
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(doomed)
-            os.rename(path, doomed)
-            shutil.rmtree(doomed) if os.path.isdir(doomed) else os.remove(doomed)
+            durable.remove(path)
             gone.append(name)
     if gone:
         print(f"removed {' and '.join(gone)} (--keep_checkpoint false): the run cannot be extended with "
               f"--resume", flush=True)
+
+
+def save_end(run, since: float) -> None:
+    """The end of a run: the checkpoint (unless --keep_checkpoint false) and final/. With --keep_checkpoint
+    false nothing is removed until final/ is durable; when final/ cannot be written, a checkpoint is tried in
+    its place, and one line says what survived (which step, where) and what did not."""
+    final = os.path.join(run.run_dir, "final")
+    if run.args.keep_checkpoint:
+        save(run)
+        save_final(run.model, run.tokenizer, final, run.style, since=since)
+        run.final = final
+        return
+    try:
+        save_final(run.model, run.tokenizer, final, run.style, since=since)
+    except (SystemExit, Exception) as e:  # every rank alike: a disk's one line, or rank 0's error named
+        if not isinstance(e, SystemExit):  # rank 0's own error: its traceback, then the checkpoint
+            traceback.print_exc()
+        failed = str(e) if isinstance(e, SystemExit) else f"could not write {final} ({type(e).__name__}: {e})"
+        try:
+            save(run)
+        except SystemExit as again:
+            raise SystemExit(f"{failed}; nor could a checkpoint be written in its place ({again}); "
+                             f"{_survives(run)}") from None
+        raise SystemExit(f"{failed}; wrote {_checkpoint_path(run)} (step {run.step}) in its place and kept "
+                         f"it: --resume true writes final/ from it") from None
+    run.final = final
+    remove(run)  # once final/ is durable (every rank's share of it written)
+
+
+def _checkpoint_path(run) -> str:
+    return os.path.join(run.run_dir, "checkpoint" if dist.sharded() else "checkpoint.pt")
+
+
+def _survives(run) -> str:
+    """What of a run's weights is left after its end failed to write them."""
+    if run.checkpoint_step is None:
+        return (f"no weights of this run survive (no checkpoint was written: --save_every "
+                f"{run.args.save_every}); its metrics are in {os.path.join(run.run_dir, 'metrics.jsonl')}")
+    return f"what survives: {_checkpoint_path(run)} (step {run.checkpoint_step}), its last checkpoint"
 
 
 def save(run) -> None:
@@ -455,24 +619,47 @@ def save_final(model, tokenizer, path: str, style: str = "chat", since: float | 
     elif dist.sharded():  # not vLLM's group of one: a plain model saves its own weights, no second copy
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.rank() != 0:
+    failed = None
+    if dist.rank() == 0:
+        try:
+            _write_final(model, tokenizer, path, style, state, adapters)
+        except Exception as e:  # rank 0's verdict reaches every rank, none left waiting in a collective
+            failed = e
+    disk = why = None
+    if failed is not None:
+        disk = disk_error(failed)
+        why = disk or f"rank 0: {type(failed).__name__}: " + (str(failed).strip().splitlines() or [""])[0]
+    kept = f"the previous {path} (or {path}.old), if any, is intact"
+    line = dist.from_rank0(why and _could_not_write(path, why, kept))
+    if line is None:
+        if since is not None and dist.rank() == 0:  # a save of many GB takes a while: what, and how long
+            what = "merged model, adapter" if adapters is not None else "model"
+            took = time.perf_counter() - since
+            print(f"saved {path} ({what}; {took:.1f} s to save) and "
+                  f"{os.path.join(os.path.dirname(path), 'metrics.jsonl')}", flush=True)
         return
+    if failed is not None and disk is None:
+        raise failed  # not a disk's: its traceback
+    raise SystemExit(line)
+
+
+def _write_final(model, tokenizer, path: str, style: str, state, adapters) -> None:
+    """Rank 0's part of save_final: final.tmp/ written, synced, swapped in for final/ (_swap_in); a failure
+    removes final.tmp/."""
     base = model.get_base_model() if adapters is not None else model
     tied = getattr(base, "all_tied_weights_keys", None) or {}
     for name in tied if state is not None else ():  # gathered, a tied head shares no storage with its source:
         state.pop(name, None)  # save_pretrained would write it as a second copy
     tmp = f"{path}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    with _partial_removed(path, tmp, f"the previous {path} and the run's checkpoint, if any, are intact"):
+    shutil.rmtree(tmp, ignore_errors=True)  # a save of ours cut short (named by us)
+    try:
         base.save_pretrained(tmp, state_dict=state)
         if adapters is not None:
             save_adapter(model, adapters, os.path.join(tmp, "adapter"))
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "rlmini.json"), "w") as f:
             json.dump({"prompt_style": style}, f)
-    _swap_in(tmp, path)
-    if since is not None:  # a save of many GB takes a while: say what it wrote, and how long it took
-        what = "merged model, adapter" if adapters is not None else "model"
-        took = time.perf_counter() - since
-        print(f"saved {path} ({what}; {took:.1f} s to save) and "
-              f"{os.path.join(os.path.dirname(path), 'metrics.jsonl')}", flush=True)
+        _swap_in(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

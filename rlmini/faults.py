@@ -253,6 +253,10 @@ def interrupt_line(run, argv: list) -> str:
         step -= 1
     where = f"in step {step + 1} of {args.steps}" if step < args.steps else f"after step {step}, saving"
     command = rerun_command(argv, "--resume", "--overwrite")
+    if getattr(run, "final", None):  # the end's saves were done: nothing of the run is lost
+        kept = (f" and its checkpoint (step {run.checkpoint_step})" if run.checkpoint_step is not None
+                else "")
+        return f"interrupted (Ctrl-C) after the run finished: the model is saved in {run.final}{kept}"
     if run.checkpoint_step is None:
         every = {0: "only at the end", -1: "never"}.get(args.save_every, f"every {args.save_every} steps")
         return (f"interrupted (Ctrl-C) {where}; no checkpoint yet (--save_every {args.save_every}: "

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rlmini import durable
 from rlmini.logprobs import chunk_for
 from rlmini.options import arg
 
@@ -111,7 +112,8 @@ def count(config, lora_rank: int = 0, lora_targets: str = "all-linear") -> dict:
     """Exact counts from the model built on the meta device: parameters in all, per decoder layer (the class
     FSDP2 shards by), in the root (embeddings, head, final norm), the largest tensor, the input embedding,
     LoRA adapter parameters on --lora_targets (r (in + out) per linear layer of the decoder), and the widths
-    the activations and the KV cache use."""
+    the activations and the KV cache use. A mixture of experts holds every expert (total) but runs top-k of
+    them a token (active: FLOPs, MFU), and its MLP width per token is top-k experts' (with the router's)."""
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -132,10 +134,23 @@ def count(config, lora_rank: int = 0, lora_targets: str = "all-linear") -> dict:
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or hidden // heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    return {"total": total, "layers": len(layers), "layer": max(per_layer, default=0),
+    # a mixture of experts: each token runs top-k of E routed experts (the FLOPs' count, MFU), all are held
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in f".{n}")
+    n_experts = max(int(getattr(text, k, 0) or 0) for k in ("num_experts", "num_local_experts",
+                                                              "n_routed_experts"))
+    top_k = int(getattr(text, "num_experts_per_tok", 0) or 0)
+    active = total - routed + (routed * top_k // n_experts if n_experts else routed)
+    width = getattr(text, "intermediate_size", 4 * text.hidden_size)  # the MLP's, per token
+    if n_experts:  # top-k experts' widths (a shared expert's beside them)
+        width = top_k * (getattr(text, "moe_intermediate_size", None) or width) + (
+            getattr(text, "shared_expert_intermediate_size", 0) or 0)
+    return {"total": total, "active": active, "layers": len(layers), "layer": max(per_layer, default=0),
             "root": total - sum(per_layer), "largest": max(p.numel() for p in model.parameters()),
             "tensors": len(list(model.parameters())), "lora": lora, "lora_tensors": 2 * adapted,
-            "hidden": hidden, "intermediate": getattr(text, "intermediate_size", 4 * hidden),
+            "hidden": hidden, "intermediate": width,
+            # a MoE layer's router per token: its logits (compute dtype) and softmax (fp32) over E, the
+            # hidden state copied to each of its top-k experts
+            "router": (6 * n_experts + 2 * top_k * hidden) if n_experts else 0,
             "kv_per_token_layer": 2 * kv_heads * head_dim, "kv_heads": kv_heads, "heads": heads,
             "head_dim": head_dim, "vocab": head.weight.shape[0],
             "embedding": model.get_input_embeddings().weight.numel(), "norms": max(norms, 2),
@@ -156,7 +171,7 @@ def layer_activation_bytes(c: dict, compute_bytes: int) -> float:
     norms (8h each) and the compute-dtype casts and q/k/v/out (15h). Checked by the tracker on Qwen2.5,
     Llama-3.1 and Gemma-2 (tests/test_memory.py)."""
     h, i = c["hidden"], c["intermediate"]
-    return (8 * i + 15 * h + 8 * h * c["norms"]) * compute_bytes / 2
+    return (8 * i + 15 * h + 8 * h * c["norms"] + c.get("router", 0)) * compute_bytes / 2
 
 
 def _cast_weights(c: dict, compute_bytes: int) -> float:
@@ -447,8 +462,7 @@ def write(p: dict, run_dir: str, device: str) -> None:
     data = {f"{k}_gb": p[k] / 1e9 for k in keys} | {"share": p["share"], "device": device}
     # what torch's allocator holds in each phase: max_memory_allocated's basis (rlmini/memstats.py)
     data |= {f"{k}_allocator_gb": (p[k] - p["outside"]) / 1e9 for k in ("update", "rollout", "push")}
-    with open(os.path.join(run_dir, "memory_plan.json"), "w") as f:
-        json.dump(data, f, indent=1)
+    durable.write_text(os.path.join(run_dir, "memory_plan.json"), json.dumps(data, indent=1))
 
 
 def nccl_communicators(ranks: int, vllm: bool, tp: int = 1, server_push: bool = False) -> int:

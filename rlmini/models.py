@@ -11,7 +11,7 @@ import tempfile
 
 import torch
 
-from rlmini import dist, smollm2
+from rlmini import dist, durable, smollm2
 from rlmini.stfile import safetensors_header
 from rlmini.logprobs import check_output_head
 from rlmini.packing import enable_packing, exact_attention, use_kernel
@@ -49,8 +49,13 @@ def build_tiny_model(alphabet: list, seed: int = 0, cache_dir: str = CACHE_DIR) 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=os.path.dirname(path), prefix=f".{key}-")
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(path), prefix=f".{key}-")
+    except OSError as e:  # a read-only cache without this model
+        raise SystemExit(f"--model tiny: the cache {cache_dir} holds no tiny model for this task's alphabet "
+                         f"and cannot take one ({e.strerror}): set RLMINI_CACHE to a writable "
+                         f"folder") from None
     model.save_pretrained(tmp)
     hf_tok.save_pretrained(tmp)
     # transformers writes models on global rank 0 only
@@ -58,10 +63,12 @@ def build_tiny_model(alphabet: list, seed: int = 0, cache_dir: str = CACHE_DIR) 
         shutil.rmtree(tmp, ignore_errors=True)
         raise RuntimeError(f"rank {dist.rank()}: transformers wrote no model into {tmp}; build the tiny "
                            f"model (models.model_path) before torch.distributed is initialised")
+    durable.fsync_tree(tmp)  # whole on disk before it is named: a power cut leaves no empty weights file
     try:
         os.rename(tmp, path)  # atomic: a concurrent builder either wins or finds it done
+        durable.fsync_dir(os.path.dirname(path))
     except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # our own build: the winner's folder stands
     return path
 
 

@@ -11,8 +11,7 @@ import time
 
 import torch
 
-from rlmini import data, datafiles, dist, quiet
-from rlmini.checkpoint import atomic_write_text
+from rlmini import data, datafiles, dist, durable, quiet
 
 
 class RunLog:
@@ -30,12 +29,14 @@ class RunLog:
         self.bar = None
         if not self.rank0:
             return
-        # a resumed run rewrites the steps after its checkpoint
-        for name in ("metrics.jsonl", "rollouts.jsonl"):
-            truncate_metrics(os.path.join(run_dir, name), start_step)
+        # a resumed run rewrites the steps after its checkpoint, and says which
+        dropped = {name: truncate_metrics(os.path.join(run_dir, name), start_step)
+                   for name in ("metrics.jsonl", "rollouts.jsonl")}
+        if args.resume:
+            print(resume_line(run_dir, start_step, dropped), flush=True)
         config = {"algo": algo, "script": f"train_{algo}.py", "run_id": run_id(run_dir, args),
                   **dataclasses.asdict(args)}
-        atomic_write_text(os.path.join(run_dir, "config.json"), json.dumps(config, indent=2))
+        durable.write_text(os.path.join(run_dir, "config.json"), json.dumps(config, indent=2))
         if args.wandb:
             import wandb
             # WANDB_MODE, as wandb reads it, else online with a key and offline without
@@ -172,12 +173,27 @@ def summary_line(rows: list, last: int = 10) -> str:
     return text + f" | held-out pass@1 {held[-1]['eval/pass@1']:.3f} at step {held[-1]['step']}"
 
 
-def truncate_metrics(path: str, start_step: int) -> None:
-    """Keep the rows of steps up to start_step (a resumed run rewrites the later ones). A torn last line (a
-    crash in the middle of a write) is dropped; a bad line before it stops the run, naming it."""
-    if os.path.exists(path):
-        rows = datafiles.read_jsonl_numbered(path, allow_empty=True, drop_torn_last=True)[0]
-        atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows if r["step"] <= start_step))
+def truncate_metrics(path: str, start_step: int) -> list:
+    """Keep the rows of steps up to start_step (a resumed run rewrites the later ones); returns the steps of
+    the rows dropped. A torn last line (a crash in the middle of a write) is dropped; a bad line before it
+    stops the run, naming it."""
+    if not os.path.exists(path):
+        return []
+    rows = datafiles.read_jsonl_numbered(path, allow_empty=True, drop_torn_last=True)[0]
+    dropped = [r["step"] for r in rows if r["step"] > start_step]
+    durable.write_text(path, "".join(json.dumps(r) + "\n" for r in rows if r["step"] <= start_step))
+    return dropped
+
+
+def resume_line(run_dir: str, step: int, dropped: dict) -> str:
+    """'--resume: runs/x continues from step 4 (its checkpoint); metrics.jsonl: dropped 2 rows (steps 5-6),
+    logged after that checkpoint: they are trained again'."""
+    line = f"--resume: {run_dir} continues from step {step} (its checkpoint)"
+    for name, steps in dropped.items():
+        if steps:
+            span = f"step {steps[0]}" if min(steps) == max(steps) else f"steps {min(steps)}-{max(steps)}"
+            line += f"; {name}: dropped {len(steps)} row{'s' * (len(steps) > 1)} ({span})"
+    return line + ("; those steps are trained again" if any(dropped.values()) else "; nothing dropped")
 
 
 def read_metrics(path: str) -> list:

@@ -326,14 +326,35 @@ def _fresh_parent(key: str) -> str:
     for entry in os.listdir(tmp):  # a killed process's folder (another user's stays: not ours to remove)
         if entry.startswith("rlmini-tool-pid") and entry[15:].isdigit() and not _alive(int(entry[15:])):
             try:
-                remove_tree(os.path.join(tmp, entry))
+                if _marked(os.path.join(tmp, entry)):
+                    remove_tree(os.path.join(tmp, entry))
             except OSError:
                 pass
     path = os.path.join(tmp, name)
-    remove_tree(path)
-    os.makedirs(path, mode=0o700)
+    if os.path.lexists(path) and not _marked(path):
+        raise SystemExit(f"--tools: {path} exists and was not made by rlmini (no {SCRATCH_MARKER}): not "
+                         f"removed; move it, or set TMPDIR to another folder")
+    remove_tree(path)  # ours (marked): a killed run's leftovers
+    new = tempfile.mkdtemp(dir=tmp, prefix=".rlmini-tool-new-")  # marked before it is named: no window
+    open(os.path.join(new, SCRATCH_MARKER), "w").close()
+    os.rename(new, path)
     atexit.register(remove_tree, path)  # a finished process leaves none; a killed one, until its next start
     return path
+
+
+SCRATCH_MARKER = ".rlmini-scratch"  # in every scratch parent this module made: the only ones it removes
+
+
+def _marked(path: str) -> bool:
+    """Whether `path` is a scratch parent of ours: a folder, owned by this user, holding the marker (or, made
+    before the marker, holding nothing but calls' folders)."""
+    try:
+        if not os.path.isdir(path) or os.path.islink(path) or os.stat(path).st_uid != os.getuid():
+            return False
+        entries = os.listdir(path)
+    except OSError:
+        return False
+    return SCRATCH_MARKER in entries or all(e.startswith(("call-", "probe-")) for e in entries)
 
 
 def _alive(pid: int) -> bool:

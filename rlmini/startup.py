@@ -45,6 +45,7 @@ class Run:
     ahead: list = field(default_factory=list)  # --async_steps: (data_pos, examples, future) requested
     redraw: list = field(default_factory=list)  # after --resume: data positions of the batches then in flight
     checkpoint_step: int | None = None  # the step the last checkpoint holds (a Ctrl-C line names it)
+    final: str | None = None  # final/ once written and durable (a Ctrl-C after it says the model is saved)
 
 
 def build(args, algo: str) -> Run:
@@ -58,6 +59,8 @@ def build(args, algo: str) -> Run:
     runlog.status(f"task and model ({args.model})")  # on a terminal: what it does until its line
     quiet.start(args)  # the libraries' output to a log (the run folder's below), our lines to the terminal
     model_tag = os.path.basename(args.model.rstrip("/"))
+    if model_tag == "final":  # a run's final/: named after that run, so that two such runs never collide
+        model_tag = os.path.basename(os.path.dirname(os.path.abspath(args.model)))
     args.run_name = args.run_name or f"{algo}-{args.task.split(':')[0]}-{model_tag}-s{args.seed}"
     style = models.prompt_style(args.model)
     args.micro_batch_tokens = args.micro_batch_tokens or (0 if style == "tiny" else 16384)
@@ -65,10 +68,12 @@ def build(args, algo: str) -> Run:
     path = models.model_path(args.model, task)  # builds the tiny model on first use, before torch.distributed
     tokenizer = models.load_tokenizer(path)
     data.check_vocabulary(task, tokenizer, style, args.model, args.task)  # a tiny checkpoint on another task
-    run_dir = ckpt.prepare_run_dir(args)  # after the data and the model's tokenizer: no folder left by either
+    device, dtype = dist.setup_device(args)  # torchrun: the group first, so rank 0's claim reaches every rank
+    # after the data and the model's tokenizer (no folder left by either); rank 0 locks it before any rank
+    # writes into it, and no input may lie where the run writes
+    run_dir = ckpt.prepare_run_dir(args, ckpt.inputs(args))
     quiet.to_run_dir(run_dir, args.resume)  # logs/rank<R>.log
     args.server_push_dir = args.server_push_dir or os.path.join(run_dir, "push")
-    device, dtype = dist.setup_device(args)
     args.rollout_correction = engine.correction_for(args, dtype)
     max_new = args.max_new_tokens or task.max_new_tokens
     context = getattr(memplan.load_config(path), "max_position_embeddings", 4096)
@@ -95,6 +100,7 @@ def build(args, algo: str) -> Run:
     args.push_check_tol = args.push_check_tol or max(engine.default_push_tol(dtype), 5 * push_base)
     args.sampler_diff_tol = args.sampler_diff_tol or max(faults.default_sampler_diff_tol(dtype),
                                                           10 * guard_base)
+    ckpt.replace_earlier_run(run_dir)  # --overwrite: the earlier run goes once start-up has passed
     run = Run(args, algo, run_dir, device, dtype, task, style, model, tokenizer, path, sampler, optimizer,
               scheduler, max_new, probe, tools.make_toolbox(args, run_dir, style, tokenizer), plan=plan)
     if args.resume:

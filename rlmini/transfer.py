@@ -36,7 +36,7 @@ from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 from vllm.distributed.weight_transfer.packed_tensor import DEFAULT_PACKED_BUFFER_SIZE_BYTES
 
 from rlmini import dist, httpclient
-from rlmini.engine import named_weights
+from rlmini.engine import pushed_weights
 from rlmini.faults import ServerError
 
 SERVER_FLAG = """--weight-transfer-config '{"backend": "nccl"}'"""
@@ -98,7 +98,7 @@ class Client(HTTPVLLMWeightSyncClient):
 
 
 class NamedWeightsSource(WeightSource):
-    """rlmini.engine.named_weights as vLLM's WeightSource: iteration gathers one parameter at a time (a
+    """rlmini.engine.pushed_weights as vLLM's WeightSource: iteration gathers one parameter at a time (a
     collective under FSDP2, so every rank iterates); metadata is learnt by one such pass, the first time it
     is asked for (inside send_weights, on every rank), since LoRA merges rename parameters."""
 
@@ -108,12 +108,12 @@ class NamedWeightsSource(WeightSource):
 
     def metadata(self) -> list[ParamMeta]:
         if self._meta is None:
-            weights = named_weights(self.model, self.dtype)
+            weights = pushed_weights(self.model, self.dtype)
             self._meta = [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in weights]
         return self._meta
 
     def __iter__(self):
-        for name, tensor in named_weights(self.model, self.dtype):
+        for name, tensor in pushed_weights(self.model, self.dtype):
             yield name, tensor.to(self.device)
 
 

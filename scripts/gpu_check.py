@@ -93,6 +93,8 @@ def build_model(config: str, layers: int, path: str) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from chat_model import build_chat_model
+
+    from rlmini import durable
     chat = build_chat_model(os.path.join(SCRATCH, "rlmini-chat-tokenizer"))
     tokenizer = AutoTokenizer.from_pretrained(chat)
     cfg = json.load(open(os.path.join(CONFIGS, config)))
@@ -104,10 +106,11 @@ def build_model(config: str, layers: int, path: str) -> None:
                                                  dtype=torch.bfloat16 if cuda else torch.float32)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     tmp = f"{path}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # a build of ours cut short (its own name, in its scratch folder)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    os.replace(tmp, path)
+    durable.fsync_tree(tmp)
+    durable.publish(tmp, path)
 
 
 def tag(rung: Rung) -> str:
@@ -177,7 +180,7 @@ def prompts(run_dir: str) -> dict:
     for _ in range(args.steps):
         examples, pos = data.prompt_batch(task.train, pos, args.prompts_per_step, args.seed)
         steps.append(data.encode_prompts(tokenizer, [e["prompt"] for e in examples], style == "chat"))
-    params = memplan.count_cached(path, 0, "all-linear")["total"]
+    params = memplan.count_cached(path, 0, "all-linear")["active"]  # a mixture of experts: top-k's FLOPs
     return {"args": args, "path": path, "tokenizer": tokenizer, "max_new": max_new, "steps": steps,
             "params": params}
 

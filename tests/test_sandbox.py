@@ -126,9 +126,30 @@ def test_a_killed_runs_scratch_folders_are_removed_when_it_starts_again(tmp_path
     os.chmod(os.path.join(first, "call-left"), 0)       # ... made unremovable by its code (mode none)
     dead = tmp_path / "rlmini-tool-pid999999999"         # eval.py's, of a process that is gone
     dead.mkdir()
+    (dead / sandbox.SCRATCH_MARKER).touch()
+    unmarked = tmp_path / "rlmini-tool-pid999999998"     # not made by us (no marker, a user's file): kept
+    unmarked.mkdir()
+    (unmarked / "mine.txt").write_text("mine")
     monkeypatch.setattr(sandbox, "_PARENTS", {})         # the run starts again
-    assert sandbox.scratch_parent(run_dir) == first and os.listdir(first) == []
-    assert not dead.exists() and sorted(os.listdir(tmp_path)) == [os.path.basename(first)]
+    assert sandbox.scratch_parent(run_dir) == first and os.listdir(first) == [sandbox.SCRATCH_MARKER]
+    assert not dead.exists() and unmarked.exists()
+    shutil.rmtree(unmarked)
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(first)]
+    taken = first + "-user"
+    os.rename(first, taken)
+    os.makedirs(first)  # the user's own folder where the run's scratch parent goes
+    with open(os.path.join(first, "mine.txt"), "w") as f:
+        f.write("mine")
+    with pytest.raises(SystemExit, match=r"exists and was not made by rlmini \(no \.rlmini-scratch\): not "
+                                         r"removed"):
+        sandbox._fresh_parent(f"{os.path.realpath(run_dir)}#0")
+    assert open(os.path.join(first, "mine.txt")).read() == "mine"
+    shutil.rmtree(first)
+    os.makedirs(os.path.join(first, "call-x"))  # a scratch parent from before the marker: calls' folders only
+    assert sandbox._fresh_parent(f"{os.path.realpath(run_dir)}#0") == first
+    assert os.listdir(first) == [sandbox.SCRATCH_MARKER]
+    shutil.rmtree(first)
+    os.rename(taken, first)
     assert subprocess.run([sys.executable, "-c", f"import sys, tempfile; sys.path.insert(0, {ROOT!r}); "
                            f"tempfile.tempdir = {str(tmp_path)!r}; from rlmini import sandbox; "
                            f"print(sandbox.scratch_parent({run_dir!r} + '2'))"], capture_output=True,

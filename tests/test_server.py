@@ -81,9 +81,18 @@ def test_lock_step_server_trains_like_the_in_process_engine_and_resumes_exactly(
     base = ["--task", TASK, "--out_dir", str(tmp_path), "--wandb", "false", "--prompts_per_step", "8",
             "--push_check_every", "1", "--steps", "4", "--save_every", "2", *MOVING]
     run_script("train_grpo.py", [*base, "--engine", "vllm", "--run_name", "inproc"])
-    train_grpo.main(_args(tmp_path, url, "--steps", "2", "--save_every", "2", "--run_name", "split"))
+    # a push root shared with a user's files and another run's push (tests/test_outputs.py): left as found
+    pushes = tmp_path / "pushes"
+    (pushes / "keep").mkdir(parents=True)
+    (pushes / "notes.txt").write_text("mine")
+    (pushes / "keep" / "data.txt").write_text("also mine")
+    other = server.write_safetensors(iter([("w", torch.ones(2))]), str(pushes), 3, "other", "runs/other")
+    shared = ["--server_push_dir", str(pushes)]
+    train_grpo.main(_args(tmp_path, url, "--steps", "2", "--save_every", "2", "--run_name", "split", *shared))
     run = train_grpo.main(_args(tmp_path, url, "--steps", "4", "--save_every", "2", "--run_name", "split",
-                                "--resume", "true"))
+                                "--resume", "true", *shared))
+    assert sorted(os.listdir(pushes)) == ["keep", "notes.txt", os.path.basename(other)]
+    assert (pushes / "keep" / "data.txt").read_text() == "also mine"
     a, b = read_metrics(tmp_path / "inproc"), read_metrics(run.run_dir)
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     _close(a, b, "in-process vs server")
@@ -270,6 +279,8 @@ def test_server_killed_mid_run_stops_in_one_line_then_resume_continues(served, t
     rows = read_metrics(run.run_dir)
     assert [r["step"] for r in rows][-2:] == [ckpt["step"] + 1, ckpt["step"] + 2]
     assert [r["rollout/staleness"] for r in rows][-2:] == [0, 1]
+    # the killed run's last push (no close) went at the resumed run's first push; its own at its end
+    assert os.listdir(tmp_path / "killed" / "push") == []
 
 
 def test_options_that_need_a_server_are_refused():
@@ -283,16 +294,18 @@ def test_options_that_need_a_server_are_refused():
 
 
 def test_a_push_folder_is_complete_before_it_is_named(tmp_path, monkeypatch):
-    """Shards of at most SHARD_BYTES, written under a temporary name and renamed whole; the previous push's
-    folder removed; the tensors read back equal."""
+    """Shards of at most SHARD_BYTES, written under a temporary name with the run's marker and renamed whole;
+    nothing else in the root touched (the engine removes its own previous push: tests/test_outputs.py); the
+    tensors read back equal."""
     from safetensors.torch import load_file
     monkeypatch.setattr(server, "SHARD_BYTES", 100)
     weights = [(f"w{i}", torch.randn(5, 3)) for i in range(4)]  # 60 bytes each: two per shard
-    first = server.write_safetensors(iter(weights), str(tmp_path), 1)
-    second = server.write_safetensors(iter(weights), str(tmp_path), 2)
-    assert not os.path.exists(first) and sorted(os.listdir(tmp_path)) == ["v2"]
-    files = sorted(os.listdir(second))
+    first = server.write_safetensors(iter(weights), str(tmp_path), 1, "n0", "runs/x")
+    second = server.write_safetensors(iter(weights), str(tmp_path), 2, "n0", "runs/x")
+    assert sorted(os.listdir(tmp_path)) == ["rlmini-push-n0-v1", "rlmini-push-n0-v2"] and os.path.isdir(first)
+    files = sorted(f for f in os.listdir(second) if f != server.PUSH_MARKER)
     assert files == ["model-00001.safetensors", "model-00002.safetensors"]
+    assert json.load(open(os.path.join(second, server.PUSH_MARKER)))["run_dir"] == os.path.realpath("runs/x")
     back = {k: v for f in files for k, v in load_file(os.path.join(second, f)).items()}
     assert all(torch.equal(back[k], v) for k, v in weights)
     assert json.dumps(sorted(back)) == json.dumps([k for k, _ in weights])

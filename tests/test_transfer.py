@@ -232,7 +232,7 @@ def test_other_ranks_iterate_every_weight_and_never_call_the_server(no_gpu, monk
     server, model = Server(), tiny_model()
     monkeypatch.setenv("RANK", "1")
     gathered = []
-    monkeypatch.setattr(transfer, "named_weights", lambda m, d: (gathered.append(n) or (n, t)
+    monkeypatch.setattr(transfer, "pushed_weights", lambda m, d: (gathered.append(n) or (n, t)
                                                                  for n, t in named_weights(m, d)))
     pusher = transfer.NCCLTransfer(server.url, model, torch.bfloat16, timeout=120, device="cpu")
     pusher.start()
