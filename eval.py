@@ -1026,10 +1026,10 @@ def cmd_bias(argv) -> dict:
               "by": a.tag, "bias": group_bias(e["per_question"], e["n"], a.G, a.tag)}
     rows = [{a.tag: v, "questions": r["questions"], "p (mean)": f"{r['p']:.3f}",
              "P(non-degenerate)": f"{r['p_nondegenerate']:.3f}",
-             **({"p (nd-weighted)": f"{r['p_weighted']:.3f}", "E[p_hat | nd]": f"{r['e_phat']:.3f}",
+             **({"p (nd-weighted)": f"{r['p_weighted']:.3f}", "E[p_hat \\| nd]": f"{r['e_phat']:.3f}",
                  "Theorem 1": f"{r['theorem1']:.3f}", "bias": f"{r['bias']:+.3f}"} if "bias" in r else {})}
             for v, r in result["bias"].items()]
-    columns = [a.tag, "questions", "p (mean)", "P(non-degenerate)", "p (nd-weighted)", "E[p_hat | nd]",
+    columns = [a.tag, "questions", "p (mean)", "P(non-degenerate)", "p (nd-weighted)", "E[p_hat \\| nd]",
                "Theorem 1", "bias"]
     table = _markdown(rows, [c for c in columns if any(c in r for r in rows)])
     return _report(out, "bias.json", result, f"Theorem 1 on {e.get('model')} / {e.get('task')}: groups of "
