@@ -77,7 +77,7 @@ def folder(cache: str, source: str | None = None, log=None, verify: bool = False
             why = _record_old(out)
         if why is None:  # whole, or another process built it while we waited
             return out
-        if _adopt(out, verify):  # a build killed between its two renames: its finished folder is taken, not redone
+        if _adopt(out, verify):  # a build killed between its two renames: its finished folder is taken
             log(f"{NAME}: took the finished build a killed process left ({out})")
             return out
         for stale in glob.glob(os.path.join(os.path.dirname(out), ".build-*")):  # a killed build's

@@ -353,7 +353,7 @@ def attempt(*argv):
         said.append(str(e))
 attempt("--steps", "2", "--save_every", "1", "--run_name", "a")
 run_dir = os.path.join(out, "a")
-if dist.rank() == 0:  # a save killed between its renames: the newer checkpoint.tmp/, the older checkpoint.old/
+if dist.rank() == 0:  # a save killed between its renames: the newer checkpoint.tmp/, the older .old/
     os.rename(os.path.join(run_dir, "checkpoint"), os.path.join(run_dir, "checkpoint.tmp"))
     shutil.copytree(os.path.join(run_dir, "checkpoint.tmp"), os.path.join(run_dir, "checkpoint.old"))
     meta = os.path.join(run_dir, "checkpoint.old", "meta.pt")
