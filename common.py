@@ -423,11 +423,12 @@ def aggregate(token_loss, mask, loss_agg, n_seqs, n_tokens, max_len):
 def hadw_reweight(rewards, advantages, state, args):
     """HA-DW (arXiv 2601.08521, 2026), a plug-in for group advantages (GRPO, GPG): A_i * Phi_i with Phi_i =
     lam exp(D_i M), D_i = -sign(A_i) sign(p_hat - C), M = |p_hat - C|, C the cross-batch difficulty anchor;
-    updates `state`. args: group_size, hadw_eta (eta), hadw_window (m), hadw_lambda, hadw_anchor. Binary
+    updates `state`. args: group_size, hadw_eta (eta), hadw_window (m), hadw_lambda, hadw_anchor (and
+    hadw_threshold for "fixed"). Binary
     rewards (y_t = batch accuracy). Anchor (sec. 3): C+ = (1 - eta_t) C- + eta_t y_t, eta_t = clamp(eta
     std(last `window` anchors), 0, 1). Cold start, which the paper leaves open: the first prior is y_1, and
     eta_t = eta while the window holds fewer than 2 distinct anchors. anchor="mean": appendix F, C_t^- = the
-    mean of the last m batch accuracies (docs/hadw.md)."""
+    mean of the last m batch accuracies; anchor="fixed": C_t^- = hadw_threshold every step (docs/hadw.md)."""
     group_size, eta, window, lam = args.group_size, args.hadw_eta, args.hadw_window, args.hadw_lambda
     y = rewards.float().mean().item()
     if not np.isfinite(y):  # its update is skipped (--on_nonfinite skip): keep the NaN out of the anchor
@@ -436,16 +437,20 @@ def hadw_reweight(rewards, advantages, state, args):
     if args.hadw_anchor == "mean":  # appendix F: the anchor is a moving average of recent batch accuracies
         prior = float(np.mean(state["accuracies"])) if state.get("accuracies") else y
         state["accuracies"] = (state.get("accuracies", []) + [y])[-window:]
+    elif args.hadw_anchor == "fixed":  # arXiv 2601.08521's ablation: its evolving C_t beats a fixed threshold
+        prior = args.hadw_threshold
     p_hat = rewards.float().view(-1, group_size).mean(1, keepdim=True).expand(-1, group_size).flatten()
     diff = p_hat - prior
     phi = lam * torch.exp(-torch.sign(advantages) * torch.sign(diff) * diff.abs())  # a constant: no gradient
-    history = state.get("history", [])[-window:]  # the last m posterior anchors
-    sigma = float(np.std(history)) if len(history) >= 2 else 0.0  # population std
-    eta_t = min(max(eta * sigma, 0.0), 1.0) if sigma > 0 else eta
-    posterior = (1 - eta_t) * prior + eta_t * y  # C_t^+, the next prior
-    state.update(anchor=posterior, history=(history + [posterior])[-window:])
+    info = {"hadw/anchor": prior}  # and eta_t, each side's mean Phi where it has prompts
+    if args.hadw_anchor != "fixed":  # the Kalman update (a fixed anchor has no state)
+        history = state.get("history", [])[-window:]  # the last m posterior anchors
+        sigma = float(np.std(history)) if len(history) >= 2 else 0.0  # population std
+        eta_t = min(max(eta * sigma, 0.0), 1.0) if sigma > 0 else eta
+        posterior = (1 - eta_t) * prior + eta_t * y  # C_t^+, the next prior
+        state.update(anchor=posterior, history=(history + [posterior])[-window:])
+        info["hadw/eta"] = eta_t
     hard, easy = diff < 0, diff > 0
-    info = {"hadw/anchor": prior, "hadw/eta": eta_t}  # and each side's mean Phi, where it has prompts
     info.update({f"hadw/phi_{side}": phi[on].mean().item() for side, on in (("hard", hard), ("easy", easy))
                  if on.any()})
     return advantages * phi, info

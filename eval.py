@@ -7,6 +7,7 @@ and Bereket & Leskovec (2025) ask for, as a library and as a command.
     python eval.py audit --reward math --file labelled.jsonl  # verifier recall/precision vs human labels
     python eval.py contamination --task gsm8k:data/gsm8k_{split}.jsonl --ngram 13
     python eval.py completions runs/grpo-addition-tiny-s0 --step 50 --worst 5  # from --log_completions
+    python eval.py bias --model smollm2 --task sums_levels --n 64 --G 8 --out DIR  # HA-DW's Theorem 1
 
 Library: pass_at_k (unbiased, stable), maj_at_k and mean_at_k with bootstrap intervals,
 expected_calibration_error (Bereket & Leskovec's right-closed bins), auroc and brier (scikit-learn),
@@ -226,8 +227,14 @@ def summarize(task, examples: list, scores: list, n: int, ks: list, boot: bool =
         out["scorer_errors"] = sum(s.error is not None for s in scores)
     if task.kind == "ordinal":
         out["pass_rate"] = float(np.mean([s.reward >= task.pass_threshold for s in scores]))
+    for tag in SUBSET_TAGS:  # by level (sums_levels): each value's questions, pass@k of each k
+        if examples and all(tag in e for e in examples) and len({e[tag] for e in examples}) > 1:
+            out[f"by_{tag}"] = {str(v): {"questions": sum(e[tag] == v for e in examples), **{
+                f"pass@{k}": float(np.mean([pass_at_k(n, sum(c), k) for c, e in zip(correct, examples)
+                                            if e[tag] == v])) for k in ks}}
+                for v in sorted({e[tag] for e in examples})}
     if boot:  # each question's own values, for a paired comparison of two policies (eval.py compare)
-        out["per_question"] = per_question(task, examples, scores, n)
+        out["per_question"] = per_question(task, examples, scores, n, [k for k in ks if k > 1])
     if task.kind == "probability":
         probs, labels = probability_predictions(scores, examples, n)
         out.update(ece=expected_calibration_error(probs, labels), auroc=auroc(probs, labels),
@@ -244,15 +251,24 @@ def question_id(index: int, example) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def per_question(task, examples: list, scores: list, n: int) -> dict:
+SUBSET_TAGS = ("level", "family", "difficulty")  # an example's tags, kept per question for a subset
+
+
+def per_question(task, examples: list, scores: list, n: int, ks: tuple = ()) -> dict:
     """Per question, in order: its id, pass@1 (the share of its n samples that are correct) and mean reward
-    (and, on an ordinal task, the share at or above the pass threshold)."""
+    (and, on an ordinal task, the share at or above the pass threshold), pass@k for each k in `ks`, and the
+    examples' tags (SUBSET_TAGS) where every example has it."""
     blocks = [scores[i * n:(i + 1) * n] for i in range(len(examples))]
     out = {"id": [question_id(i, e) for i, e in enumerate(examples)],
            "pass@1": [float(np.mean([s.correct >= 1.0 for s in b])) for b in blocks],
            "reward": [float(np.mean([s.reward for s in b])) for b in blocks]}
     if task.kind == "ordinal":
         out["pass_rate"] = [float(np.mean([s.reward >= task.pass_threshold for s in b])) for b in blocks]
+    for k in ks:  # unbiased pass@k per question (Chen et al. 2021), for a paired pass@k (eval.py compare)
+        out[f"pass@{k}"] = [pass_at_k(n, sum(s.correct >= 1.0 for s in b), k) for b in blocks]
+    for tag in SUBSET_TAGS:  # what a subset names (eval.py compare --subset level=3)
+        if examples and all(tag in e for e in examples):
+            out[tag] = [e[tag] for e in examples]
     return out
 
 
@@ -301,6 +317,8 @@ def evaluate(run) -> dict:
                 "tool_error_rate", "scorer_errors"):
         if key in full:
             metrics[f"eval/{key}"] = full[key]
+    for value, m in full.get("by_level", {}).items():  # sums_levels: each level's pass@1 over steps
+        metrics[f"eval/pass@1_level{value}"] = m["pass@1"]
     if run.task.on_eval is not None:  # rg: --rg_curriculum raises the level here (every rank alike)
         metrics.update(run.task.on_eval(run.task, metrics))
     if dist.rank() == 0:  # every prediction: the scores of all ranks were gathered
@@ -624,9 +642,30 @@ def _eval_json(folder: str):
     return e if isinstance(e, dict) and "decoding" in e else None
 
 
-def _read_evaluation(folder: str, template: str):
+PASS_K = re.compile(r"pass@\d+")  # pass@k of any k an evaluation computed: heldout/pass@16 beside pass@1
+
+
+def question_subset(per_q: dict, subset: str, source: str) -> tuple:
+    """(heldout/* values, per-question values) of the questions whose tag (SUBSET_TAGS) equals the value of
+    `subset` ("level=3", "family=subtraction"): each per-question metric's mean over those questions."""
+    tag, _, value = subset.partition("=")
+    if not per_q or tag not in per_q:
+        raise SystemExit(f"compare: --subset {subset}: {source} has no per-question {tag!r} (tags an "
+                         f"evaluation keeps: {', '.join(SUBSET_TAGS)}, where its task's examples have them)")
+    keep = [i for i, v in enumerate(per_q[tag]) if str(v) == value]
+    if not keep:
+        raise SystemExit(f"compare: --subset {subset}: no question of {source} has {tag} {value} (it has "
+                         f"{', '.join(sorted({str(v) for v in per_q[tag]}))})")
+    chosen = {k: [v[i] for i in keep] for k, v in per_q.items()}
+    values = {f"heldout/{k}": float(np.mean(v)) for k, v in chosen.items()
+              if k not in ("id",) + SUBSET_TAGS}
+    return values, chosen
+
+
+def _read_evaluation(folder: str, template: str, subset: str = ""):
     """(heldout/* values, per-question values, its path) of the run's final evaluation: an eval.py folder
-    itself, else the folder `template` names ({run}: the folder, {parent}, {name}); (None, None, None)."""
+    itself, else the folder `template` names ({run}: the folder, {parent}, {name}); (None, None, None).
+    `subset` (TAG=VALUE): the metrics of those questions only (question_subset)."""
     run = folder.rstrip("/")
     try:
         places = [run] + ([template.format(run=run, parent=os.path.dirname(run) or ".",
@@ -637,9 +676,13 @@ def _read_evaluation(folder: str, template: str):
     for place in places:
         e = _eval_json(place)
         if e is not None:  # a metric eval.py could not compute (AUROC of one class: NaN) is left out
-            values = {f"heldout/{k}": e[k] for k in (h.split("/")[1] for h in HELDOUT_KEYS)
-                      if isinstance(e.get(k), (int, float)) and math.isfinite(e[k])}
-            return values, e.get("per_question"), os.path.join(place, "eval.json")
+            keys = [h.split("/")[1] for h in HELDOUT_KEYS] + [k for k in e if PASS_K.fullmatch(k)]
+            values = {f"heldout/{k}": e[k] for k in keys if isinstance(e.get(k), (int, float))
+                      and math.isfinite(e[k])}
+            path = os.path.join(place, "eval.json")
+            if subset:
+                return (*question_subset(e.get("per_question"), subset, path), path)
+            return values, e.get("per_question"), path
     return None, None, None
 
 
@@ -741,14 +784,18 @@ def cmd_compare(argv) -> dict:
     p.add_argument("--out", default=os.path.join("runs", "compare"))
     p.add_argument("--last", type=int, default=10, help="training metrics: mean of the last N steps")
     p.add_argument("--reps", type=int, default=2000, help="bootstrap replicates")
+    p.add_argument("--subset", default="", help="TAG=VALUE: the held-out metrics (heldout/*, the paired "
+                   "table) of those questions only, e.g. level=3 (tags: " + ", ".join(SUBSET_TAGS) + ")")
     a = p.parse_args(argv)
     if a.last < 1 or a.reps < 1:
         raise SystemExit(f"compare: --last {a.last} and --reps {a.reps} must be >= 1")
+    if a.subset and not re.fullmatch(r"[a-z_]+=\S+", a.subset):
+        raise SystemExit(f"compare: --subset {a.subset!r}: expected TAG=VALUE, e.g. level=3")
     groups = group_runs(a.runs, a.group, a.pattern)
     if not groups:
         raise SystemExit("compare: no runs given (run folders, or --group NAME=GLOB)")
     data = {os.path.basename(r.rstrip("/")): _read_run(r) for rs in groups.values() for r in rs}
-    evals = {os.path.basename(r.rstrip("/")): _read_evaluation(r, a.eval)
+    evals = {os.path.basename(r.rstrip("/")): _read_evaluation(r, a.eval, a.subset)
              for rs in groups.values() for r in rs}
     rows = []
     for name, m in data.items():
@@ -756,7 +803,10 @@ def cmd_compare(argv) -> dict:
         row.update({k: v for k in COMPARE_KEYS if (v := final_value(m, k, a.last)) is not None})
         row.update(evals[name][0] or {})
         rows.append(row)
-    columns = ["run", "steps"] + [k for k in COMPARE_KEYS + HELDOUT_KEYS if any(k in r for r in rows)]
+    pass_k = sorted({k for r in rows for k in r if k.startswith("heldout/pass@")} - set(HELDOUT_KEYS),
+                    key=lambda k: int(k.split("@")[1]))  # heldout/pass@4, pass@16: as the evaluations hold
+    columns = ["run", "steps"] + [k for k in COMPARE_KEYS + HELDOUT_KEYS + pass_k
+                                  if any(k in r for r in rows)]
     table = _markdown(rows, columns)
     result = {"runs": rows, "groups": {}, "improvement": []}
     by_run = {r["run"]: r for r in rows}
@@ -814,6 +864,9 @@ def cmd_compare(argv) -> dict:
                   "resampling the questions; resampling the seeds and the questions]; the verdict is the "
                   "second's\n\n" + _markdown(prow, ["metric", "A - B", "runs", "difference", "questions",
                                                     "seeds and questions", "verdict"]))
+    if a.subset:  # which questions the held-out numbers are of
+        result["subset"] = a.subset
+        table = f"Held-out metrics (heldout/*, paired) of the questions with {a.subset}\n\n" + table
     write_out(a.out, "comparison.md", table)
     write_out(a.out, "comparison.json", result)
     keys = [k for k in ("reward/mean", "eval/pass@1", "eval/ece") if k in columns]
@@ -899,6 +952,90 @@ def _report(out: str, name: str, result: dict, summary: str, details: list) -> d
     return result
 
 
+def theorem1(p: float, G: int) -> float:
+    """HA-DW's Theorem 1 (arXiv 2601.08521): for a Bernoulli(p) reward and a group of G, the group's mean
+    given a non-degenerate group, E[p_hat | 0 < R < G] = (p - p^G) / (1 - p^G - (1 - p)^G)."""
+    return (p - p ** G) / (1 - p ** G - (1 - p) ** G)
+
+
+def nondegenerate_group_mean(c: int, n: int, G: int) -> tuple:
+    """(E[p_hat | 0 < R < G], P(0 < R < G)) for a group of G of a question's n scored samples, c of them
+    correct, drawn without replacement (hypergeometric R): the measured side of Theorem 1, exact for those
+    samples; as n grows it tends to theorem1(c / n, G). (nan, 0) when no group of G is non-degenerate."""
+    if not (0 <= c <= n and 2 <= G <= n):
+        raise ValueError(f"nondegenerate_group_mean needs 0 <= c <= n and 2 <= G <= n (got c={c}, n={n}, "
+                         f"G={G})")
+    w = [math.comb(c, r) * math.comb(n - c, G - r) for r in range(1, G)]
+    total = sum(w)
+    if not total:
+        return math.nan, 0.0
+    return sum(r / G * x for r, x in zip(range(1, G), w)) / total, total / math.comb(n, G)
+
+
+def group_bias(per_q: dict, n: int, G: int, tag: str = "level") -> dict:
+    """Theorem 1 on a policy's own prompts, from each question's n samples (per_question's pass@1 = c / n):
+    per value of `tag` (and "all"), the mean p = c / n; over the non-degenerate groups of G (each question
+    weighted by its chance of one), E[p_hat | non-degenerate] measured against p, and Theorem 1's value at
+    each question's p."""
+    counts = [round(x * n) for x in per_q["pass@1"]]
+    values = per_q.get(tag, ["all"] * len(counts))
+    out = {}
+    for v in ["all"] + sorted({str(x) for x in values} - {"all"}, key=lambda s: (len(s), s)):
+        cs = [c for c, x in zip(counts, values) if v == "all" or str(x) == v]
+        stats = [nondegenerate_group_mean(c, n, G) for c in cs]
+        w = np.array([s[1] for s in stats])
+        row = {"questions": len(cs), "p": float(np.mean(cs) / n), "p_nondegenerate": float(w.mean())}
+        if w.sum() > 0:
+            on = w > 0
+            p = np.array(cs, dtype=float)[on] / n
+            row.update(p_weighted=float(np.average(p, weights=w[on])),
+                       e_phat=float(np.average([s[0] for s in np.array(stats)[on]], weights=w[on])),
+                       theorem1=float(np.average([theorem1(x, G) for x in p], weights=w[on])))
+            row["bias"] = row["e_phat"] - row["p_weighted"]
+        out[v] = row
+    return out
+
+
+def cmd_bias(argv) -> dict:
+    """eval.py bias: HA-DW's Theorem 1 measured on a policy's own prompts (seed 001)."""
+    p = options.Parser(prog="eval.py bias", description="Theorem 1 of HA-DW (arXiv 2601.08521) on a "
+                       "policy's own prompts: E[p_hat | non-degenerate group of G] against p estimated from "
+                       "--n samples a question, per level. Samples with eval.py (every evaluation option is "
+                       "passed on), or reads an evaluation already made (--from).", allow_abbrev=False)
+    p.add_argument("--G", type=int, default=8, help="group size (training's --group_size)")
+    p.add_argument("--tag", default="level", help="per value of this per-question tag")
+    p.add_argument("--from", dest="source", default="", help="an eval.py folder (its eval.json, n >= G) "
+                   "instead of sampling")
+    a, rest = p.parse_known_args(argv)
+    if a.source:
+        e = _eval_json(a.source)
+        if e is None or "per_question" not in e:
+            raise SystemExit(f"bias: --from {a.source}: no eval.py eval.json with per-question values "
+                             f"there")
+        out = a.source
+    else:
+        if "--out" not in rest:
+            raise SystemExit("bias: --out DIR: where the evaluation and bias.json go")
+        if any(x in ("--temperature", "--k") for x in rest):
+            raise SystemExit("bias: samples at temperature 1 with eval.py's own --k: drop --temperature/--k")
+        e = cmd_evaluate([*rest, "--k", "1"])
+        out = rest[rest.index("--out") + 1]
+    if not 2 <= a.G <= e["n"]:
+        raise SystemExit(f"bias: --G {a.G}: must lie in 2..n ({e['n']} samples a question)")
+    result = {"model": e.get("model"), "task": e.get("task"), "n": e["n"], "G": a.G,
+              "by": a.tag, "bias": group_bias(e["per_question"], e["n"], a.G, a.tag)}
+    rows = [{a.tag: v, "questions": r["questions"], "p (mean)": f"{r['p']:.3f}",
+             "P(non-degenerate)": f"{r['p_nondegenerate']:.3f}",
+             **({"p (nd-weighted)": f"{r['p_weighted']:.3f}", "E[p_hat \\| nd]": f"{r['e_phat']:.3f}",
+                 "Theorem 1": f"{r['theorem1']:.3f}", "bias": f"{r['bias']:+.3f}"} if "bias" in r else {})}
+            for v, r in result["bias"].items()]
+    columns = [a.tag, "questions", "p (mean)", "P(non-degenerate)", "p (nd-weighted)", "E[p_hat \\| nd]",
+               "Theorem 1", "bias"]
+    table = _markdown(rows, [c for c in columns if any(c in r for r in rows)])
+    return _report(out, "bias.json", result, f"Theorem 1 on {e.get('model')} / {e.get('task')}: groups of "
+                   f"{a.G} from {e['n']} samples a question\n\n{table}", [])
+
+
 def cmd_audit(argv) -> dict:
     p = options.Parser(prog="eval.py audit", description="The reward function against human labels.")
     p.add_argument("--reward", default="math", choices=sorted(rewards.JSONL_REWARDS),
@@ -969,7 +1106,7 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     faults.watch(None, lambda: f"interrupted (Ctrl-C); run it again with: {faults.rerun_command(sys.argv)}")
     commands = {"compare": cmd_compare, "audit": cmd_audit, "contamination": cmd_contamination,
-                "completions": cmd_completions}
+                "completions": cmd_completions, "bias": cmd_bias}
     if argv and argv[0] in commands:
         return commands[argv[0]](argv[1:])
     return cmd_evaluate(argv)

@@ -130,6 +130,16 @@ def sums_graded_reward(distance: float | None) -> float:
     return 1.0 - distance / 4 if distance <= 4 else -0.5
 
 
+def score_last_number(completion: str, example: dict, finished: bool) -> Score:
+    """`sums`' binary verifier: 1 if the last number of a finished reply is the answer, else 0; no number,
+    or a reply that never ends, is a format failure."""
+    pred = last_number(completion)
+    if not finished or pred is None:
+        return Score(0.0, 0.0, 0.0)
+    ok = float(float(pred) == example["answer"])
+    return Score(ok, ok, 1.0, pred=pred)
+
+
 def sums_task(style: str, seed: int, max_operand: int = 49, n_test: int = 500, graded: bool = False) -> Task:
     """a + b with a, b in [0, max_operand], asked as a pretrained chat model answers it: the answer is the
     last number of the reply ("12 + 13 = 25."), which must end (EOS). The task for --model smollm2, which
@@ -144,17 +154,94 @@ def sums_task(style: str, seed: int, max_operand: int = 49, n_test: int = 500, g
                  f"What is {a} + {b}? Answer with the number only.", "answer": a + b} for a, b in pairs]
     train, test = _split(examples, n_test)
 
-    def score(completion: str, example: dict, finished: bool) -> Score:
+    def graded_score(completion: str, example: dict, finished: bool) -> Score:
         pred = last_number(completion)
         if not finished or pred is None:
-            return Score(sums_graded_reward(None) if graded else 0.0, 0.0, 0.0)
+            return Score(sums_graded_reward(None), 0.0, 0.0)
         distance = abs(float(pred) - example["answer"])
-        ok = float(distance == 0)
-        return Score(sums_graded_reward(distance) if graded else ok, ok, 1.0, pred=pred)
+        return Score(sums_graded_reward(distance), float(distance == 0), 1.0, pred=pred)
 
     name, kind, threshold = ("sums_graded", "ordinal", 0.5) if graded else ("sums", "binary", 1.0)
+    score = graded_score if graded else score_last_number
     return Task(name, kind, train, test, score, pass_threshold=threshold, alphabet=DIGITS + ["+", "="],
                 max_new_tokens=4 if style == "tiny" else 32)
+
+
+def _chat_arith(style: str, shown: str, answer: int, **tags) -> dict:
+    """One question in `sums`' chat form ("What is 17 - 5? Answer with the number only."), or the tiny
+    model's terse one ("17-5="), with its answer and tags (level, family)."""
+    tiny = shown.replace(" ", "")
+    return {"prompt": f"{tiny}=" if style == "tiny" else f"What is {shown}? Answer with the number only.",
+            "answer": answer, **tags}
+
+
+def sums_levels_task(style: str, levels: int = 3, per_level: int = 1000, n_test: int = 100) -> Task:
+    """a + b at difficulty levels 1..`levels`: at level L both operands have L digits (level 1: 0..9), in
+    `sums`' chat form, each example tagged with its "level" (HA-DW's hard and easy prompts on SmolLM2, seed
+    001). Held out per level: `n_test` pairs, at most a fifth of the level's (level 1: 20 of its 100); the
+    train split holds `per_level` draws of each level's other pairs (level 1 repeats its 80), shuffled, so
+    every level is trained on equally; both splits shuffled. The questions and split are the same for every
+    --seed (drawn from seed 0), so runs of different seeds are evaluated on the same held-out questions and
+    eval.py compare pairs them. Scored like `sums` (score_last_number)."""
+    rng = random.Random(0)
+    train, test = [], []
+    for level in range(1, levels + 1):
+        low, high = (0 if level == 1 else 10 ** (level - 1)), 10 ** level - 1
+        size = (high - low + 1) ** 2
+        held = min(n_test, size // 5)
+        if size <= 5 * (held + per_level):  # every pair, shuffled
+            pairs = [(a, b) for a in range(low, high + 1) for b in range(low, high + 1)]
+            rng.shuffle(pairs)
+        else:  # distinct pairs drawn without listing the level's million
+            codes = rng.sample(range(size), held + per_level)
+            pairs = [(low + c // (high - low + 1), low + c % (high - low + 1)) for c in codes]
+        level_test, level_train = pairs[:held], pairs[held:]
+        test += [_chat_arith(style, f"{a} + {b}", a + b, level=level) for a, b in level_test]
+        train += [_chat_arith(style, f"{a} + {b}", a + b, level=level)
+                  for a, b in (level_train[i % len(level_train)] for i in range(per_level))]
+    rng.shuffle(train)
+    rng.shuffle(test)  # levels mixed: eval.py --limit N takes some of each
+    return Task("sums_levels", "binary", train, test, score_last_number, pass_threshold=1.0,
+                alphabet=DIGITS + ["+", "="], max_new_tokens=levels + 3 if style == "tiny" else 32)
+
+
+# out-of-domain families of `sums` (CoRPO, seed 004): name -> (default largest operand, symbol, terms, the
+# answer); the questions are every tuple of operands in range (subtraction: a >= b, so no negative answer)
+ARITH_FAMILIES = {
+    "subtraction": (49, "-", 2, lambda x: x[0] - x[1]),
+    "products": (19, "*", 2, math.prod),
+    "sums3": (9, "+", 3, sum),
+}
+
+
+def arith_family_task(name: str, style: str, max_operand: int | None = None, n_test: int = 200,
+                      size: int = 5000) -> Task:
+    """An out-of-domain family in `sums`' chat form and verifier (score_last_number): `subtraction` a - b
+    (0 <= b <= a), `products` a * b (operands from 2), `sums3` a + b + c, operands up to `max_operand`. At
+    most `size` distinct questions, the same for every --seed (drawn from seed 0: every run is evaluated on
+    the same ones, which eval.py compare pairs); `n_test` of them (at most a fifth) held out. A policy trained
+    on `sums` never saw them: they measure what training carries out of domain."""
+    default, symbol, terms, value = ARITH_FAMILIES[name]
+    top = default if max_operand is None else max_operand
+    low = 2 if name == "products" else 0
+    rng = random.Random(0)
+    width = top - low + 1
+    count = min(size, width ** terms)
+    tuples, seen = [], set()
+    while len(tuples) < count:  # distinct tuples in random order, without listing every one
+        t = tuple(rng.randint(low, top) for _ in range(terms))
+        if name == "subtraction":
+            t = tuple(sorted(t, reverse=True))
+        if t not in seen:
+            seen.add(t)
+            tuples.append(t)
+        if name == "subtraction" and len(seen) == width * (width + 1) // 2:
+            break
+    examples = [_chat_arith(style, f" {symbol} ".join(map(str, t)), value(t), family=name) for t in tuples]
+    train, test = _split(examples, min(n_test, len(examples) // 5))
+    return Task(name, "binary", train, test, score_last_number, pass_threshold=1.0,
+                alphabet=DIGITS + [symbol, "="],
+                max_new_tokens=terms * len(str(top)) + 1 if style == "tiny" else 32)
 
 
 def mixed_task(style: str, seed: int, hard_frac: float = 0.5, size: int = 1000) -> Task:
@@ -376,6 +463,17 @@ def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False
         if local and not (local.isdigit() and int(local) >= 2):
             raise DataError(f"--task {spec!r}: {name} takes the largest operand >= 2, e.g. {name}:49")
         return sums_task(style, seed, int(local) if local else 49, graded=name == "sums_graded")
+    if name == "sums_levels":  # sums_levels[:LEVELS]
+        if local and not (local.isdigit() and 2 <= int(local) <= 4):
+            raise DataError(f"--task {spec!r}: sums_levels takes the number of levels, 2 to 4, e.g. "
+                            f"sums_levels:3")
+        return sums_levels_task(style, int(local) if local else 3)
+    if name in ARITH_FAMILIES:  # subtraction[:N], products[:N], sums3[:N]
+        low = 3 if name == "products" else 2
+        if local and not (local.isdigit() and int(local) >= low):
+            raise DataError(f"--task {spec!r}: {name} takes the largest operand >= {low}, e.g. "
+                            f"{name}:{ARITH_FAMILIES[name][0]}")
+        return arith_family_task(name, style, int(local) if local else None)
     if name in ("calibration", "calibration_plain"):
         return calibration_task(style, seed, brier=brier, plain=name == "calibration_plain")
     if name == "ordinal":
@@ -426,5 +524,5 @@ def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False
         return Task(name, "binary", rows, test, JSONL_REWARDS[jsonl_reward], pass_threshold=1.0,
                     alphabet=list(string.printable), max_new_tokens=512)
     raise DataError(f"--task {spec!r}: unknown task; choose addition[:N], sums[:N], sums_graded[:N], "
-                    f"calibration, ordinal, mixed[:HARD_FRAC], modmul, gsm8k, math, jsonl:PATH, hf:DATASET "
-                    f"or rg:NAME[,NAME...]")
+                    f"sums_levels[:L], subtraction[:N], products[:N], sums3[:N], calibration, ordinal, "
+                    f"mixed[:HARD_FRAC], modmul, gsm8k, math, jsonl:PATH, hf:DATASET or rg:NAME[,NAME...]")

@@ -1,6 +1,7 @@
 """eval.py: metrics against hand computation and brute force, contamination, audit, the command line."""
 import itertools
 import json
+import math
 import os
 import re
 
@@ -374,3 +375,132 @@ def test_greedy_evaluation_is_transformers_greedy_generate(tmp_path, tiny_additi
     assert "greedy (temperature 0): n=1, pass@1 only" in stdout and "| maj |" not in stdout
     if engine_name == "vllm":  # its INFO lines went to the log, not the terminal
         assert VLLM_INFO.search(open(tmp_path / "eval" / "logs" / "rank0.log").read())
+
+
+# ------------------------------------------------------------------------ HA-DW's Theorem 1 (eval.py bias)
+
+
+@pytest.mark.parametrize("p,G", [(0.125, 8), (0.5, 8), (0.9, 8), (0.3, 2), (0.05, 16)])
+def test_theorem1_is_the_conditional_expectation_of_a_bernoulli_group(p, G):
+    """E[p_hat | 0 < R < G] for R ~ Binomial(G, p), summed over R, equals the closed form (p - p^G) /
+    (1 - p^G - (1-p)^G); and the measured side (G of n samples, hypergeometric) tends to it as n grows."""
+    w = [math.comb(G, r) * p ** r * (1 - p) ** (G - r) for r in range(1, G)]
+    exact = sum(r / G * x for r, x in zip(range(1, G), w)) / sum(w)
+    assert ev.theorem1(p, G) == pytest.approx(exact, rel=1e-12)
+    n = 20000
+    mean, chance = ev.nondegenerate_group_mean(round(p * n), n, G)
+    assert mean == pytest.approx(ev.theorem1(p, G), abs=2e-3) and chance == pytest.approx(sum(w), abs=2e-3)
+    assert ev.theorem1(0.125, 8) == pytest.approx(0.1904, abs=5e-5)  # the notes' table (algorithms.md)
+
+
+def test_nondegenerate_group_mean_hand_computed():
+    # n = 4 samples, c = 2 correct, G = 2: of the 6 pairs 4 hold one correct -> E = 1/2, P = 4/6
+    assert ev.nondegenerate_group_mean(2, 4, 2) == pytest.approx((0.5, 4 / 6))
+    # n = 5, c = 2, G = 3: R = 1 in C(2,1) C(3,2) = 6 triples, R = 2 in C(2,2) C(3,1) = 3, of C(5,3) = 10
+    assert ev.nondegenerate_group_mean(2, 5, 3) == pytest.approx(((6 / 3 + 3 * 2 / 3) / 9, 9 / 10))
+    mean, chance = ev.nondegenerate_group_mean(0, 8, 4)  # never solved: no non-degenerate group
+    assert math.isnan(mean) and chance == 0.0
+    assert ev.nondegenerate_group_mean(8, 8, 8)[1] == 0.0
+    with pytest.raises(ValueError, match="2 <= G <= n"):
+        ev.nondegenerate_group_mean(1, 4, 5)
+
+
+def test_group_bias_per_level_hand_computed():
+    """Two level-1 questions (2 and 0 of 4 correct) and one level-2 (1 of 4), groups of 2: level 1's
+    non-degenerate groups come from its first question only (P 4/6): p 1/2, E[p_hat | nd] 1/2, bias 0;
+    level 2: P 3/6, E 1/2 against p 1/4 (bias +1/4, Theorem 1 at 1/4 and G 2: 1/2)."""
+    per_q = {"id": ["a", "b", "c"], "pass@1": [0.5, 0.0, 0.25], "level": [1, 1, 2]}
+    out = ev.group_bias(per_q, 4, 2)
+    assert out["1"]["questions"] == 2 and out["1"]["p"] == pytest.approx(0.25)
+    assert out["1"]["p_nondegenerate"] == pytest.approx((4 / 6 + 0) / 2)
+    assert (out["1"]["p_weighted"], out["1"]["e_phat"], out["1"]["bias"]) == pytest.approx((0.5, 0.5, 0.0))
+    assert (out["2"]["p_weighted"], out["2"]["e_phat"], out["2"]["bias"]) == pytest.approx((0.25, 0.5, 0.25))
+    assert out["2"]["theorem1"] == pytest.approx(0.5)
+    # all: weights 4/6 and 3/6: p = (4/6 * 1/2 + 3/6 * 1/4) / (7/6), E = 1/2
+    assert out["all"]["p_weighted"] == pytest.approx((4 / 6 * 0.5 + 3 / 6 * 0.25) / (7 / 6))
+    assert out["all"]["e_phat"] == pytest.approx(0.5) and out["all"]["questions"] == 3
+    solved = ev.group_bias({"id": ["a"], "pass@1": [1.0]}, 4, 2)  # no tag: "all"; no nd group: no bias
+    assert set(solved) == {"all"} and "bias" not in solved["all"]
+
+
+@pytest.mark.slow
+def test_bias_command_on_the_tiny_model_a_few_questions(tmp_path):
+    """eval.py bias samples through eval.py (its eval.json, n a question) and writes bias.json per level;
+    --from reads that evaluation again without sampling; a G above n, or no --out, is refused in one line."""
+    out = tmp_path / "b"
+    result = ev.main(["bias", "--model", "tiny", "--task", "sums_levels", "--engine", "hf", "--n", "6",
+                      "--limit", "9", "--G", "4", "--out", str(out)])
+    saved = json.load(open(out / "bias.json"))
+    assert saved == json.loads(json.dumps(result)) and (saved["n"], saved["G"]) == (6, 4)
+    levels = {str(x) for x in json.load(open(out / "eval.json"))["per_question"]["level"]}
+    assert set(saved["bias"]) == {"all"} | levels and len(levels) > 1  # --limit 9 takes every level
+    assert saved["bias"]["all"]["questions"] == 9
+    assert ev.main(["bias", "--from", str(out), "--G", "4"])["bias"] == result["bias"]
+    for argv, message in ((["--from", str(out), "--G", "7"], r"--G 7: must lie in 2..n \(6 samples"),
+                          (["--model", "tiny"], "--out DIR"),
+                          (["--from", str(tmp_path)], "no eval.py eval.json")):
+        with pytest.raises(SystemExit, match=message) as e:
+            ev.main(["bias", *argv])
+        assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------- compare: pass@k per question, subsets
+
+
+def test_per_question_pass_at_k_and_tags_and_by_level():
+    """summarize(boot=True): each question's unbiased pass@k (not only pass@1) and its level; by_level: each
+    level's pass@k. Hand-computed: 4 samples, pass@2 of c correct = 1 - C(4-c, 2) / C(4, 2)."""
+    task = rewards.load_task("sums_levels", style="chat")
+    examples = [dict(task.test[0], level=1), dict(task.test[1], level=2), dict(task.test[2], level=2)]
+    correct = [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]]
+    scores = [rewards.Score(float(c), float(c), 1.0) for row in correct for c in row]
+    out = ev.summarize(task, examples, scores, 4, [1, 2], boot=True)
+    pq = out["per_question"]
+    assert pq["pass@2"] == pytest.approx([1 - 3 / 6, 1 - 1 / 6, 0.0]) and pq["level"] == [1, 2, 2]
+    assert pq["pass@1"] == pytest.approx([0.25, 0.5, 0.0])
+    assert out["by_level"]["1"] == {"questions": 1, "pass@1": 0.25, "pass@2": pytest.approx(0.5)}
+    assert out["by_level"]["2"]["pass@2"] == pytest.approx((5 / 6 + 0) / 2)
+    assert out["pass@2"] == pytest.approx(np.mean(pq["pass@2"]))
+    plain = ev.summarize(rewards.load_task("sums"), examples[:1], scores[:4], 4, [1], boot=True)
+    assert "pass@2" not in plain["per_question"] and "by_level" not in plain  # one level: no by_level
+
+
+def _eval_with(folder, pass1, pass16, level):
+    os.makedirs(folder, exist_ok=True)
+    ids = [f"q{i}" for i in range(len(pass1))]
+    json.dump({"model": "m", "task": "t", "decoding": "sampled", "n": 16, "pass@1": float(np.mean(pass1)),
+               "pass@16": float(np.mean(pass16)), "format_fail": 0.0,
+               "per_question": {"id": ids, "pass@1": pass1, "reward": pass1, "pass@16": pass16,
+                                "level": level}}, open(os.path.join(folder, "eval.json"), "w"))
+
+
+def test_compare_pairs_pass_at_k_and_a_named_subset(tmp_path):
+    """compare reads heldout/pass@16 beside pass@1 and pairs it per question; --subset level=2 gives the
+    metrics of those questions only (each arm's mean over them, the paired difference on them); a tag the
+    evaluations lack, or a value none has, is refused in one line."""
+    level = [1, 1, 2, 2]
+    # arm b solves level 2's questions more often at k = 16 on both seeds; level 1 the same
+    for s in (0, 1):
+        _eval_with(tmp_path / f"a-s{s}", [0.5, 0.25, 0.0, 0.0], [1.0, 0.75, 0.0, 0.25], level)
+        _eval_with(tmp_path / f"b-s{s}", [0.5, 0.25, 0.125, 0.0], [1.0, 0.75, 0.5, 0.75], level)
+    runs = [str(tmp_path / f"{g}-s{s}") for g in "ab" for s in (0, 1)]
+    r = ev.main(["compare", *runs, "--metric", "heldout/pass@1,heldout/pass@16", "--out", str(tmp_path / "c"),
+                 "--reps", "200"])
+    assert r["runs"][0]["heldout/pass@16"] == pytest.approx(0.5) and r["runs"][2]["heldout/pass@16"] == 0.75
+    paired = {x["metric"]: x for x in r["paired"]}
+    assert paired["heldout/pass@16"]["diff"] == pytest.approx(0.5 - 0.75)  # a - b over 4 questions
+    assert paired["heldout/pass@1"]["diff"] == pytest.approx(-0.125 / 4)
+    assert "heldout/pass@16" in open(tmp_path / "c" / "comparison.md").read()
+    sub = ev.main(["compare", *runs, "--metric", "heldout/pass@16", "--subset", "level=2", "--out",
+                   str(tmp_path / "c2"), "--reps", "200"])
+    assert sub["subset"] == "level=2" and sub["runs"][0]["heldout/pass@16"] == pytest.approx(0.125)
+    assert sub["runs"][2]["heldout/pass@16"] == pytest.approx(0.625)
+    assert sub["paired"][0]["questions"] == 2 and sub["paired"][0]["diff"] == pytest.approx(0.125 - 0.625)
+    one = ev.main(["compare", *runs, "--subset", "level=1", "--out", str(tmp_path / "c3"), "--reps", "50"])
+    assert one["paired"][0]["diff"] == 0.0
+    for subset, message in (("family=x", "has no per-question 'family'"),
+                            ("level=7", r"no question of \S+ has level 7 \(it has 1, 2\)"),
+                            ("level", "expected TAG=VALUE")):
+        with pytest.raises(SystemExit, match=message) as e:
+            ev.main(["compare", *runs, "--subset", subset, "--out", str(tmp_path / "c4")])
+        assert "\n" not in str(e.value)

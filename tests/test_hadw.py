@@ -42,11 +42,12 @@ def _yaml(tmp_path, text):
     return tmp_path / "c.yaml"
 
 
-def _reweight(rewards, state, eta=0.1, window=50, lam=1.3, group_size=4, anchor="kalman"):
+def _reweight(rewards, state, eta=0.1, window=50, lam=1.3, group_size=4, anchor="kalman",
+              threshold=0.5):
     rewards = torch.tensor(rewards, dtype=torch.float32)
     advantages = train_grpo.compute_advantages(rewards, group_size, std_norm=False)
     args = SimpleNamespace(group_size=group_size, hadw_eta=eta, hadw_window=window, hadw_lambda=lam,
-                           hadw_anchor=anchor)
+                           hadw_anchor=anchor, hadw_threshold=threshold)
     new, info = common.hadw_reweight(rewards, advantages, state, args)
     return advantages, new, info
 
@@ -147,5 +148,43 @@ def test_mean_anchor_is_the_moving_average_of_recent_accuracies(tmp_path):
                for y in ([1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0])]  # y = .25, .5, 1, 0
     assert anchors == pytest.approx([0.25, 0.25, 0.375, 0.75])  # first: y_1; then the mean of the last m = 2
     with pytest.raises(SystemExit, match=r"argument --hadw_anchor: invalid choice: 'median' \(choose from "
-                                         r"'kalman', 'mean'\)"):  # at parse time
+                                         r"'kalman', 'mean', 'fixed'\)"):  # at parse time
         common.parse_args(train_grpo.Args, ["--config", str(_yaml(tmp_path, "hadw_anchor: median"))])
+
+
+def test_fixed_anchor_is_the_threshold_every_step_with_hand_computed_phi(tmp_path):
+    """--hadw_anchor fixed (the paper's ablation against its evolving C_t): C = --hadw_threshold at every
+    step, whatever the accuracy; no Kalman state, no eta_t."""
+    state = {}
+    # y = .25: kalman's first prior would be .25; fixed at .3: group 1 (p_hat .25) hard, group 2 (p_hat .25)
+    adv, new, info = _reweight([1, 0, 0, 0, 0, 1, 0, 0], state, anchor="fixed", threshold=0.3)
+    lam, M = 1.3, 0.05
+    up, down = lam * math.exp(M), lam * math.exp(-M)
+    assert (new / adv).tolist() == pytest.approx([up, down, down, down, down, up, down, down])
+    assert info == {"hadw/anchor": 0.3, "hadw/phi_hard": pytest.approx((up + 3 * down) / 4)}
+    for batch in ([1, 1, 1, 1], [0, 0, 0, 0], [1, 1, 1, 0]):  # y = 1, 0, .75: the anchor never moves
+        _, new, info = _reweight(batch, state, anchor="fixed", threshold=0.3)
+        assert info["hadw/anchor"] == 0.3 and "hadw/eta" not in info
+    # easy group at C = .3: p_hat .75, M = .45: its correct answers damped by exp(-.45), the wrong one boosted
+    assert (new / train_grpo.compute_advantages(torch.tensor([1., 1, 1, 0]), 4, std_norm=False)).tolist() == \
+        pytest.approx([lam * math.exp(-0.45)] * 3 + [lam * math.exp(0.45)])
+    assert state == {}
+    args = common.parse_args(train_grpo.Args, ["--hadw_anchor", "fixed", "--hadw_threshold", "0.2"])
+    assert (args.hadw_anchor, args.hadw_threshold) == ("fixed", 0.2)
+    for module in (train_grpo, train_gpg):  # the range declared in the field, checked at parse time
+        with pytest.raises(SystemExit, match=r"--hadw_threshold 1.5: must be in \[0, 1\]"):
+            common.parse_args(module.Args, ["--hadw_threshold", "1.5"])
+
+
+def test_every_anchor_rule_logs_the_anchor_over_steps(tmp_path):
+    """hadw/anchor is in every step's metrics whichever the rule: kalman (the default, sec. 3), mean,
+    fixed."""
+    for rule in ("kalman", "mean", "fixed"):
+        run = train_grpo.main(["--engine", "hf", "--task", "mixed", "--hadw", "true", "--hadw_anchor", rule,
+                               "--hadw_threshold", "0.25", "--steps", "3", "--prompts_per_step", "4",
+                               "--group_size", "4", "--eval_every", "0", "--out_dir", str(tmp_path),
+                               "--run_name", rule, "--wandb", "false"])
+        rows = [r for r in read_metrics(run.run_dir) if "hadw/anchor" in r]
+        assert [r["step"] for r in rows] == [1, 2, 3], rule
+        if rule == "fixed":
+            assert [r["hadw/anchor"] for r in rows] == [0.25] * 3

@@ -277,3 +277,113 @@ def test_seed000_smollm2_runs_reuses_continues_and_refuses(tmp_path, capsys):
         with pytest.raises(SystemExit, match=message) as e:
             sm.main([*argv, "--out", str(out)])
         assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------ seeds 001 (HA-DW) and 004 (CoRPO) on SmolLM2
+import corpo_ood as co  # noqa: E402
+import hadw_smollm2 as hs  # noqa: E402
+
+TINY = ["--model", "tiny", "--engine", "hf", "--steps", "2", "--prompts_per_step", "4", "--group_size", "2"]
+HS_SMALL = [*TINY, "--eval_every", "1", "--curve_limit", "12", "--eval_n", "2", "--final_limit", "12"]
+CO_SMALL = [*TINY, "--eval_n", "4", "--eval_limit", "6", "--ood", "sums3:9"]
+
+
+@pytest.mark.parametrize("module", [hs, co])
+def test_hadw_and_corpo_scripts_refuse_a_bad_arm_or_seed_in_one_line(module, tmp_path):
+    """Seeds 8 and up are reserved (0-4 tune, 5-7 held out): refused before anything runs, as are an unknown
+    arm and a seed that is no integer."""
+    for argv, message in ((["--arms", "ppo"], r"argument --arms: invalid choice: 'ppo'"),
+                          (["--seeds", "8"], r"invalid seed \(0-4 tuning, 5-7 held out; 8 and up reserved\) "
+                                             r"value: '8'"),
+                          (["--seeds", "5", "12"], r"value: '12'"),
+                          (["--seeds", "-1"], r"value: '-1'"),
+                          (["--flags=--lr"], r"--flags '--lr': pairs of --flag value")):
+        with pytest.raises(SystemExit, match=message) as e:
+            module.main([*argv, "--out", str(tmp_path / "x")])
+        assert "\n" not in str(e.value) and not (tmp_path / "x").exists()
+    assert module.parser().parse_args([]).seeds == [5, 6, 7]  # the held-out seeds by default
+    assert module.parser().parse_args([]).arms == list(module.ARMS)
+
+
+def test_corpo_ood_refuses_an_unknown_family_and_a_pass_at_one():
+    for argv, message in ((["--ood", "division"], r"--ood division: each of subtraction, products, sums3 at "
+                                                  r"most once"),
+                          (["--ood", "sums3", "sums3:9"], "at most once"),
+                          (["--eval_n", "1"], r"--eval_n 1: pass@n needs n >= 2")):
+        with pytest.raises(SystemExit, match=message):
+            co.main(argv)
+
+
+@pytest.mark.slow
+def test_hadw_smollm2_runs_reuses_continues_and_refuses(tmp_path, capsys):
+    """reproduce/hadw_smollm2.py on the tiny model, two steps of the fixed-anchor arm: results.json is the
+    list the issue names ({arm, seed, accuracy, by_level, minutes}) with eval.py's greedy values; curves by
+    level and hadw/anchor over steps in details.json; the figure; a second call trains nothing; a run
+    interrupted after its checkpoint continues from it; another threshold in the folder is refused, named."""
+    import json
+    import shutil
+    import subprocess
+    out = tmp_path / "h"
+    rows = hs.main([*HS_SMALL, "--seeds", "3", "--arms", "fixed", "--threshold", "0.25", "--out", str(out)])
+    printed = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in printed if line.endswith(" min)")] == ["fixed seed 3"]
+    saved = json.load(open(out / "results.json"))
+    assert saved == json.loads(json.dumps(rows))
+    assert set(saved[0]) == {"arm", "seed", "accuracy", "by_level", "minutes"}
+    ev = json.load(open(out / "eval-fixed-s3" / "eval.json"))
+    assert ev["questions"] == 12 and ev["decoding"] == "greedy" and saved[0]["accuracy"] == ev["pass@1"]
+    assert saved[0]["by_level"] == {L: v["pass@1"] for L, v in ev["by_level"].items()}
+    assert saved[0]["minutes"] > 0
+    details = json.load(open(out / "details.json"))["runs"][0]
+    assert set(details["curve"]) == {"all"} | set(ev["by_level"]) and len(ev["by_level"]) > 1  # levels mixed
+    assert all(sorted(map(int, c)) == [1, 2] for c in details["curve"].values())  # --eval_every 1: each step
+    assert list(details["anchor"].values()) == [0.25, 0.25]  # hadw/anchor over steps: the fixed threshold
+    assert (out / "hadw_smollm2.png").stat().st_size > 0 and "| GRPO + HA-DW (fixed anchor) | 3 |" in (
+        out / "table.md").read_text()
+    stamp = os.path.getmtime(out / "fixed-s3" / "metrics.jsonl")
+    same = [*HS_SMALL, "--seeds", "3", "--arms", "fixed", "--threshold", "0.25", "--out", str(out)]
+    assert hs.main(same) == rows
+    assert os.path.getmtime(out / "fixed-s3" / "metrics.jsonl") == stamp
+    a = hs.parser().parse_args([*HS_SMALL, "--threshold", "0.25", "--out", str(out)])
+    subprocess.run([sys.executable, os.path.join(ROOT, "train_grpo.py"), *hs.train_flags(a, "fixed", 3),
+                    "--out_dir", str(out), "--run_name", "fixed-s3", "--wandb", "false", "--save_every", "1",
+                    "--overwrite", "true"], cwd=ROOT, check=True, capture_output=True)
+    shutil.rmtree(out / "fixed-s3" / "final"), shutil.rmtree(out / "eval-fixed-s3")
+    hs.main(same)
+    assert "the checkpoint restored" in open(out / "fixed-s3.log").read().split("memory plan")[-1]
+    assert (out / "eval-fixed-s3" / "eval.json").exists()
+    with pytest.raises(SystemExit, match=r"fixed-s3: trained with another configuration: --hadw_threshold "
+                                         r"0.25 \(now 0.5\)") as e:
+        hs.main([*HS_SMALL, "--seeds", "3", "--arms", "fixed", "--out", str(out)])
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_corpo_ood_runs_reuses_and_refuses(tmp_path, capsys):
+    """reproduce/corpo_ood.py on the tiny model, two steps of GRPO: results.json is the list the issue names
+    ({arm, seed, in_domain, ood, in_domain_pass1, ood_pass1, minutes}) with eval.py's pass@n and pass@1 of
+    each task; a second call trains and evaluates nothing; the static baseline's arm in GRPO's folder is
+    refused, naming the script."""
+    import json
+    import shutil
+    out = tmp_path / "c"
+    rows = co.main([*CO_SMALL, "--seeds", "2", "--arms", "grpo", "--out", str(out)])
+    saved = json.load(open(out / "results.json"))
+    assert saved == rows and set(saved[0]) == {"arm", "seed", "in_domain", "ood", "in_domain_pass1",
+                                               "ood_pass1", "minutes"}
+    ind, ood = (json.load(open(out / f"eval-grpo-s2-{t}" / "eval.json")) for t in ("sums_graded", "sums3-9"))
+    assert (ind["n"], ind["questions"], ood["n"], ood["questions"]) == (4, 6, 4, 6)
+    assert (saved[0]["in_domain"], saved[0]["in_domain_pass1"]) == (ind["pass@4"], ind["pass@1"])
+    assert saved[0]["ood"] == {"sums3:9": ood["pass@4"]}
+    assert saved[0]["ood_pass1"] == {"sums3:9": ood["pass@1"]}
+    assert "| GRPO | 2 |" in (out / "table.md").read_text()
+    stamps = [os.path.getmtime(p) for p in (out / "grpo-s2" / "metrics.jsonl",
+                                            out / "eval-grpo-s2-sums3-9" / "eval.json")]
+    assert co.main([*CO_SMALL, "--seeds", "2", "--arms", "grpo", "--out", str(out)]) == rows
+    assert stamps == [os.path.getmtime(p) for p in (out / "grpo-s2" / "metrics.jsonl",
+                                                    out / "eval-grpo-s2-sums3-9" / "eval.json")]
+    shutil.copytree(out / "grpo-s2", out / "static-s2")
+    with pytest.raises(SystemExit, match=r"static-s2: trained with another configuration: the script "
+                                         r"train_grpo.py \(now train_corpo.py\)") as e:
+        co.main([*CO_SMALL, "--seeds", "2", "--arms", "static", "--out", str(out)])
+    assert "\n" not in str(e.value)

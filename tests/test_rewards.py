@@ -211,6 +211,63 @@ def test_sums_graded_gives_partial_credit_by_distance_on_the_same_questions():
         rewards.load_task("sums_graded:x")
 
 
+def test_sums_levels_holds_each_level_out_and_trains_on_every_level_equally():
+    """sums_levels (HA-DW on SmolLM2): level L sums two L-digit operands (level 1: 0..9) in sums' chat form,
+    tagged with its level; held out per level: 100 pairs (level 1: a fifth of its 100), disjoint from the
+    train split, which holds 1,000 of each level; scored like sums (the last number of a finished reply)."""
+    task = rewards.load_task("sums_levels", style="chat", seed=0)
+    assert task.name == "sums_levels" and task.kind == "binary" and task.max_new_tokens == 32
+    count = lambda xs, L: sum(e["level"] == L for e in xs)  # noqa: E731
+    assert [count(task.test, L) for L in (1, 2, 3)] == [20, 100, 100]
+    assert [count(task.train, L) for L in (1, 2, 3)] == [1000, 1000, 1000]
+    assert not {e["prompt"] for e in task.train} & {e["prompt"] for e in task.test}
+    assert len({e["prompt"] for e in task.train if e["level"] == 1}) == 80  # the other 80 pairs, repeated
+    for e in task.test + task.train:
+        a, b = (int(x) for x in e["prompt"][len("What is "):].split("?")[0].split(" + "))
+        assert e["answer"] == a + b and e["prompt"].endswith("? Answer with the number only.")
+        lo = 0 if e["level"] == 1 else 10 ** (e["level"] - 1)
+        assert lo <= a < 10 ** e["level"] and lo <= b < 10 ** e["level"]
+    ex = {"prompt": "What is 345 + 678? Answer with the number only.", "answer": 1023, "level": 3}
+    assert task.score("345 + 678 = 1,023.", ex, True) == rewards.Score(1.0, 1.0, 1.0, pred="1023")
+    assert task.score("345 + 678 = 1013", ex, True) == rewards.Score(0.0, 0.0, 1.0, pred="1013")
+    assert task.score("345 + 678 = 1023", ex, False) == rewards.Score(0.0, 0.0, 0.0)  # no EOS
+    assert rewards.load_task("sums_levels", style="chat", seed=5).test == task.test  # every seed's: paired
+    tiny = rewards.load_task("sums_levels:2", style="tiny")
+    assert {e["level"] for e in tiny.test} == {1, 2} and tiny.test[0]["prompt"].endswith("=")
+    for spec in ("sums_levels:1", "sums_levels:5", "sums_levels:x"):
+        with pytest.raises(rewards.DataError, match="sums_levels takes the number of levels, 2 to 4"):
+            rewards.load_task(spec)
+
+
+@pytest.mark.parametrize("name,symbol,value", [("subtraction", "-", lambda a, b: a - b),
+                                               ("products", "*", lambda a, b: a * b),
+                                               ("sums3", "+", lambda *x: sum(x))])
+def test_out_of_domain_families_are_sums_chat_form_with_its_verifier(name, symbol, value):
+    """subtraction, products and sums3 (CoRPO out of domain): sums' chat question and verifier, operands in
+    range (subtraction never negative, products from 2), distinct questions, a held-out split disjoint from
+    training, tagged with the family."""
+    task = rewards.load_task(name, style="chat", seed=1)
+    top = rewards.ARITH_FAMILIES[name][0]
+    assert task.score is rewards.load_task("sums").score is rewards.score_last_number  # sums' verifier
+    assert task.kind == "binary" and task.pass_threshold == 1.0
+    assert not {e["prompt"] for e in task.train} & {e["prompt"] for e in task.test}
+    prompts = [e["prompt"] for e in task.train + task.test]
+    assert len(prompts) == len(set(prompts)) and 0 < len(task.test) <= len(prompts) // 5
+    for e in task.train + task.test:
+        ops = [int(x) for x in e["prompt"][len("What is "):].split("?")[0].split(f" {symbol} ")]
+        assert e["answer"] == value(*ops) and e["family"] == name
+        assert all((2 if name == "products" else 0) <= x <= top for x in ops) and e["answer"] >= 0
+    ex = task.test[0]
+    assert task.score(f"The answer is {ex['answer']}.", ex, True) == rewards.Score(1.0, 1.0, 1.0,
+                                                                                   pred=str(ex["answer"]))
+    assert task.score(f"{ex['answer'] + 1}", ex, True).correct == 0.0
+    assert rewards.load_task(name, style="chat", seed=6).test == task.test  # every seed's: paired
+    small = rewards.load_task(f"{name}:4", style="tiny")
+    assert small.test[0]["prompt"].endswith("=") and symbol in small.alphabet
+    with pytest.raises(rewards.DataError, match=f"{name} takes the largest operand >= "):
+        rewards.load_task(f"{name}:1")
+
+
 def test_calibration_plain_reads_the_first_percentage_of_a_begun_reply():
     """calibration_plain (seed 000 on SmolLM2): calibration's questions, categories and outcomes, asked with
     the assistant's reply begun; the prediction is the reply's first percentage, rounded, valid in 1..99."""
