@@ -214,7 +214,7 @@ def test_whole_groups_micro_batches_never_split_a_group():
 SIGNS = torch.tensor([1.0, -1.0, 0.5, 0.0, -0.3, 2.0, 1.0, -1.0])  # a loss over each group's rows
 
 
-def group_loss_and_grads(model, run, batch, over="groups"):
+def group_loss_and_grads(model, run, batch, over="groups", signs=SIGNS):
     """Per minibatch: a loss per group, -log sigmoid(sum_i s_i log pi(y_i)) (or per completion, its
     -log sigmoid(s_i log pi(y_i))), aggregated by common.aggregate_over and accumulated over micro-batches.
     """
@@ -224,7 +224,7 @@ def group_loss_and_grads(model, run, batch, over="groups"):
         total = 0.0
         for micro in mb:
             logp, _ = logprobs.token_logprobs(model, micro.layout, 1.0)
-            seq = micro.per_seq(SIGNS) * (logp * micro.loss_mask).sum(1)
+            seq = micro.per_seq(signs) * (logp * micro.loss_mask).sum(1)
             loss = -torch.nn.functional.logsigmoid(micro.per_group(seq) if over == "groups" else seq)
             loss = common.aggregate_over(loss, micro, mb, over)
             loss.backward()
@@ -318,3 +318,49 @@ def test_pre_update_gives_each_dropped_completion_a_tensor_of_its_length(tiny_ad
     args.top_entropy_quantile = 1.0
     pre = common.pre_update(run, batch, need_old=True)
     assert [len(x) for x in pre.old] == [len(c) for c in COMPLETIONS] and pre.entropy == [None] * 8
+
+
+TWO_RANKS_GROUPS = """import os, sys, types, torch
+sys.path[:0] = [{root!r}, os.path.join({root!r}, "tests")]
+from transformers import AutoModelForCausalLM
+import common
+from rlmini import dist
+from test_filter import SIGNS, fake_run, group_loss_and_grads, make_batch
+torch.set_num_threads(1)
+dist.setup_device(types.SimpleNamespace(dtype="float32", dist_timeout=120))
+model = dist.shard_model(AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32), torch.float32)
+r = dist.rank()
+batch = make_batch(list(range(4 * r, 4 * r + 4)), 2)  # rank 0 groups 0 and 1, rank 1 groups 2 and 3
+batch = common.keep_completions(batch, torch.tensor({keep}))  # the global batch's: each rank its block
+(rows, loss, grads), = group_loss_and_grads(model, fake_run(model, 2, micro_batch_size=1), batch,
+                                            signs=SIGNS[4 * r:4 * r + 4])
+grads = {{n: dist.full_tensor(g).cpu() for n, g in grads.items()}}
+torch.save({{"loss": dist.all_sum(loss) / 2, "grads": grads}}, os.path.join({out!r}, "rank%d.pt" % r))
+"""
+
+
+@pytest.mark.slow
+def test_whole_groups_under_torchrun_give_the_one_rank_result(tmp_path, tiny_addition):
+    """2 gloo ranks, FSDP2, a loss per group of 2 in micro-batches of 1 (each group one micro-batch): rank 0
+    keeps one completion (one micro-batch, then idle), rank 1 all four (two). The normaliser counts the groups
+    of both ranks (3), so the loss and the gathered gradient equal one process's on the global batch."""
+    import os
+    import subprocess
+    import sys
+    from conftest import ROOT
+    keep = [0, 1, 0, 0, 1, 1, 1, 1]
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS_GROUPS.format(root=ROOT, path=tiny_addition[2], keep=keep, out=str(tmp_path)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(script)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model = tiny_addition[0]
+    batch = common.keep_completions(make_batch(list(range(8)), 2), keep)
+    ((_, loss, grads),) = group_loss_and_grads(model, fake_run(model, 2, micro_batch_size=1), batch)
+    norm = torch.cat([g.flatten() for g in grads.values()]).norm().item()
+    for got in (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)):
+        assert got["loss"] == pytest.approx(loss, rel=1e-5)
+        for name, g in grads.items():
+            assert_grad_close(got["grads"][name], g, rel=1e-5, name=name, floor=norm)
