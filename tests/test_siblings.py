@@ -344,6 +344,8 @@ EXAMPLES = {
                   ("for mb in common.minibatches(", DOCS),
                   (("old = pre.old_logp(", "run.max_new_tokens)"), DOCS), ("stats.add(micro", DOCS),
                   ("metrics = common.step_metrics(", DOCS), ('algo="rloo"', 'algo="onlinedpo"')],
+    "sapo": [("surrogate: Literal[", DOCS), ('stats["clipped"] = (ratio > 1 + eps_high)', DOCS),
+             ('algo="grpo"', 'algo="sapo"')],
 }
 
 
@@ -622,3 +624,36 @@ def test_an_online_dpo_script_written_as_the_docs_say_takes_the_textbook_dpo_gra
             assert norm > 0 and grads.keys() == want.keys(), (m, size)
             for name in grads:
                 assert_grad_close(grads[name], want[name], rel=1e-5, name=f"{m} {size} {name}", floor=norm)
+
+
+def test_a_sapo_script_written_as_the_docs_say_gates_the_ratio_softly(tmp_path, monkeypatch):
+    """train_grpo.py copied, with the SAPO lines of docs/algorithms.md: policy_loss is -f(r) A, f(r) =
+    sigmoid(tau (r - 1)) 4 / tau with tau by the advantage's sign, its gradient in log pi f'(r) r A; 2 steps
+    whose logged loss is -(2 / tau_i) A_i averaged over the completions (on-policy r = 1 at every token)."""
+    worked_example("sapo", tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "train_sapo", raising=False)
+    sapo = importlib.import_module("train_sapo")
+    args = sapo.Args(surrogate="sapo", tau_pos=1.0, tau_neg=3.0)
+    g = torch.Generator().manual_seed(0)
+    logp, old = torch.randn(3, 4, generator=g).requires_grad_(), torch.randn(3, 4, generator=g)
+    adv, mask = torch.tensor([1.5, -0.5, 0.0]), torch.ones(3, 4)
+    loss, info = sapo.policy_loss(logp, old, None, adv, mask, args)
+    r, tau = torch.exp(logp - old).detach(), torch.tensor([1.0, 3.0, 3.0])[:, None]
+    gate = torch.sigmoid(tau * (r - 1))
+    torch.testing.assert_close(loss, -gate * 4 / tau * adv[:, None])
+    loss.sum().backward()
+    torch.testing.assert_close(logp.grad, -4 * gate * (1 - gate) * r * adv[:, None])  # d f(r) / d log pi
+    assert not info["clipped"].any()
+    seen, compute = [], sapo.compute_advantages
+    monkeypatch.setattr(sapo, "compute_advantages",
+                        lambda *a, **k: seen.append(compute(*a, **k)) or seen[-1])
+    run = train(sapo, tmp_path, "--steps", "2", "--prompts_per_step", "8", "--group_size", "4", "--surrogate",
+                "sapo", "--tau_pos", "1", "--tau_neg", "3", "--format_weight", "0.5", "--micro_batch_size",
+                "5")
+    rows = read_metrics(run.run_dir)
+    assert run.algo == "sapo" and len(rows) == len(seen) == 2
+    for a, row in zip(seen, rows):
+        assert a.abs().sum() > 0
+        want = (-2 / torch.where(a > 0, 1.0, 3.0) * a).mean().item()
+        assert row["loss/policy"] == pytest.approx(want, abs=1e-6) and row["clip_frac"] == 0
