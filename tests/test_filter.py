@@ -282,6 +282,18 @@ def test_whole_groups_gradient_is_the_same_for_any_micro_batch_size_and_minibatc
             assert [rows for rows, _, _ in got] == want  # the same split whatever the micro-batch size
 
 
+def test_whole_groups_need_minibatches_that_divide_the_groups(tiny_addition):
+    """4 groups of 2 on this rank: --minibatches 2 and 4 split them whole; 8 (one completion each) is refused
+    in one line naming the flag and the groups."""
+    batch = make_batch(list(range(8)), 2)
+    for m in (2, 4):
+        run = fake_run(None, 2, minibatches=m)
+        got = [mb.rows for mb in common.minibatches(run, batch, whole_groups=True)]
+        assert len(got) == m and all(len({i // 2 for i in rows}) * 2 == len(rows) for rows in got)
+    with pytest.raises(SystemExit, match=r"^--minibatches 8 must divide each rank's groups per step \(4\)"):
+        list(common.minibatches(fake_run(None, 2, minibatches=8), batch, whole_groups=True))
+
+
 def test_whole_groups_idle_micro_batches_add_no_loss_nor_gradient(tiny_addition, monkeypatch):
     """A rank with nothing kept (torchrun's idle repeats): a per-group loss of its zero-mask rows is
     log 2, not 0, yet aggregate_over makes it 0 with no gradient, and StepStats logs no loss for it."""
