@@ -35,7 +35,7 @@ from rlmini.dist import all_gather, all_mean_var, all_sum, local_slice, rank, wo
 from rlmini.faults import user_errors  # noqa: F401
 from rlmini.judge import JudgeArgs
 from rlmini.logprobs import to_ragged, token_logprobs  # noqa: F401
-from rlmini.metrics import StepStats, step_metrics  # noqa: F401
+from rlmini.metrics import StepStats, sampler_mismatch, step_metrics  # noqa: F401
 from rlmini.models import (add_lora, autocast, load_pretrained, prepare_for_training,  # noqa: F401
                            trainable_parameters)
 from rlmini.options import arg, check_ranks, parse_args, validate  # noqa: F401
@@ -154,6 +154,7 @@ class Args(data.TaskArgs, tools.ToolArgs, server.ServerArgs, memplan.PlanArgs, r
     docs_page: ClassVar[str] = ""
     smoke_flags: ClassVar[tuple] = ()
     frozen_models: ClassVar[tuple] = ()  # fields naming frozen models (a teacher): the plan counts them
+    not_applied: ClassVar[tuple] = ()  # shared options the script ignores: refused when set (parse_args)
 
     def __post_init__(self):
         validate(self)
@@ -300,7 +301,11 @@ def pre_update(run, batch: Batch, ref_model=None, values=None, need_old: bool = 
             logp, entropy = (token_logprobs(run.model, micro.layout, T, with_entropy=top_entropy)
                              if not on_policy or top_entropy else (None, None))
             return {"old": logp, "entropy": entropy, "values": values and values(micro.layout)}
-    out = ragged_pass(batch, forward, args.micro_batch_size, args.micro_batch_tokens, run.model, run.device)
+    # what the pass computes is there for every completion, zeros for a dropped one, even if all were dropped
+    wanted = [name for name, on in (("old", not on_policy or top_entropy), ("entropy", top_entropy),
+                                     ("values", values is not None)) if on]
+    out = ragged_pass(batch, forward, args.micro_batch_size, args.micro_batch_tokens, run.model, run.device,
+                      wanted)
     ref = logprobs(run, batch, ref_model) if ref_model is not None else None
     pre = PreUpdate(on_policy, out.get("old", [None] * B), ref, out.get("entropy", [None] * B),
                     out.get("values", [None] * B))
@@ -319,26 +324,33 @@ def logprobs(run, batch: Batch, model) -> list:
                           run.dtype)
 
 
-def minibatches(run, batch: Batch):
+def minibatches(run, batch: Batch, whole_groups: bool = False):
     """--updates_per_rollout passes over the batch in a random order of whole groups (a micro-batch shares
     its prompts), each split into --minibatches optimizer steps. The normalisers count the completions in the
-    loss and kept (keep_completions), over all ranks; a minibatch with none kept on any rank is not yielded
-    (counted in batch.empty_updates): no forward, backward or optimizer step, so the lr schedule, counted in
-    optimizer steps, does not advance either."""
-    args = run.args
+    loss and kept (keep_completions), and the groups with one, over all ranks; a minibatch with none kept on
+    any rank is not yielded (counted in batch.empty_updates): no forward, backward or optimizer step, so the
+    lr schedule, counted in optimizer steps, does not advance either. `whole_groups`: no micro-batch splits
+    a group (a loss over pairs or groups: micro.groups, micro.per_group, aggregate_over); a group over the
+    --micro_batch_size / --micro_batch_tokens budget is a micro-batch of its own, however long."""
+    args, G = run.args, run.args.group_size
     shuffle = torch.Generator().manual_seed(args.seed * 1_000_003 + run.step)  # the step's own: resumable
+    if whole_groups and (len(batch) // G) % args.minibatches:
+        raise SystemExit(f"--minibatches {args.minibatches} must divide each rank's groups per step "
+                         f"({len(batch) // G}) for a loss over whole groups")
     for epoch in range(args.updates_per_rollout):
-        for rows in group_permutation(len(batch), args.group_size, shuffle).chunk(args.minibatches):
+        for rows in group_permutation(len(batch), G, shuffle).chunk(args.minibatches):
             rows = rows.tolist()
             in_loss = batch.in_loss[rows] * batch.kept[rows]
+            groups = len({i // G for i, x in zip(rows, in_loss.tolist()) if x})  # with one in the loss
             n = all_sum({"seqs": float(in_loss.sum()), "tokens": float((batch.lengths[rows] * in_loss).sum()),
-                         "kept": float(batch.kept[rows].sum())})
+                         "kept": float(batch.kept[rows].sum()), "groups": float(groups)})
             if not n["kept"]:  # AdamW would still move every weight (its momentum): no step at all
                 batch.empty_updates += 1
                 continue
             n_seqs, n_tokens = max(n["seqs"], 1.0) / world_size(), max(n["tokens"], 1.0) / world_size()
             yield Minibatch(batch, rows, epoch, n_seqs, n_tokens, args.micro_batch_size,
-                            args.micro_batch_tokens, run.model, run.device)
+                            args.micro_batch_tokens, run.model, run.device,
+                            max(n["groups"], 1.0) / world_size(), G if whole_groups else 0)
 
 
 def policy_logprobs(run, micro: Micro) -> tuple:
@@ -379,20 +391,19 @@ def rollout_correction(old_logp, sampler_logp, mask, args):
     the sampler/trainer mismatch (bf16 vLLM kernels sample from a slightly different policy). token-tis
     truncates w at is_cap; token-mis zeroes tokens whose w is outside [is_low, is_high]; seq-mis zeroes whole
     completions whose geometric-mean w is outside. Returns (weights or None, stats)."""
-    log_w = ((old_logp - sampler_logp) * mask).detach()
-    w = torch.exp(log_w)
+    w, kl = sampler_mismatch(old_logp, sampler_logp, mask)
     if args.rollout_correction == "token-tis":  # truncated IS: min(w, C)
         weight, dropped = w.clamp(max=args.is_cap), w > args.is_cap
     elif args.rollout_correction == "token-mis":  # masked IS: w inside [lo, hi], else 0
         dropped = (w < args.is_low) | (w > args.is_high)
         weight = w * ~dropped
     elif args.rollout_correction == "seq-mis":  # a completion with a geometric-mean w outside [lo, hi] drops
+        log_w = ((old_logp - sampler_logp) * mask).detach()
         geo_w = torch.exp(log_w.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1))
         dropped = ((geo_w < args.is_low) | (geo_w > args.is_high)).expand_as(w)
         weight = w * ~dropped
     else:
         weight, dropped = None, torch.zeros_like(w, dtype=torch.bool)
-    kl = torch.expm1(log_w) - log_w  # k3 estimate of KL(sampler || pi_old)
     return weight, {"w": w, "changed": dropped.float(), "kl": kl}
 
 
@@ -418,6 +429,19 @@ def aggregate(token_loss, mask, loss_agg, n_seqs, n_tokens, max_len):
         return (token_loss * mask).sum() / (n_seqs * max_len)
     raise ValueError(f"--loss_agg {loss_agg!r}: choose seq-mean-token-mean, token-mean or "
                      f"seq-mean-token-sum-norm")
+
+
+def aggregate_over(loss, micro: Micro, mb: Minibatch, over: Literal["seqs", "groups"]):
+    """This micro-batch's share of the minibatch mean of a loss per completion (`loss` [b], over="seqs") or
+    per group ([g], over="groups", in micro.groups' order; minibatches(whole_groups=True)): divided by the
+    completions in the loss (mb.n_seqs) or the groups with one (mb.n_groups), over all ranks, so neither the
+    micro-batch size nor torchrun changes the gradient; rows without a token in the loss (an idle repeat,
+    --mask_truncated) and groups without such a row add nothing."""
+    if over == "seqs":
+        return (loss * micro.in_loss).sum() / mb.n_seqs
+    if over == "groups":
+        return (loss * (micro.per_group(micro.in_loss) > 0)).sum() / mb.n_groups
+    raise ValueError(f"common.aggregate_over: over={over!r}: choose seqs or groups")
 
 
 def hadw_reweight(rewards, advantages, state, args):

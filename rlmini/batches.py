@@ -1,5 +1,6 @@
 """What flows through a step: the rollout batch (whole groups, scored), what the pre-update pass computed, and
 the minibatches and micro-batches of the update, laid out for the trainer."""
+import itertools
 from dataclasses import dataclass, replace
 
 import torch
@@ -88,6 +89,7 @@ class Micro:
     padded: int             # ... and how many of them are padding (perf/pad_frac)
     size: int = 0           # completions in this rank's batch (advantages: this rank's or the global batch's)
     idle: bool = False      # torchrun: a repeat that keeps this rank in step, every mask zero (Minibatch)
+    groups: torch.Tensor | None = None  # whole groups (common.minibatches): each row's group, 0, 0, 1, ...
 
     @property
     def mask(self):
@@ -100,6 +102,20 @@ class Micro:
     def per_seq(self, values: torch.Tensor) -> torch.Tensor:
         """One value per completion of the batch -> these rows', on the trainer's device."""
         return values[self.rows].to(self.mask.device)
+
+    def per_group(self, values: torch.Tensor) -> torch.Tensor:
+        """Whole groups only: one value per row [b] -> the sum over each group's rows [g], in the order of
+        `groups` (a loss over pairs or groups: the group's rows are all here)."""
+        if self.groups is None:
+            raise ValueError("Micro.per_group: this micro-batch may split a group; iterate "
+                             "common.minibatches(run, batch, whole_groups=True)")
+        out = values.new_zeros(int(self.groups.max()) + 1 if len(self.groups) else 0)
+        return out.index_add(0, self.groups.to(values.device), values)
+
+    @property
+    def in_loss(self) -> torch.Tensor:
+        """[b]: 1 for a row with a token in the loss, 0 for one without (--mask_truncated, an idle repeat)."""
+        return (self.loss_mask.sum(1) > 0).to(self.loss_mask.dtype)
 
     def advantages(self, adv) -> torch.Tensor:
         """These rows' advantages, broadcastable against [b, T-1]: per token (a ragged list like
@@ -122,25 +138,28 @@ def this_ranks(values, n: int):
     return values if len(values) == n else None
 
 
-def micro_batch(batch: Batch, rows: list, model, device, epoch: int = 0) -> Micro:
+def micro_batch(batch: Batch, rows: list, model, device, epoch: int = 0, group_size: int = 0) -> Micro:
     r = batch.rollouts
     prompts, completions = [r.prompt_ids[i] for i in rows], [r.completion_ids[i] for i in rows]
     layout = make_batch(prompts, completions, r.pad_id, device,
                         policy=[r.policy_mask[i] for i in rows] if r.policy_mask else None)
     mask = layout["mask"]
     loss_mask = mask * batch.in_loss[rows].unsqueeze(1).to(device)
+    groups = torch.unique_consecutive(torch.tensor(rows) // group_size, return_inverse=True)[1] \
+        if group_size else None
     return Micro(rows, epoch, layout, loss_mask, to_padded(batch.sampler_logp, rows, mask),
-                 *padded_tokens(layout, model), size=len(batch))
+                 *padded_tokens(layout, model), size=len(batch), groups=groups)
 
 
 @torch.no_grad()
-def ragged_pass(batch: Batch, forward, max_seqs: int, max_tokens: int, model, device) -> dict:
+def ragged_pass(batch: Batch, forward, max_seqs: int, max_tokens: int, model, device, wanted=()) -> dict:
     """`forward(micro)` -> {name: [b, T-1] values} over this rank's kept completions (batch.kept) in
     micro-batches (update_schedule), without gradient -> {name: one CPU 1-D tensor per completion, laid out
-    like batch.sampler_logp} (a None value is left out); a dropped completion's are zeros, never computed.
+    like batch.sampler_logp} (a None value is left out); a dropped completion's are zeros, never computed,
+    and so are all of a name in `wanted` when nothing was computed (every completion dropped).
     Under torchrun every rank runs as many micro-batches, a rank with fewer repeating one and dropping what
     it gives: a FSDP2-sharded model's forward is a collective of every rank."""
-    out = {}
+    out = {name: [None] * len(batch) for name in wanted}
     for rows, idle in update_schedule(batch, list(range(len(batch))), max_seqs, max_tokens):
         micro = micro_batch(batch, rows, model, device)
         values = forward(micro)
@@ -164,8 +183,7 @@ def batch_logprobs(batch: Batch, model, temperature: float, max_seqs: int, max_t
     def forward(micro):
         with autocast(device, dtype):
             return {"logp": token_logprobs(model, micro.layout, temperature)[0]}
-    out = ragged_pass(batch, forward, max_seqs, max_tokens, model, device).get("logp")
-    out = out or [torch.zeros(int(n)) for n in batch.lengths]  # the filter kept nothing: none computed
+    out = ragged_pass(batch, forward, max_seqs, max_tokens, model, device, wanted=("logp",))["logp"]
     reshard_frozen(model)  # a frozen model's root is not left gathered until its next pass
     return out
 
@@ -184,14 +202,17 @@ class Minibatch:
     micro_batch_tokens: int
     model: object
     device: torch.device
+    n_groups: float = 1.0   # the groups with a completion in the loss, over all ranks / ranks (as n_seqs)
+    group_size: int = 0     # whole groups: no micro-batch splits a group of this size (0: cut anywhere)
 
     def __iter__(self):
         """Its kept completions' micro-batches (update_schedule): under torchrun every rank yields as many
         (FSDP2's forward and backward are collectives), a rank with fewer repeating its last one, and a rank
         with none one of its rows, with every mask zero, so its loss, gradient and statistics add nothing."""
-        schedule = update_schedule(self.batch, self.rows, self.micro_batch_size, self.micro_batch_tokens)
+        schedule = update_schedule(self.batch, self.rows, self.micro_batch_size, self.micro_batch_tokens,
+                                   self.group_size)
         for rows, idle in schedule:
-            micro = micro_batch(self.batch, rows, self.model, self.device, self.epoch)
+            micro = micro_batch(self.batch, rows, self.model, self.device, self.epoch, self.group_size)
             if idle:
                 micro = replace(micro, loss_mask=torch.zeros_like(micro.loss_mask), computed=0, padded=0,
                                 idle=True)
@@ -203,30 +224,34 @@ def most_micro_batches(rows: list) -> int:
     return int(all_gather(torch.tensor([len(rows)])).max()) if world_size() > 1 else len(rows)
 
 
-def update_schedule(batch: Batch, rows: list, max_seqs: int, max_tokens: int = 0):
+def update_schedule(batch: Batch, rows: list, max_seqs: int, max_tokens: int = 0, group_size: int = 0):
     """Yields (a micro-batch's rows, idle): the kept of `rows` (batch.kept) cut into micro-batches
-    (micro_rows), as many as any rank has (most_micro_batches): past its own, a rank repeats its last one,
-    or with none kept the first of `rows`, idle (the caller drops what it computes). Dropped rows cost
-    nothing."""
+    (micro_rows; whole groups of `group_size` if given), as many as any rank has (most_micro_batches): past
+    its own, a rank repeats its last one, or with none kept the first of `rows`, idle (the caller drops what
+    it computes). Dropped rows cost nothing."""
     kept = batch.kept.tolist()  # one copy, not a tensor index per row (thousands of rows a step)
-    cut = micro_rows(batch, [i for i in rows if kept[i]], max_seqs, max_tokens)
+    cut = micro_rows(batch, [i for i in rows if kept[i]], max_seqs, max_tokens, group_size)
     for k in range(most_micro_batches(cut)):
         yield (cut[min(k, len(cut) - 1)] if cut else rows[:1]), k >= len(cut)
 
 
-def micro_rows(batch: Batch, rows: list, max_seqs: int, max_tokens: int = 0) -> list:
+def micro_rows(batch: Batch, rows: list, max_seqs: int, max_tokens: int = 0, group_size: int = 0) -> list:
     """`rows` cut in order into micro-batches of at most max_seqs completions and, when max_tokens > 0, at
     most max_tokens prompt+completion tokens (a longer completion goes alone): at 4k-token completions a
     micro-batch of 64 sequences would be 256k tokens. Each prompt is counted with each of its completions
-    (what padded rows compute; packing computes less)."""
+    (what padded rows compute; packing computes less). With `group_size`, the cuts fall between groups only
+    (row // group_size): a group is never split, and one over the budget is a micro-batch of its own."""
     r = batch.rollouts
+    units = [[i] for i in rows]
+    if group_size:  # the rows of each group, consecutive in `rows` (group_permutation keeps them so)
+        units = [list(g) for _, g in itertools.groupby(rows, lambda i: i // group_size)]
     out, current, tokens = [], [], 0
-    for i in rows:
-        n = len(r.prompt_ids[i]) + len(r.completion_ids[i])
-        if current and (len(current) == max_seqs or (max_tokens and tokens + n > max_tokens)):
+    for unit in units:
+        n = sum(len(r.prompt_ids[i]) + len(r.completion_ids[i]) for i in unit)
+        if current and (len(current) + len(unit) > max_seqs or (max_tokens and tokens + n > max_tokens)):
             out.append(current)
             current, tokens = [], 0
-        current.append(i)
+        current += unit
         tokens += n
     return out + [current] if current else out
 

@@ -28,17 +28,20 @@ class StepStats:
     def _add(self, name: str, value) -> None:
         self.sums[name] = self.sums.get(name, 0.0) + value.detach().double()
 
-    def add(self, micro: Micro, loss, old, entropy, info: dict, is_info: dict, value_loss=None,
+    def add(self, micro: Micro, loss, old, entropy, info: dict, is_info: dict | None = None, value_loss=None,
             value_clipped=None) -> None:
         """One micro-batch: its loss (this rank's share), pi_old and the entropies of its tokens, the
-        surrogate's `info`, the rollout correction's `is_info`; PPO's value loss and clipped values. Each key
-        of `info` is optional, its metric logged only when given: "clipped" (1 where the clipped branch is
-        active: clip_frac), "ratio" (pi / pi_old: kl/old), "kl" (per-token KL to the reference: kl)."""
+        surrogate's `info`, the rollout correction's `is_info` (without one, the is/* metrics measure the
+        sampler's mismatch, nothing corrected: sampler_mismatch); PPO's value loss and clipped values. Each
+        key of `info` is optional, its metric logged only when given: "clipped" (1 where the clipped branch
+        is active: clip_frac), "ratio" (pi / pi_old: kl/old), "kl" (per-token KL to the reference: kl). An
+        idle micro-batch (torchrun's repeat) adds nothing to the losses, whatever the loss made of it."""
         s, mask, add = self.sums, micro.mask, self._add
         s["perf/computed"] += micro.computed
         s["perf/padded"] += micro.padded
         self.tokens = self.tokens + mask.sum().double()
-        add("loss/policy", loss.detach().double() / world_size())  # this rank's share (FSDP2 averages)
+        if not micro.idle:  # a per-sequence loss of a repeat with zero masks need not be 0 (its gradient is)
+            add("loss/policy", loss.detach().double() / world_size())  # this rank's share (FSDP2 averages)
         if "clipped" in info:
             add("clip_frac", (info["clipped"] * mask).sum())
         if "kl" in info:
@@ -49,11 +52,21 @@ class StepStats:
         if micro.epoch == 0:  # once per rollout token: the sampler against pi_old
             add("entropy", (entropy * mask).sum())
             add("logprob/sampler_diff", ((micro.sampler_logp - old).abs() * mask).sum())
+            if is_info is None:
+                w, kl = sampler_mismatch(old, micro.sampler_logp, mask)
+                is_info = {"w": w, "changed": torch.zeros_like(w), "kl": kl}
             for key, name in (("w", "is/mean"), ("changed", "is/clip_frac"), ("kl", "is/kl")):
                 add(name, (is_info[key] * mask).sum())
-        if value_loss is not None:
-            add("value/loss", value_loss.detach().double() / world_size())
+        if value_loss is not None:  # the key on every rank, an idle one's too (all_sum of the same keys)
+            add("value/loss", value_loss.detach().double() / world_size() * (not micro.idle))
             add("value/clip_frac", value_clipped.sum())
+
+
+def sampler_mismatch(old_logp, sampler_logp, mask) -> tuple:
+    """Per token, detached: w = pi_old / pi_sampler, the weight that undoes the sampler/trainer mismatch, and
+    the k3 estimate of KL(sampler || pi_old), e^d - 1 - d with d = log w (Yao et al. 2025; Schulman 2020)."""
+    log_w = ((old_logp - sampler_logp) * mask).detach()
+    return torch.exp(log_w), torch.expm1(log_w) - log_w
 
 
 def step_metrics(run, batch: Batch, pre: PreUpdate, stats: StepStats, advantages=None, extra=None) -> dict:

@@ -118,6 +118,8 @@ def parse_args(cls, argv=None):
     for f, group in help_order(cls, parser):
         kind = next((t for t in typing.get_args(f.type) if t is not type(None)), f.type)  # X | None -> X
         options = {"default": f.default, "help": f.metadata.get("help", ""), "type": kind}
+        if f.name in getattr(cls, "not_applied", ()):  # refused when set: not in --help
+            options["help"] = argparse.SUPPRESS
         if typing.get_origin(f.type) is Literal:
             options.update(type=str, choices=typing.get_args(f.type))
         elif kind is bool:  # --flag, --flag true, --flag false
@@ -126,6 +128,11 @@ def parse_args(cls, argv=None):
     values, unknown = parser.parse_known_args(argv)
     if unknown:  # flags are never abbreviated: --temp is not --temperature
         raise SystemExit(f"unknown option(s) {unknown}: see --help for the options")
+    given = [a[2:].split("=", 1)[0] for a in argv if a.startswith("--")]  # set by the user, not defaults
+    refused = [name for name in getattr(cls, "not_applied", ()) if name in given]
+    if refused:  # accepted, it would do nothing
+        raise SystemExit(f"--{refused[0]}: {script_name(cls)} does not apply this shared option (Args."
+                         f"not_applied: {', '.join(cls.not_applied)}); it would do nothing: leave it unset")
     try:
         return cls(**vars(values))
     except ValueError as e:
@@ -150,13 +157,17 @@ def help_order(cls, parser) -> list:
             continue
         doc = c.__doc__ or ""
         if doc.startswith(f"{c.__name__}("):  # a dataclass without its own docstring: a script's Args
-            script = sys.argv[0] if c.__module__ == "__main__" else f"{c.__module__}.py"
-            title = f"{os.path.basename(script)}'s own"
+            title = f"{script_name(c)}'s own"
         else:
             title = doc.split("\n")[0].split(" (")[0].rstrip(":.")
         group = parser.add_argument_group(title)
         out += [(f, group) for f in own]
     return out
+
+
+def script_name(cls) -> str:
+    """The file of a script's Args: train_x.py."""
+    return os.path.basename(sys.argv[0] if cls.__module__ == "__main__" else f"{cls.__module__}.py")
 
 
 def boolean(text: str) -> bool:

@@ -10,6 +10,7 @@ import torch
 
 import common
 import train_grpo
+import train_rloo
 from conftest import ROOT, assert_grad_close
 from rlmini import checkpoint as ckpt
 from rlmini import data, engine, logprobs, models, packing, runlog
@@ -648,3 +649,29 @@ def test_advantages_per_completion_or_per_token_reach_the_loss_and_the_metrics_a
     means = metrics.global_means({"n": 2.5, "ragged": token, "t": seq, "pair": (3.0, 4), "no": None,
                                   "empty": [torch.zeros(0)], "none": (0.0, 0)})
     assert means == pytest.approx({"n": 2.5, "ragged": 0.25, "t": 0.5 / 3, "pair": 0.75})
+
+
+def test_a_shared_option_the_script_does_not_apply_is_refused_when_set(tmp_path, capsys):
+    """Args.not_applied: set on the command line or in --config, each such option is refused in one line
+    naming it and the script; left at its default (--rollout_correction auto) it is not; --help hides it."""
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    @dataclass
+    class Args(train_rloo.Args):
+        not_applied: ClassVar[tuple] = ("entropy_coef", "top_entropy_quantile", "rollout_correction")
+    assert common.parse_args(Args, ["--beta", "0.1"]).rollout_correction == "auto"
+    for argv in (["--entropy_coef", "0.01"], ["--top_entropy_quantile=0.2"], ["--rollout_correction", "off"]):
+        name = argv[0][2:].split("=")[0]
+        with pytest.raises(SystemExit, match=rf"^--{name}: test_common.py does not apply this shared option "
+                                             rf"\(Args.not_applied: entropy_coef, top_entropy_quantile, "
+                                             rf"rollout_correction\); it would do nothing: leave it unset$"):
+            common.parse_args(Args, argv)
+    (tmp_path / "c.yaml").write_text("entropy_coef: 0.01\n")
+    with pytest.raises(SystemExit, match="^--entropy_coef: test_common.py does not apply"):
+        common.parse_args(Args, ["--config", str(tmp_path / "c.yaml")])
+    common.parse_args(train_rloo.Args, ["--entropy_coef", "0.01"])  # RLOO applies it
+    with pytest.raises(SystemExit):
+        common.parse_args(Args, ["--help"])
+    shown = capsys.readouterr().out
+    assert "--beta" in shown and "--is_cap" in shown and "--entropy_coef" not in shown

@@ -188,3 +188,191 @@ def test_a_rank_with_nothing_kept_under_torchrun_gives_the_one_rank_result(tmp_p
         assert got["loss"] == pytest.approx(loss, rel=1e-5)
         for name, g in grads.items():
             assert_grad_close(got["grads"][name], g, rel=1e-5, name=name, floor=norm)
+
+
+# ------------------------------------------------------------------------- losses over whole groups
+
+
+def test_whole_groups_micro_batches_never_split_a_group():
+    """micro_rows with a group size: cuts between groups only, at most max_seqs rows and max_tokens tokens
+    a micro-batch, a group over the budget a micro-batch of its own; the micro-batch numbers its groups."""
+    batch = make_batch(list(range(8)), 2)  # groups of 2: rows 0-1, 2-3, 4-5, 6-7
+    # prompt+completion tokens per row: 6 7 5 8 6 7 5 6
+    assert batches.micro_rows(batch, list(range(8)), 3, 0, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert batches.micro_rows(batch, list(range(8)), 4, 0, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert batches.micro_rows(batch, [4, 5, 0, 1, 6, 7], 8, 24, 2) == [[4, 5], [0, 1, 6, 7]]  # 13+13 > 24
+    assert batches.micro_rows(batch, [4, 5, 0, 1, 6, 7], 8, 12, 2) == [[4, 5], [0, 1], [6, 7]]  # 13 > 12
+    assert batches.micro_rows(batch, list(range(8)), 1, 0, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]  # over
+    assert batches.micro_rows(batch, [0, 2, 3, 7], 2, 0, 2) == [[0], [2, 3], [7]]  # kept rows of a group
+    micro = batches.micro_batch(batch, [6, 7, 2, 3], None, torch.device("cpu"), group_size=2)
+    assert micro.groups.tolist() == [0, 0, 1, 1]
+    assert micro.per_group(torch.tensor([1.0, 2.0, 3.0, 4.0])).tolist() == [3.0, 7.0]
+    with pytest.raises(ValueError, match="whole_groups=True"):
+        batches.micro_batch(batch, [6, 7], None, torch.device("cpu")).per_group(torch.ones(2))
+
+
+SIGNS = torch.tensor([1.0, -1.0, 0.5, 0.0, -0.3, 2.0, 1.0, -1.0])  # a loss over each group's rows
+
+
+def group_loss_and_grads(model, run, batch, over="groups", signs=SIGNS):
+    """Per minibatch: a loss per group, -log sigmoid(sum_i s_i log pi(y_i)) (or per completion, its
+    -log sigmoid(s_i log pi(y_i))), aggregated by common.aggregate_over and accumulated over micro-batches.
+    """
+    out = []
+    for mb in common.minibatches(run, batch, whole_groups=True):
+        model.zero_grad(set_to_none=True)
+        total = 0.0
+        for micro in mb:
+            logp, _ = logprobs.token_logprobs(model, micro.layout, 1.0)
+            seq = micro.per_seq(signs) * (logp * micro.loss_mask).sum(1)
+            loss = -torch.nn.functional.logsigmoid(micro.per_group(seq) if over == "groups" else seq)
+            loss = common.aggregate_over(loss, micro, mb, over)
+            loss.backward()
+            total += loss.item()
+        out.append((mb.rows, total, {n: p.grad.clone() for n, p in model.named_parameters()
+                                     if p.grad is not None}))
+    return out
+
+
+def textbook(model, batch, rows, over):
+    """The same mean over the groups (completions) of `rows` in the loss and kept, in one plain forward each.
+    """
+    losses = {}
+    model.zero_grad(set_to_none=True)
+    for i in rows:
+        if batch.kept[i] and batch.in_loss[i]:
+            layout = make_batch([i], 1).rollouts
+            ids = torch.tensor([layout.prompt_ids[0] + layout.completion_ids[0]])
+            logits = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
+            n = len(layout.completion_ids[0])
+            logp = logits[-n:].gather(1, ids[0, -n:, None]).sum()
+            key = i // 2 if over == "groups" else i
+            losses[key] = losses.get(key, 0.0) + SIGNS[i] * logp
+    loss = sum(-torch.nn.functional.logsigmoid(x) for x in losses.values()) / len(losses)
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("over", ["groups", "seqs"])
+def test_whole_groups_gradient_is_the_same_for_any_micro_batch_size_and_minibatches(tiny_addition, over):
+    """Groups of 2, row 3 dropped (keep_completions), row 6 out of the loss (--mask_truncated): for
+    --micro_batch_size 1, 3, 8 and --minibatches 1, 2, each minibatch's loss and fp32 gradient are the
+    mean over its groups (completions) of the loss computed group by group in plain forwards; idle
+    micro-batches add nothing."""
+    model = tiny_addition[0]
+    in_loss = torch.tensor([1.0, 1, 1, 1, 1, 1, 0, 1])
+    batch = common.keep_completions(make_batch(list(range(8)), 2, in_loss), [1, 1, 1, 0, 1, 1, 1, 1])
+    hands = {}
+    for minibatches in (1, 2):
+        want = None
+        for size in (1, 3, 8):
+            run = fake_run(model, 2, micro_batch_size=size, minibatches=minibatches)
+            got = group_loss_and_grads(model, run, batch, over)
+            assert len(got) == minibatches
+            for rows, loss, grads in got:
+                if tuple(rows) not in hands:
+                    hands[tuple(rows)] = textbook(model, batch, rows, over)
+                hand_loss, hand = hands[tuple(rows)]
+                assert loss == pytest.approx(hand_loss, rel=1e-5), (minibatches, size, rows)
+                norm = torch.cat([g.flatten() for g in hand.values()]).norm().item()
+                assert norm > 0 and grads.keys() == hand.keys()
+                for name in grads:
+                    assert_grad_close(grads[name], hand[name], rel=1e-5, name=name, floor=norm)
+            want = want or [rows for rows, _, _ in got]
+            assert [rows for rows, _, _ in got] == want  # the same split whatever the micro-batch size
+
+
+def test_whole_groups_need_minibatches_that_divide_the_groups(tiny_addition):
+    """4 groups of 2 on this rank: --minibatches 2 and 4 split them whole; 8 (one completion each) is refused
+    in one line naming the flag and the groups."""
+    batch = make_batch(list(range(8)), 2)
+    for m in (2, 4):
+        run = fake_run(None, 2, minibatches=m)
+        got = [mb.rows for mb in common.minibatches(run, batch, whole_groups=True)]
+        assert len(got) == m and all(len({i // 2 for i in rows}) * 2 == len(rows) for rows in got)
+    with pytest.raises(SystemExit, match=r"^--minibatches 8 must divide each rank's groups per step \(4\)"):
+        list(common.minibatches(fake_run(None, 2, minibatches=8), batch, whole_groups=True))
+
+
+def test_whole_groups_idle_micro_batches_add_no_loss_nor_gradient(tiny_addition, monkeypatch):
+    """A rank with nothing kept (torchrun's idle repeats): a per-group loss of its zero-mask rows is
+    log 2, not 0, yet aggregate_over makes it 0 with no gradient, and StepStats logs no loss for it."""
+    model = tiny_addition[0]
+    batch = common.keep_completions(make_batch(list(range(8)), 2), [0] * 4 + [1] * 4)
+    monkeypatch.setattr(batches, "most_micro_batches", lambda rows: 2)
+    mb = batches.Minibatch(batch, [0, 1, 2, 3], 0, 1.0, 1.0, 2, 0, model, torch.device("cpu"), 2.0, 2)
+    model.zero_grad(set_to_none=True)
+    stats = common.StepStats()
+    for micro in mb:
+        logp, entropy = logprobs.token_logprobs(model, micro.layout, 1.0, with_entropy=True)
+        per_group = -torch.nn.functional.logsigmoid(micro.per_group((logp * micro.loss_mask).sum(1)))
+        assert micro.idle and per_group.tolist() == pytest.approx([0.6931472])
+        loss = common.aggregate_over(per_group, micro, mb, "groups")
+        loss.backward()
+        stats.add(micro, per_group.sum(), logp.detach(), entropy, {})  # no rollout correction: no is_info
+        assert loss.item() == 0.0
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+    assert common.all_sum(stats.sums)["loss/policy"] == 0.0
+
+
+def test_pre_update_gives_each_dropped_completion_a_tensor_of_its_length(tiny_addition):
+    """need_old=True (or off-policy), top-entropy and values: with nothing kept, pi_old, the entropies and
+    the values are zeros of each completion's length (as the reference's log-probs are), not None."""
+    model = tiny_addition[0]
+    batch = common.keep_completions(make_batch(list(range(8)), 4), torch.zeros(8))
+    args = SimpleNamespace(updates_per_rollout=1, minibatches=1, lora_dropout=0.0, temperature=1.0,
+                           top_entropy_quantile=0.5, micro_batch_size=2, micro_batch_tokens=0)
+    run = SimpleNamespace(args=args, times={}, model=model, device=torch.device("cpu"), dtype=torch.float32)
+    pre = common.pre_update(run, batch, model, values=lambda layout: torch.zeros(layout["mask"].shape),
+                            need_old=True)
+    for got in (pre.old, pre.ref, pre.entropy, pre.values):
+        assert [x.tolist() for x in got] == [[0.0] * len(c) for c in COMPLETIONS]
+    args.top_entropy_quantile = 1.0
+    pre = common.pre_update(run, batch, need_old=True)
+    assert [len(x) for x in pre.old] == [len(c) for c in COMPLETIONS] and pre.entropy == [None] * 8
+
+
+TWO_RANKS_GROUPS = """import os, sys, types, torch
+sys.path[:0] = [{root!r}, os.path.join({root!r}, "tests")]
+from transformers import AutoModelForCausalLM
+import common
+from rlmini import dist
+from test_filter import SIGNS, fake_run, group_loss_and_grads, make_batch
+torch.set_num_threads(1)
+dist.setup_device(types.SimpleNamespace(dtype="float32", dist_timeout=120))
+model = dist.shard_model(AutoModelForCausalLM.from_pretrained({path!r}, dtype=torch.float32), torch.float32)
+r = dist.rank()
+batch = make_batch(list(range(4 * r, 4 * r + 4)), 2)  # rank 0 groups 0 and 1, rank 1 groups 2 and 3
+batch = common.keep_completions(batch, torch.tensor({keep}))  # the global batch's: each rank its block
+(rows, loss, grads), = group_loss_and_grads(model, fake_run(model, 2, micro_batch_size=1), batch,
+                                            signs=SIGNS[4 * r:4 * r + 4])
+grads = {{n: dist.full_tensor(g).cpu() for n, g in grads.items()}}
+torch.save({{"loss": dist.all_sum(loss) / 2, "grads": grads}}, os.path.join({out!r}, "rank%d.pt" % r))
+"""
+
+
+@pytest.mark.slow
+def test_whole_groups_under_torchrun_give_the_one_rank_result(tmp_path, tiny_addition):
+    """2 gloo ranks, FSDP2, a loss per group of 2 in micro-batches of 1 (each group one micro-batch): rank 0
+    keeps one completion (one micro-batch, then idle), rank 1 all four (two). The normaliser counts the groups
+    of both ranks (3), so the loss and the gathered gradient equal one process's on the global batch."""
+    import os
+    import subprocess
+    import sys
+    from conftest import ROOT
+    keep = [0, 1, 0, 0, 1, 1, 1, 1]
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS_GROUPS.format(root=ROOT, path=tiny_addition[2], keep=keep, out=str(tmp_path)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(script)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model = tiny_addition[0]
+    batch = common.keep_completions(make_batch(list(range(8)), 2), keep)
+    ((_, loss, grads),) = group_loss_and_grads(model, fake_run(model, 2, micro_batch_size=1), batch)
+    norm = torch.cat([g.flatten() for g in grads.values()]).norm().item()
+    for got in (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)):
+        assert got["loss"] == pytest.approx(loss, rel=1e-5)
+        for name, g in grads.items():
+            assert_grad_close(got["grads"][name], g, rel=1e-5, name=name, floor=norm)

@@ -17,7 +17,7 @@ import train_gpg
 import train_grpo
 import train_ppo
 import train_rloo
-from conftest import ROOT, code_blocks, docs_page, mean_of, read_metrics, undocumented
+from conftest import ROOT, assert_grad_close, code_blocks, docs_page, mean_of, read_metrics, undocumented
 from rlmini import data, packing
 from test_train_grpo import SHARED_METRICS, _rows_without_timing, _same
 
@@ -272,6 +272,17 @@ def test_corpo_and_grpo_learn_ordinal_and_only_grpo_rewards_failures(tmp_path):
 # ---------------------------------------------------------------------------------------------- every script
 
 
+def loop_metrics(row: dict) -> set:
+    """What the loop logs of any script's step (rlmini/metrics.py::step_metrics): reward/*, len/*, time/*,
+    perf/tokens_per_s always; loss/policy, grad_norm and entropy when an update happened (a filter may leave
+    none: filter/empty_updates; --on_nonfinite skip: nonfinite/skipped). An algorithm's own (adv/*, clip_frac)
+    are the script's to test."""
+    always = {"reward/mean", "reward/std", "reward/correct", "reward/format", "len/mean", "len/truncated",
+              "time/rollout", "time/update", "time/push", "perf/tokens_per_s"}
+    updated = not row.get("filter/empty_updates") and not row.get("nonfinite/skipped")
+    return always | ({"loss/policy", "grad_norm", "entropy"} if updated else set())
+
+
 SCRIPTS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "train_*.py")))
 
 
@@ -287,7 +298,9 @@ def test_every_script_runs_a_step(tmp_path, script):
         raise AssertionError(f"{script}.py: one step failed ({e}); if it needs flags, set Args.smoke_flags "
                              f"in {script}.py") from e
     rows = read_metrics(run.run_dir)
-    assert len(rows) == 1 and SHARED_METRICS <= set(rows[0])
+    assert len(rows) == 1, f"{script}.py: {len(rows)} rows of metrics for one step"
+    lacks = sorted(loop_metrics(rows[0]) - set(rows[0]))
+    assert not lacks, f"{script}.py: the loop's metrics {lacks} are not logged (common.step_metrics)"
     missing = undocumented(rows[0], run.algo, docs_page(script))
     assert not missing, f"{script}.py: metrics {missing} are named neither in docs/metrics.md nor in " \
                         f"{docs_page(script)}; add them there"
@@ -322,6 +335,17 @@ EXAMPLES = {
                 (("# ---- ALGORITHM: advantages over", "local = advantages["), DOCS),
                 ("token_loss, info = policy_loss(", DOCS), ("metrics = common.step_metrics(", DOCS),
                 ('algo="rloo"', 'algo="vineppo"')],
+    "onlinedpo": [(('"""RLOO (Kool', "python train_rloo.py --model"), DOCS),
+                  (("loss_agg: Literal", "kl_in_reward: bool"), DOCS), ("min_group_size", DOCS),
+                  (("def compute_advantages(", "return advantages.flatten()"), DOCS),
+                  (("def policy_loss(", "return token_loss, stats"), DOCS),
+                  ("ref_model = common.load_reference(", DOCS), ("batch = common.rollout(", DOCS),
+                  (("run.engine.sleep()", "local = advantages["), DOCS),
+                  ("for mb in common.minibatches(", DOCS),
+                  (("old = pre.old_logp(", "run.max_new_tokens)"), DOCS), ("stats.add(micro", DOCS),
+                  ("metrics = common.step_metrics(", DOCS), ('algo="rloo"', 'algo="onlinedpo"')],
+    "sapo": [("surrogate: Literal[", DOCS), ('stats["clipped"] = (ratio > 1 + eps_high)', DOCS),
+             ('algo="grpo"', 'algo="sapo"')],
 }
 
 
@@ -526,3 +550,110 @@ def test_a_vineppo_script_written_as_the_docs_say_values_each_chunk_by_its_conti
         assert r["vineppo/continuations"] == len(vines) and r["grad_norm"] > 0
         v0 = [values[sum(map(len, starts[:j]))] for j in range(len(starts))]
         assert r["vineppo/v0"] == pytest.approx(sum(v0) / len(v0), abs=1e-6)
+
+
+def test_an_online_dpo_script_written_as_the_docs_say_takes_the_textbook_dpo_gradient(tmp_path, monkeypatch):
+    """train_rloo.py copied, with the online DPO lines of docs/algorithms.md (whole groups, a loss per pair):
+    its pairs by hand; on one step (the reference perturbed, so that the margins are not 0; the optimizer
+    step replaced by a record of the gradient) each minibatch's gradient is the textbook DPO gradient of its
+    pairs, -log sigmoid(beta [(log pi(y_w) - log ref(y_w)) - (log pi(y_l) - log ref(y_l))]) averaged over
+    them, log pi(y) summed over y's tokens in a plain forward, for micro-batches of 64 and 1 completions
+    (--minibatches 1) and of 3 (--minibatches 2); the shared options it does not apply are refused in one
+    line."""
+    from transformers import AutoModelForCausalLM
+    worked_example("onlinedpo", tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "train_onlinedpo", raising=False)
+    dpo = importlib.import_module("train_onlinedpo")
+    pairs = dpo.compute_pairs(torch.tensor([0.5, 1.0, 0.0, 1.0, 0.3, 0.3, 0.3, 0.3, 0.2, 0.0, 0.9, 0.1]), 4)
+    assert pairs.tolist() == [0, 1, -1, 0, 0, 0, 0, 0, 0, -1, 1, 0]  # ties: the first; all equal: no pair
+    with pytest.raises(SystemExit, match="^--entropy_coef: train_onlinedpo.py does not apply this shared"):
+        dpo.main(["--entropy_coef", "0.01"])
+    seen, load_reference, keep_completions = {}, common.load_reference, common.keep_completions
+
+    def perturbed(run):  # the reference another model than the policy: DPO's margins are not 0
+        ref = load_reference(run)
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.02)
+        return seen.setdefault("ref", ref)
+
+    def record(run, stats):  # each minibatch's gradient; no step: every minibatch sees the same weights
+        seen["grads"].append({n: p.grad.clone() for n, p in run.model.named_parameters()
+                              if p.grad is not None})
+        run.optimizer.zero_grad(set_to_none=True)
+    monkeypatch.setattr(common, "load_reference", perturbed)
+    monkeypatch.setattr(common, "optimizer_step", record)
+    monkeypatch.setattr(common, "keep_completions", lambda batch, keep: seen.update(
+        batch=keep_completions(batch, keep)) or seen["batch"])
+    minibatches = common.minibatches
+    monkeypatch.setattr(common, "minibatches", lambda *a, **k: (seen["rows"].append(mb.rows) or mb
+                                                                 for mb in minibatches(*a, **k)))
+    plain = {}
+    for m, size in ((1, 64), (1, 1), (2, 3)):
+        seen.update(grads=[], rows=[])
+        run = train(dpo, tmp_path, "--steps", "1", "--prompts_per_step", "8", "--group_size", "4",
+                    "--format_weight", "0.5", "--beta", "0.5", "--micro_batch_size", str(size),
+                    "--minibatches", str(m), "--run_name", f"m{m}-{size}", "--save_every", "-1")
+        batch, rewards = seen["batch"], seen["batch"].rewards.view(-1, 4)
+        pairs = {g: (4 * g + int(rewards[g].argmax()), 4 * g + int(rewards[g].argmin())) for g in range(8)
+                 if rewards[g].max() > rewards[g].min()}  # group: (y_w, y_l)
+        assert batch.kept.nonzero().flatten().tolist() == sorted(i for p in pairs.values() for i in p)
+        assert len(seen["grads"]) == len(seen["rows"]) == m and 0 < len(pairs) < 8
+        if not plain:  # the policy and the reference in plain HF forwards: the same weights
+            for name, model in (("policy", run.model), ("ref", seen["ref"])):
+                plain[name] = AutoModelForCausalLM.from_config(run.model.config).float()
+                plain[name].load_state_dict(model.state_dict())
+        for rows, grads in zip(seen["rows"], seen["grads"]):
+            r = batch.rollouts
+            plain["policy"].zero_grad(set_to_none=True)
+
+            def logp(model, i):  # log pi(y) summed over y's tokens
+                ids = torch.tensor([r.prompt_ids[i] + r.completion_ids[i]])
+                out = model(input_ids=ids).logits[0, len(r.prompt_ids[i]) - 1:-1].log_softmax(-1)
+                return out.gather(1, ids[0, len(r.prompt_ids[i]):, None]).sum()
+            losses = []
+            for w, l in (pairs[g] for g in sorted({i // 4 for i in rows}) if g in pairs):
+                with torch.no_grad():
+                    ref = logp(plain["ref"], w) - logp(plain["ref"], l)
+                margin = logp(plain["policy"], w) - logp(plain["policy"], l) - ref
+                losses.append(-torch.nn.functional.logsigmoid(0.5 * margin))
+            torch.stack(losses).mean().backward()
+            want = {n: p.grad for n, p in plain["policy"].named_parameters() if p.grad is not None}
+            norm = torch.cat([g.flatten() for g in want.values()]).norm().item()
+            assert norm > 0 and grads.keys() == want.keys(), (m, size)
+            for name in grads:
+                assert_grad_close(grads[name], want[name], rel=1e-5, name=f"{m} {size} {name}", floor=norm)
+
+
+def test_a_sapo_script_written_as_the_docs_say_gates_the_ratio_softly(tmp_path, monkeypatch):
+    """train_grpo.py copied, with the SAPO lines of docs/algorithms.md: policy_loss is -f(r) A, f(r) =
+    sigmoid(tau (r - 1)) 4 / tau with tau by the advantage's sign, its gradient in log pi f'(r) r A; 2 steps
+    whose logged loss is -(2 / tau_i) A_i averaged over the completions (on-policy r = 1 at every token)."""
+    worked_example("sapo", tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "train_sapo", raising=False)
+    sapo = importlib.import_module("train_sapo")
+    args = sapo.Args(surrogate="sapo", tau_pos=1.0, tau_neg=3.0)
+    g = torch.Generator().manual_seed(0)
+    logp, old = torch.randn(3, 4, generator=g).requires_grad_(), torch.randn(3, 4, generator=g)
+    adv, mask = torch.tensor([1.5, -0.5, 0.0]), torch.ones(3, 4)
+    loss, info = sapo.policy_loss(logp, old, None, adv, mask, args)
+    r, tau = torch.exp(logp - old).detach(), torch.tensor([1.0, 3.0, 3.0])[:, None]
+    gate = torch.sigmoid(tau * (r - 1))
+    torch.testing.assert_close(loss, -gate * 4 / tau * adv[:, None])
+    loss.sum().backward()
+    torch.testing.assert_close(logp.grad, -4 * gate * (1 - gate) * r * adv[:, None])  # d f(r) / d log pi
+    assert not info["clipped"].any()
+    seen, compute = [], sapo.compute_advantages
+    monkeypatch.setattr(sapo, "compute_advantages",
+                        lambda *a, **k: seen.append(compute(*a, **k)) or seen[-1])
+    run = train(sapo, tmp_path, "--steps", "2", "--prompts_per_step", "8", "--group_size", "4", "--surrogate",
+                "sapo", "--tau_pos", "1", "--tau_neg", "3", "--format_weight", "0.5", "--micro_batch_size",
+                "5")
+    rows = read_metrics(run.run_dir)
+    assert run.algo == "sapo" and len(rows) == len(seen) == 2
+    for a, row in zip(seen, rows):
+        assert a.abs().sum() > 0
+        want = (-2 / torch.where(a > 0, 1.0, 3.0) * a).mean().item()
+        assert row["loss/policy"] == pytest.approx(want, abs=1e-6) and row["clip_frac"] == 0
