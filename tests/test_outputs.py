@@ -336,18 +336,19 @@ def test_a_push_root_keeps_a_users_files_and_another_runs_pushes(tmp_path):
 
 # --------------------------------------------------------------------------------------------- 2 gloo ranks
 
-RANKS = """import errno, json, os, shutil, sys
+RANKS = """import errno, json, os, shutil, subprocess, sys
 sys.path.insert(0, {root!r})
 import torch
 import train_grpo
-from rlmini import checkpoint, dist
+from rlmini import checkpoint, dist, quiet
 out = {out!r}
 base = ["--out_dir", out, "--wandb", "false", "--engine", "hf", "--prompts_per_step", "4",
         "--group_size", "4"]
 said = []
 def attempt(*argv):
     try:
-        train_grpo.main([*base, *argv])
+        with quiet.entry_point():  # as `python train_grpo.py` runs it: the libraries' output to logs/
+            train_grpo.main([*base, *argv])
         said.append("ok")
     except SystemExit as e:
         said.append(str(e))
@@ -360,6 +361,12 @@ if dist.rank() == 0:  # a save killed between its renames: the newer checkpoint.
     torch.save({{**torch.load(meta, weights_only=True), "step": 1}}, meta)
 torch.distributed.barrier()
 attempt("--steps", "3", "--run_name", "a", "--resume", "true")  # continues from step 2, the newer
+log = os.path.join(run_dir, "logs", "rank1.log")
+torch.distributed.barrier()
+if dist.rank() == 0:
+    with open(log, "a") as f:
+        f.write("the running job's line" + chr(10))
+torch.distributed.barrier()
 if dist.rank() == 0:
     for name, text in (("notes.txt", "mine"), ("keep/data.txt", "also mine")):
         os.makedirs(os.path.join(out, "a", "keep"), exist_ok=True)
@@ -367,6 +374,7 @@ if dist.rank() == 0:
     torch.save({{"step": 9}}, os.path.join(out, "a", "checkpoint.pt"))  # a plain process's, beside shards
 attempt("--steps", "3", "--run_name", "a")  # refused on rank 0: every rank gets the line
 attempt("--steps", "3", "--run_name", "a", "--resume", "true")  # two checkpoints: refused
+kept = "the running job's line" in open(log).read()  # the refused runs' rank 1 never touched the folder
 if dist.rank() == 0:
     os.remove(os.path.join(out, "a", "checkpoint.pt"))
 real = checkpoint._write_final
@@ -376,7 +384,23 @@ checkpoint._write_final = full
 attempt("--steps", "3", "--run_name", "a", "--resume", "true", "--keep_checkpoint", "false")
 checkpoint._write_final = real
 attempt("--steps", "1", "--run_name", "a", "--overwrite", "true")
-print("SAID " + json.dumps([dist.rank(), said]), flush=True)
+busy = os.path.join(out, "b")  # another job's run folder, its lock held, its rank 1 logging
+if dist.rank() == 0:
+    os.makedirs(os.path.join(busy, "logs"))
+    with open(os.path.join(busy, "logs", "rank1.log"), "w") as f:
+        f.write("the running job's line" + chr(10))
+    code = ("import fcntl, sys, time; f = open(sys.argv[1], 'a+'); fcntl.lockf(f, fcntl.LOCK_EX); "
+            "print('locked', flush=True); time.sleep(120)")
+    holder = subprocess.Popen([sys.executable, "-c", code, os.path.join(busy, ".lock")],
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+torch.distributed.barrier()
+attempt("--steps", "1", "--run_name", "b", "--overwrite", "true")  # in use: refused before any rank writes
+kept = kept and "the running job's line" in open(os.path.join(busy, "logs", "rank1.log")).read()
+if dist.rank() == 0:
+    holder.kill()
+with open(os.path.join(out, f"said{{dist.rank()}}.json"), "w") as f:
+    json.dump(said + [kept], f)
 """
 
 
@@ -391,9 +415,10 @@ def test_two_ranks_keep_a_users_files_and_every_rank_hears_rank_0(tmp_path):
                            "2", str(script)], cwd=ROOT, capture_output=True, text=True, timeout=400,
                           env={**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
-    said = dict(json.loads(line[5:]) for line in proc.stdout.splitlines() if line.startswith("SAID "))
+    said = {r: json.load(open(tmp_path / "runs" / f"said{r}.json")) for r in (0, 1)}
     assert said[0] == said[1], said  # every rank heard the same
-    ok, newer, exists, two, full, over = said[0]
+    ok, newer, exists, two, full, over, busy, kept = said[0]
+    assert kept and "is in use by another training process" in busy  # no refused rank truncated a log
     assert ok == "ok" and newer == "ok" and over == "ok" and "already holds a run" in exists
     assert "holds two checkpoints" in two and "(step 9, from a plain process)" in two and "(step 3," in two
     assert "No space left on device" in full and "checkpoint (step 3) in its place and kept it" in full
