@@ -975,8 +975,13 @@ def nondegenerate_group_mean(c: int, n: int, G: int) -> tuple:
 def group_bias(per_q: dict, n: int, G: int, tag: str = "level") -> dict:
     """Theorem 1 on a policy's own prompts, from each question's n samples (per_question's pass@1 = c / n):
     per value of `tag` (and "all"), the mean p = c / n; over the non-degenerate groups of G (each question
-    weighted by its chance of one), E[p_hat | non-degenerate] measured against p, and Theorem 1's value at
-    each question's p."""
+    weighted by its chance of one), E[p_hat | non-degenerate] against p. That p comes from the n - G samples
+    outside the group (p_rest): the group's own samples are in c / n, so E[c / n | nd] = G/n E[p_hat | nd] +
+    (n - G)/n p, and e_phat - p_weighted would show only (n - G)/n of the bias; hence p_rest = (n p_weighted
+    - G e_phat) / (n - G), unbiased. `theorem1`: Theorem 1 at each question's c / n (a plug-in: biased
+    upward for small n, beside the measured side)."""
+    if not 2 <= G < n:
+        raise ValueError(f"group_bias: G {G} must lie in 2..n-1 (n {n}): p is measured outside the group")
     counts = [round(x * n) for x in per_q["pass@1"]]
     values = per_q.get(tag, ["all"] * len(counts))
     out = {}
@@ -991,7 +996,8 @@ def group_bias(per_q: dict, n: int, G: int, tag: str = "level") -> dict:
             row.update(p_weighted=float(np.average(p, weights=w[on])),
                        e_phat=float(np.average([s[0] for s in np.array(stats)[on]], weights=w[on])),
                        theorem1=float(np.average([theorem1(x, G) for x in p], weights=w[on])))
-            row["bias"] = row["e_phat"] - row["p_weighted"]
+            row["p_rest"] = (n * row["p_weighted"] - G * row["e_phat"]) / (n - G)
+            row["bias"] = row["e_phat"] - row["p_rest"]
         out[v] = row
     return out
 
@@ -1007,6 +1013,12 @@ def cmd_bias(argv) -> dict:
     p.add_argument("--from", dest="source", default="", help="an eval.py folder (its eval.json, n >= G) "
                    "instead of sampling")
     a, rest = p.parse_known_args(argv)
+    sampling = options.Parser(prog="eval.py bias", allow_abbrev=False)  # what sampling takes, read first
+    for flag, kind in (("--n", int), ("--out", str), ("--temperature", float), ("--k", str)):
+        sampling.add_argument(flag, type=kind, default=None)
+    s = sampling.parse_known_args(rest)[0]
+    if not a.source and s.n is not None and not 2 <= a.G < s.n:  # refused before any sampling
+        raise SystemExit(f"bias: --G {a.G}: must lie in 2..n-1 (--n {s.n}): p is measured outside the group")
     if a.source:
         e = _eval_json(a.source)
         if e is None or "per_question" not in e:
@@ -1014,23 +1026,26 @@ def cmd_bias(argv) -> dict:
                              f"there")
         out = a.source
     else:
-        if "--out" not in rest:
+        if s.out is None:
             raise SystemExit("bias: --out DIR: where the evaluation and bias.json go")
-        if any(x in ("--temperature", "--k") for x in rest):
+        if s.temperature is not None or s.k is not None:
             raise SystemExit("bias: samples at temperature 1 with eval.py's own --k: drop --temperature/--k")
+        if s.n is None:
+            raise SystemExit(f"bias: --n N: samples a question, more than --G {a.G}")
         e = cmd_evaluate([*rest, "--k", "1"])
-        out = rest[rest.index("--out") + 1]
-    if not 2 <= a.G <= e["n"]:
-        raise SystemExit(f"bias: --G {a.G}: must lie in 2..n ({e['n']} samples a question)")
+        out = s.out
+    if not 2 <= a.G < e["n"]:
+        raise SystemExit(f"bias: --G {a.G}: must lie in 2..n-1 ({e['n']} samples a question): p is measured "
+                         f"outside the group")
     result = {"model": e.get("model"), "task": e.get("task"), "n": e["n"], "G": a.G,
               "by": a.tag, "bias": group_bias(e["per_question"], e["n"], a.G, a.tag)}
     rows = [{a.tag: v, "questions": r["questions"], "p (mean)": f"{r['p']:.3f}",
              "P(non-degenerate)": f"{r['p_nondegenerate']:.3f}",
-             **({"p (nd-weighted)": f"{r['p_weighted']:.3f}", "E[p_hat \\| nd]": f"{r['e_phat']:.3f}",
+             **({"p (outside the group)": f"{r['p_rest']:.3f}", "E[p_hat \\| nd]": f"{r['e_phat']:.3f}",
                  "Theorem 1": f"{r['theorem1']:.3f}", "bias": f"{r['bias']:+.3f}"} if "bias" in r else {})}
             for v, r in result["bias"].items()]
-    columns = [a.tag, "questions", "p (mean)", "P(non-degenerate)", "p (nd-weighted)", "E[p_hat \\| nd]",
-               "Theorem 1", "bias"]
+    columns = [a.tag, "questions", "p (mean)", "P(non-degenerate)", "p (outside the group)",
+               "E[p_hat \\| nd]", "Theorem 1", "bias"]
     table = _markdown(rows, [c for c in columns if any(c in r for r in rows)])
     return _report(out, "bias.json", result, f"Theorem 1 on {e.get('model')} / {e.get('task')}: groups of "
                    f"{a.G} from {e['n']} samples a question\n\n{table}", [])

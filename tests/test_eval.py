@@ -407,20 +407,46 @@ def test_nondegenerate_group_mean_hand_computed():
 
 def test_group_bias_per_level_hand_computed():
     """Two level-1 questions (2 and 0 of 4 correct) and one level-2 (1 of 4), groups of 2: level 1's
-    non-degenerate groups come from its first question only (P 4/6): p 1/2, E[p_hat | nd] 1/2, bias 0;
-    level 2: P 3/6, E 1/2 against p 1/4 (bias +1/4, Theorem 1 at 1/4 and G 2: 1/2)."""
+    non-degenerate groups come from its first question only (P 4/6): c/n 1/2, E[p_hat | nd] 1/2, the two
+    samples outside the group 1/2, bias 0; level 2: P 3/6, E 1/2, c/n 1/4, outside the group (4 * 1/4 - 2 *
+    1/2) / 2 = 0 (its one correct sample is in every non-degenerate group), bias +1/2; Theorem 1 at 1/4 and
+    G 2: 1/2."""
     per_q = {"id": ["a", "b", "c"], "pass@1": [0.5, 0.0, 0.25], "level": [1, 1, 2]}
     out = ev.group_bias(per_q, 4, 2)
     assert out["1"]["questions"] == 2 and out["1"]["p"] == pytest.approx(0.25)
     assert out["1"]["p_nondegenerate"] == pytest.approx((4 / 6 + 0) / 2)
     assert (out["1"]["p_weighted"], out["1"]["e_phat"], out["1"]["bias"]) == pytest.approx((0.5, 0.5, 0.0))
-    assert (out["2"]["p_weighted"], out["2"]["e_phat"], out["2"]["bias"]) == pytest.approx((0.25, 0.5, 0.25))
+    assert (out["2"]["p_weighted"], out["2"]["e_phat"], out["2"]["p_rest"]) == pytest.approx((0.25, 0.5, 0.0))
+    assert out["2"]["bias"] == pytest.approx(0.5)
     assert out["2"]["theorem1"] == pytest.approx(0.5)
     # all: weights 4/6 and 3/6: p = (4/6 * 1/2 + 3/6 * 1/4) / (7/6), E = 1/2
     assert out["all"]["p_weighted"] == pytest.approx((4 / 6 * 0.5 + 3 / 6 * 0.25) / (7 / 6))
     assert out["all"]["e_phat"] == pytest.approx(0.5) and out["all"]["questions"] == 3
     solved = ev.group_bias({"id": ["a"], "pass@1": [1.0]}, 4, 2)  # no tag: "all"; no nd group: no bias
     assert set(solved) == {"all"} and "bias" not in solved["all"]
+    with pytest.raises(ValueError, match="G 4 must lie in 2..n-1"):  # no sample outside the group
+        ev.group_bias(per_q, 4, 4)
+
+
+@pytest.mark.parametrize("p, n, G", [(0.1, 16, 8), (0.3, 9, 8), (0.7, 32, 4)])
+def test_group_bias_is_theorem_1s_bias_in_expectation(p, n, G):
+    """Questions of one true p, each scored n times (c ~ Bin(n, p)): the measured bias over many of them is
+    Theorem 1's E[p_hat | nd] - p, exactly in expectation (here the expectation over c, by its binomial
+    weights: no sampling noise), whatever n - G; the naive e_phat - p_weighted is (n - G)/n of it."""
+    weights = np.array([math.comb(n, c) * p ** c * (1 - p) ** (n - c) for c in range(n + 1)])
+    per_q = {"id": list(range(n + 1)), "pass@1": [c / n for c in range(n + 1)]}
+    stats = [ev.nondegenerate_group_mean(c, n, G) for c in range(n + 1)]
+    w = weights * np.array([s[1] for s in stats])  # each c's share of the non-degenerate groups
+    e_phat = sum(wi * s[0] for wi, s in zip(w, stats) if wi > 0) / w.sum()
+    p_weighted = sum(wi * c / n for c, wi in enumerate(w)) / w.sum()
+    assert e_phat == pytest.approx(ev.theorem1(p, G), rel=1e-9)
+    truth = ev.theorem1(p, G) - p
+    assert e_phat - p_weighted == pytest.approx((n - G) / n * truth, rel=1e-9)
+    # group_bias on a population holding each c in proportion to its probability (2 x 10^4 questions)
+    reps = np.round(weights * 2e4).astype(int)
+    big = {"id": [], "pass@1": [c / n for c in range(n + 1) for _ in range(reps[c])]}
+    big["id"] = list(range(len(big["pass@1"])))
+    assert ev.group_bias(big, n, G)["all"]["bias"] == pytest.approx(truth, rel=2e-2)
 
 
 @pytest.mark.slow
@@ -436,7 +462,8 @@ def test_bias_command_on_the_tiny_model_a_few_questions(tmp_path):
     assert set(saved["bias"]) == {"all"} | levels and len(levels) > 1  # --limit 9 takes every level
     assert saved["bias"]["all"]["questions"] == 9
     assert ev.main(["bias", "--from", str(out), "--G", "4"])["bias"] == result["bias"]
-    for argv, message in ((["--from", str(out), "--G", "7"], r"--G 7: must lie in 2..n \(6 samples"),
+    for argv, message in ((["--from", str(out), "--G", "6"], r"--G 6: must lie in 2..n-1 \(6 samples"),
+                          (["--model", "tiny", "--n", "8", "--out=x"], r"--G 8: must lie in 2..n-1 \(--n 8\)"),
                           (["--model", "tiny"], "--out DIR"),
                           (["--from", str(tmp_path)], "no eval.py eval.json")):
         with pytest.raises(SystemExit, match=message) as e:
