@@ -179,7 +179,8 @@ def sums_levels_task(style: str, levels: int = 3, per_level: int = 1000, n_test:
     """a + b at difficulty levels 1..`levels`: at level L both operands have L digits (level 1: 0..9), in
     `sums`' chat form, each example tagged with its "level" (HA-DW's hard and easy prompts on SmolLM2, seed
     001). Held out per level: `n_test` pairs, at most a fifth of the level's (level 1: 20 of its 100); the
-    train split holds `per_level` draws of each level's other pairs (level 1 repeats its 80), shuffled, so
+    train split holds `per_level` draws of each level's other pairs, neither order of a held-out pair among
+    them (level 1 repeats the 66 left), shuffled, so
     every level is trained on equally; both splits shuffled. The questions and split are the same for every
     --seed (drawn from seed 0), so runs of different seeds are evaluated on the same held-out questions and
     eval.py compare pairs them. Scored like `sums` (score_last_number)."""
@@ -195,7 +196,9 @@ def sums_levels_task(style: str, levels: int = 3, per_level: int = 1000, n_test:
         else:  # distinct pairs drawn without listing the level's million
             codes = rng.sample(range(size), held + per_level)
             pairs = [(low + c // (high - low + 1), low + c % (high - low + 1)) for c in codes]
-        level_test, level_train = pairs[:held], pairs[held:]
+        level_test = pairs[:held]
+        held_out = {frozenset(p) for p in level_test}  # b + a is a + b: neither order of a held pair trains
+        level_train = [p for p in pairs[held:] if frozenset(p) not in held_out]
         test += [_chat_arith(style, f"{a} + {b}", a + b, level=level) for a, b in level_test]
         train += [_chat_arith(style, f"{a} + {b}", a + b, level=level)
                   for a, b in (level_train[i % len(level_train)] for i in range(per_level))]

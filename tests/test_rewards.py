@@ -221,7 +221,10 @@ def test_sums_levels_holds_each_level_out_and_trains_on_every_level_equally():
     assert [count(task.test, L) for L in (1, 2, 3)] == [20, 100, 100]
     assert [count(task.train, L) for L in (1, 2, 3)] == [1000, 1000, 1000]
     assert not {e["prompt"] for e in task.train} & {e["prompt"] for e in task.test}
-    assert len({e["prompt"] for e in task.train if e["level"] == 1}) == 80  # the other 80 pairs, repeated
+    operands = lambda e: frozenset(e["prompt"][len("What is "):].split("?")[0].split(" + "))  # noqa: E731
+    assert not {operands(e) for e in task.train} & {operands(e) for e in task.test}  # nor b + a for a + b
+    # level 1: the pairs neither of whose orders is held out (20 held: 66 of the other 80), repeated
+    assert len({e["prompt"] for e in task.train if e["level"] == 1}) == 66
     for e in task.test + task.train:
         a, b = (int(x) for x in e["prompt"][len("What is "):].split("?")[0].split(" + "))
         assert e["answer"] == a + b and e["prompt"].endswith("? Answer with the number only.")
