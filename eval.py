@@ -228,11 +228,12 @@ def summarize(task, examples: list, scores: list, n: int, ks: list, boot: bool =
     if task.kind == "ordinal":
         out["pass_rate"] = float(np.mean([s.reward >= task.pass_threshold for s in scores]))
     for tag in SUBSET_TAGS:  # by level (sums_levels): each value's questions, pass@k of each k
-        if examples and all(tag in e for e in examples) and len({e[tag] for e in examples}) > 1:
-            out[f"by_{tag}"] = {str(v): {"questions": sum(e[tag] == v for e in examples), **{
-                f"pass@{k}": float(np.mean([pass_at_k(n, sum(c), k) for c, e in zip(correct, examples)
-                                            if e[tag] == v])) for k in ks}}
-                for v in sorted({e[tag] for e in examples})}
+        values = tag_values(examples, tag)
+        if values is not None and len(set(values)) > 1:
+            out[f"by_{tag}"] = {str(v): {"questions": values.count(v), **{
+                f"pass@{k}": float(np.mean([pass_at_k(n, sum(c), k) for c, x in zip(correct, values)
+                                            if x == v])) for k in ks}}
+                for v in sorted(set(values), key=lambda v: (isinstance(v, str), v))}
     if boot:  # each question's own values, for a paired comparison of two policies (eval.py compare)
         out["per_question"] = per_question(task, examples, scores, n, [k for k in ks if k > 1])
     if task.kind == "probability":
@@ -254,6 +255,14 @@ def question_id(index: int, example) -> str:
 SUBSET_TAGS = ("level", "family", "difficulty")  # an example's tags, kept per question for a subset
 
 
+def tag_values(examples: list, tag: str):
+    """Every example's `tag`, or None unless each has one of one plain kind (a number or a text): a user's
+    jsonl column of that name holding gaps, lists or mixed kinds is no subset, and is left alone."""
+    values = [e.get(tag) if isinstance(e, dict) else None for e in examples]
+    kinds = {(float if isinstance(v, (int, float)) and not isinstance(v, bool) else type(v)) for v in values}
+    return values if values and len(kinds) == 1 and kinds <= {float, str} else None
+
+
 def per_question(task, examples: list, scores: list, n: int, ks: tuple = ()) -> dict:
     """Per question, in order: its id, pass@1 (the share of its n samples that are correct) and mean reward
     (and, on an ordinal task, the share at or above the pass threshold), pass@k for each k in `ks`, and the
@@ -267,8 +276,8 @@ def per_question(task, examples: list, scores: list, n: int, ks: tuple = ()) -> 
     for k in ks:  # unbiased pass@k per question (Chen et al. 2021), for a paired pass@k (eval.py compare)
         out[f"pass@{k}"] = [pass_at_k(n, sum(s.correct >= 1.0 for s in b), k) for b in blocks]
     for tag in SUBSET_TAGS:  # what a subset names (eval.py compare --subset level=3)
-        if examples and all(tag in e for e in examples):
-            out[tag] = [e[tag] for e in examples]
+        if (values := tag_values(examples, tag)) is not None:
+            out[tag] = values
     return out
 
 

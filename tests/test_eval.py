@@ -490,6 +490,11 @@ def test_per_question_pass_at_k_and_tags_and_by_level():
     assert out["pass@2"] == pytest.approx(np.mean(pq["pass@2"]))
     plain = ev.summarize(rewards.load_task("sums"), examples[:1], scores[:4], 4, [1], boot=True)
     assert "pass@2" not in plain["per_question"] and "by_level" not in plain  # one level: no by_level
+    # a user's jsonl rows keep every column: a "level" with gaps, or of mixed kinds or lists, is no subset
+    for odd in ([1, None, 2], [1, "2", 2], [[1], [2], [2]]):
+        user = [dict(e, level=v) for e, v in zip(examples, odd)]
+        out = ev.summarize(task, user, scores, 4, [1, 2], boot=True)
+        assert "by_level" not in out and "level" not in out["per_question"], odd
 
 
 def _eval_with(folder, pass1, pass16, level):
