@@ -284,6 +284,7 @@ def loop_metrics(row: dict) -> set:
 
 
 SCRIPTS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "train_*.py")))
+SHIPPED = ("train_grpo", "train_ppo", "train_rloo", "train_gpg", "train_corpo")
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -301,6 +302,9 @@ def test_every_script_runs_a_step(tmp_path, script):
     assert len(rows) == 1, f"{script}.py: {len(rows)} rows of metrics for one step"
     lacks = sorted(loop_metrics(rows[0]) - set(rows[0]))
     assert not lacks, f"{script}.py: the loop's metrics {lacks} are not logged (common.step_metrics)"
+    if script in SHIPPED:  # the five of the product log the algorithms' shared metrics too (adv/*, clip_frac)
+        lacks = sorted(SHARED_METRICS - set(rows[0]))
+        assert not lacks, f"{script}.py: the shared metrics {lacks} are not logged"
     missing = undocumented(rows[0], run.algo, docs_page(script))
     assert not missing, f"{script}.py: metrics {missing} are named neither in docs/metrics.md nor in " \
                         f"{docs_page(script)}; add them there"
