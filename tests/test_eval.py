@@ -463,7 +463,8 @@ def test_bias_command_on_the_tiny_model_a_few_questions(tmp_path):
     assert saved["bias"]["all"]["questions"] == 9
     assert ev.main(["bias", "--from", str(out), "--G", "4"])["bias"] == result["bias"]
     for argv, message in ((["--from", str(out), "--G", "6"], r"--G 6: must lie in 2..n-1 \(6 samples"),
-                          (["--model", "tiny", "--n", "8", "--out=x"], r"--G 8: must lie in 2..n-1 \(--n 8\)"),
+                          (["--model", "tiny", "--n", "8", "--out=x"],
+                           r"--G 8: must lie in 2..n-1 \(--n 8\)"),
                           (["--model", "tiny"], "--out DIR"),
                           (["--from", str(tmp_path)], "no eval.py eval.json")):
         with pytest.raises(SystemExit, match=message) as e:
