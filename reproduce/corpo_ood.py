@@ -16,6 +16,7 @@ DIR/results.json (a list of {arm, seed, in_domain, ood: {task: pass@16}, in_doma
 pass@1}, minutes}), DIR/table.md and DIR/details.json (eval.py compare's verdict of each task).
 """
 import contextlib
+import importlib
 import json
 import os
 import sys
@@ -172,6 +173,14 @@ def main(argv=None):
     if unknown or len(set(families)) < len(families):
         raise SystemExit(f"bad option: --ood {' '.join(a.ood)}: each of "
                          f"{', '.join(evaluation.rewards.ARITH_FAMILIES)} at most once, e.g. products:19")
+    for task in a.ood:  # built now: a bad range is one line here, not after the first run has trained
+        try:
+            evaluation.rewards.load_task(task, style="chat")
+        except (ValueError, SystemExit) as e:
+            raise SystemExit(f"bad option: --ood {task}: {e}") from None
+    for arm in a.arms:  # every run's options, refused in one line before the first run trains
+        module = importlib.import_module(ARMS[arm][1].removesuffix(".py"))
+        options.parse_args(module.Args, train_flags(a, arm, a.seeds[0]))
     rows = [run_one(a, arm, seed) for seed in a.seeds for arm in a.arms]  # seed by seed: whole seeds
     verdict = verdicts(a)
     text = table(rows, verdict, a.eval_n)

@@ -205,6 +205,9 @@ def main(argv=None):
     a.arms, a.seeds = list(dict.fromkeys(a.arms)), list(dict.fromkeys(a.seeds))
     if len(a.flags.split()) % 2 or not all(f.startswith("--") for f in a.flags.split()[::2]):
         raise SystemExit(f"bad option: --flags {a.flags!r}: pairs of --flag value")
+    import train_grpo
+    for arm in a.arms:  # every run's options, refused in one line before the first run trains
+        options.parse_args(train_grpo.Args, train_flags(a, arm, a.seeds[0]))
     rows, details = [], []
     for seed in a.seeds:  # seed by seed: an interrupted reproduction has whole seeds of every arm
         for arm in a.arms:

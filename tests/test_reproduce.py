@@ -297,7 +297,8 @@ def test_hadw_and_corpo_scripts_refuse_a_bad_arm_or_seed_in_one_line(module, tmp
                                              r"value: '8'"),
                           (["--seeds", "5", "12"], r"value: '12'"),
                           (["--seeds", "-1"], r"value: '-1'"),
-                          (["--flags=--lr"], r"--flags '--lr': pairs of --flag value")):
+                          (["--flags=--lr"], r"--flags '--lr': pairs of --flag value"),
+                          (["--flags=--lr -1"], r"--lr -1.0: must be > 0")):  # every arm's, before any run
         with pytest.raises(SystemExit, match=message) as e:
             module.main([*argv, "--out", str(tmp_path / "x")])
         assert "\n" not in str(e.value) and not (tmp_path / "x").exists()
@@ -309,6 +310,7 @@ def test_corpo_ood_refuses_an_unknown_family_and_a_pass_at_one():
     for argv, message in ((["--ood", "division"], r"--ood division: each of subtraction, products, sums3 at "
                                                   r"most once"),
                           (["--ood", "sums3", "sums3:9"], "at most once"),
+                          (["--ood", "products:1"], r"--ood products:1: .*largest operand >= 3"),
                           (["--eval_n", "1"], r"--eval_n 1: pass@n needs n >= 2")):
         with pytest.raises(SystemExit, match=message):
             co.main(argv)
