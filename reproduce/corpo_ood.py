@@ -92,6 +92,7 @@ def run_one(a, arm: str, seed: int) -> dict:
                    "--save_every", "25", "--keep_checkpoint", "false",
                    *(["--resume", "true"] if again else ["--overwrite", "true"])],
                   os.path.join(a.out, f"{name}.log"), record, "train_s", record_path)
+        record.update(eval_s=0.0, evaluated={})  # a new final policy: earlier evaluations are stale
     ks = sorted({1, a.eval_n})
     done = record.setdefault("evaluated", {})  # task -> (n, limit) of its evaluation
     results = {}

@@ -97,6 +97,7 @@ def run_one(a, arm: str, seed: int) -> tuple:
                    "--save_every", "25", "--keep_checkpoint", "false",
                    *(["--resume", "true"] if again else ["--overwrite", "true"])],
                   os.path.join(a.out, f"{name}.log"), record, "train_s", record_path)
+        record.update(eval_s=0.0, final_limit=None)  # a new final policy: an earlier evaluation is stale
     path = os.path.join(ev_dir, "eval.json")
     ev = json.load(open(path)) if os.path.exists(path) else {}
     if not ev or record.get("final_limit") != a.final_limit:  # none, or of another size
