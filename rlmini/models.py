@@ -407,6 +407,16 @@ def add_lora(model, args, extra_trainable=(), exclude=()):
         model = get_peft_model(model, config)
     except ValueError as e:  # anything else peft refuses, in one line
         raise SystemExit(f"--lora_targets {args.lora_targets}: {str(e).splitlines()[0]}") from None
+    # a mixture of experts' fused experts (transformers 5: one 3-D tensor per layer) are no linear layer:
+    # peft wraps them as parameters, which the push's merge (W + (alpha / r) B A per linear) does not cover
+    named = model.named_modules()
+    fused = sorted({n.removeprefix("base_model.model.").replace(".base_layer", "") for n, m in named
+                    if hasattr(m, "base_layer") and not isinstance(m.base_layer, (torch.nn.Linear, Conv1D))
+                    and not hasattr(m.base_layer, "base_layer")})
+    if fused:
+        raise SystemExit(f"--lora_targets {args.lora_targets}: {fused[0]} is a mixture of experts' fused "
+                         f"experts, whose adapters the weight push cannot merge yet: name the attention's "
+                         f"layers, e.g. --lora_targets q_proj,k_proj,v_proj,o_proj")
     for m in extra_trainable:
         m.requires_grad_(True)
     return model.train()
