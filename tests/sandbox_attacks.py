@@ -176,7 +176,7 @@ def main(mode: str) -> dict:
                              f"{site}/{MARK}.pth") if os.path.lexists(p)]
     checks = {"run folder unchanged": after == before,
               "nothing left in /tmp, /dev/shm, site-packages": not leftovers,
-              "no scratch folder left": os.listdir(parent) == [],
+              "no scratch folder left": os.listdir(parent) == [sandbox.SCRATCH_MARKER],
               "the trainer's secret never shown": not any(SECRET in r["error"] for r in results)}
     return {"line": plan["line"], "uid": os.getuid(), "results": results, "checks": checks}
 
