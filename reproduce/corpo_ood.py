@@ -77,21 +77,9 @@ def run_one(a, arm: str, seed: int) -> dict:
     """Train (or reuse, or continue) one run and evaluate its final policy on every task; its results row."""
     name = f"{arm}-s{seed}"
     folder, script = os.path.join(a.out, name), ARMS[arm][1]
-    record_path = os.path.join(a.out, f"{name}.json")  # its minutes, training and evaluation
-    flags = train_flags(a, arm, seed)
-    other = base.differing(folder, script, flags)
-    if other:
-        sys.exit(f"{folder}: trained with another configuration: {other}; give another --out")
-    record = json.load(open(record_path)) if os.path.exists(record_path) else {"train_s": 0.0, "eval_s": 0.0}
-    os.makedirs(a.out, exist_ok=True)
-    if not os.path.exists(os.path.join(folder, "final", "config.json")):
-        again = os.path.exists(os.path.join(folder, "checkpoint.pt")) or os.path.isdir(
-            os.path.join(folder, "checkpoint"))  # interrupted: continue from its checkpoint, else start again
-        record["train_s"] = record["train_s"] if again else 0.0
-        base.call([script, *flags, "--out_dir", a.out, "--run_name", name, "--wandb", "false",
-                   "--save_every", "25", "--keep_checkpoint", "false",
-                   *(["--resume", "true"] if again else ["--overwrite", "true"])],
-                  os.path.join(a.out, f"{name}.log"), record, "train_s", record_path)
+    record_path = os.path.join(a.out, f"{name}.json")
+    record, trained = base.train(a, script, name, train_flags(a, arm, seed), folder, 25)
+    if trained:
         record.update(eval_s=0.0, evaluated={})  # a new final policy: earlier evaluations are stale
     ks = sorted({1, a.eval_n})
     done = record.setdefault("evaluated", {})  # task -> (n, limit) of its evaluation
@@ -165,8 +153,7 @@ def table(rows: list, verdict: dict, n: int) -> str:
 def main(argv=None):
     a = parser().parse_args(argv)
     a.arms, a.seeds = list(dict.fromkeys(a.arms)), list(dict.fromkeys(a.seeds))
-    if len(a.flags.split()) % 2 or not all(f.startswith("--") for f in a.flags.split()[::2]):
-        raise SystemExit(f"bad option: --flags {a.flags!r}: pairs of --flag value")
+    base.check_flags(a)
     if a.eval_n < 2:
         raise SystemExit(f"bad option: --eval_n {a.eval_n}: pass@n needs n >= 2 samples a question")
     families = [t.partition(":")[0] for t in a.ood]

@@ -82,21 +82,9 @@ def run_one(a, arm: str, seed: int) -> tuple:
     """Train (or reuse, or continue) one run and evaluate its final policy greedy; its row and details."""
     name = f"{arm}-s{seed}"
     folder, ev_dir = os.path.join(a.out, name), os.path.join(a.out, f"eval-{name}")
-    record_path = os.path.join(a.out, f"{name}.json")  # its minutes, training and evaluation
-    flags = train_flags(a, arm, seed)
-    other = base.differing(folder, "train_grpo.py", flags)
-    if other:
-        sys.exit(f"{folder}: trained with another configuration: {other}; give another --out")
-    record = json.load(open(record_path)) if os.path.exists(record_path) else {"train_s": 0.0, "eval_s": 0.0}
-    os.makedirs(a.out, exist_ok=True)
-    if not os.path.exists(os.path.join(folder, "final", "config.json")):
-        again = os.path.exists(os.path.join(folder, "checkpoint.pt")) or os.path.isdir(
-            os.path.join(folder, "checkpoint"))  # interrupted: continue from its checkpoint, else start again
-        record["train_s"] = record["train_s"] if again else 0.0
-        base.call(["train_grpo.py", *flags, "--out_dir", a.out, "--run_name", name, "--wandb", "false",
-                   "--save_every", "25", "--keep_checkpoint", "false",
-                   *(["--resume", "true"] if again else ["--overwrite", "true"])],
-                  os.path.join(a.out, f"{name}.log"), record, "train_s", record_path)
+    record_path = os.path.join(a.out, f"{name}.json")
+    record, trained = base.train(a, "train_grpo.py", name, train_flags(a, arm, seed), folder, 25)
+    if trained:
         record.update(eval_s=0.0, final_limit=None)  # a new final policy: an earlier evaluation is stale
     path = os.path.join(ev_dir, "eval.json")
     ev = json.load(open(path)) if os.path.exists(path) else {}
@@ -204,8 +192,7 @@ def figure(details: list, path: str) -> None:
 def main(argv=None):
     a = parser().parse_args(argv)
     a.arms, a.seeds = list(dict.fromkeys(a.arms)), list(dict.fromkeys(a.seeds))
-    if len(a.flags.split()) % 2 or not all(f.startswith("--") for f in a.flags.split()[::2]):
-        raise SystemExit(f"bad option: --flags {a.flags!r}: pairs of --flag value")
+    base.check_flags(a)
     import train_grpo
     for arm in a.arms:  # every run's options, refused in one line before the first run trains
         options.parse_args(train_grpo.Args, train_flags(a, arm, a.seeds[0]))

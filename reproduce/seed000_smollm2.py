@@ -116,25 +116,40 @@ def call(cmd: list, log: str, record: dict, key: str, record_path: str) -> None:
         sys.exit(f"{cmd[0]} failed ({done.returncode}); its log: {log}\n" + open(log).read()[-2000:])
 
 
-def run_one(a, algo: str, seed: int) -> dict:
-    """Train (or reuse, or continue) one run and evaluate its final policy; its results row and details."""
-    name = f"{algo}-s{seed}"
-    folder, ev_dir = os.path.join(a.out, name), os.path.join(a.out, f"eval-{name}")
+def check_flags(a) -> None:
+    """--flags: pairs of --flag value (every reproduction's more trainer flags)."""
+    if len(a.flags.split()) % 2 or not all(f.startswith("--") for f in a.flags.split()[::2]):
+        raise SystemExit(f"bad option: --flags {a.flags!r}: pairs of --flag value")
+
+
+def train(a, script: str, name: str, flags: list, folder: str, save_every: int) -> tuple:
+    """One run of `script` in a.out/name: reused when its final/ is there, continued from its checkpoint
+    when interrupted, else started again; its minutes in a.out/name.json. Returns (the record, whether it
+    trained now)."""
     record_path = os.path.join(a.out, f"{name}.json")  # its minutes, training and evaluation
-    flags = train_flags(a, algo, seed)
-    other = differing(folder, ALGOS[algo][1], flags)
+    other = differing(folder, script, flags)
     if other:
         sys.exit(f"{folder}: trained with another configuration: {other}; give another --out")
     record = json.load(open(record_path)) if os.path.exists(record_path) else {"train_s": 0.0, "eval_s": 0.0}
     os.makedirs(a.out, exist_ok=True)
-    if not os.path.exists(os.path.join(folder, "final", "config.json")):
-        again = os.path.exists(os.path.join(folder, "checkpoint.pt")) or os.path.isdir(
-            os.path.join(folder, "checkpoint"))  # interrupted: continue from its checkpoint, else start again
-        record["train_s"] = record["train_s"] if again else 0.0
-        call([ALGOS[algo][1], *flags, "--out_dir", a.out, "--run_name", name, "--wandb", "false",
-              "--save_every", "50", "--keep_checkpoint", "false",
-              *(["--resume", "true"] if again else ["--overwrite", "true"])],
-             os.path.join(a.out, f"{name}.log"), record, "train_s", record_path)
+    if os.path.exists(os.path.join(folder, "final", "config.json")):
+        return record, False
+    again = os.path.exists(os.path.join(folder, "checkpoint.pt")) or os.path.isdir(
+        os.path.join(folder, "checkpoint"))  # interrupted: continue from its checkpoint, else start again
+    record["train_s"] = record["train_s"] if again else 0.0
+    call([script, *flags, "--out_dir", a.out, "--run_name", name, "--wandb", "false",
+          "--save_every", str(save_every), "--keep_checkpoint", "false",
+          *(["--resume", "true"] if again else ["--overwrite", "true"])],
+         os.path.join(a.out, f"{name}.log"), record, "train_s", record_path)
+    return record, True
+
+
+def run_one(a, algo: str, seed: int) -> dict:
+    """Train (or reuse, or continue) one run and evaluate its final policy; its results row and details."""
+    name = f"{algo}-s{seed}"
+    folder, ev_dir = os.path.join(a.out, name), os.path.join(a.out, f"eval-{name}")
+    record_path = os.path.join(a.out, f"{name}.json")
+    record, _ = train(a, ALGOS[algo][1], name, train_flags(a, algo, seed), folder, 50)
     path = os.path.join(ev_dir, "eval.json")
     ev = json.load(open(path)) if os.path.exists(path) else {}
     if (ev.get("n"), ev.get("questions")) != (a.eval_n, a.final_limit or 2000):  # none, or of another size
@@ -214,8 +229,7 @@ def figure(details: list, path: str) -> None:
 def main(argv=None):
     a = parser().parse_args(argv)
     a.algos, a.seeds = list(dict.fromkeys(a.algos)), list(dict.fromkeys(a.seeds))
-    if len(a.flags.split()) % 2 or not all(f.startswith("--") for f in a.flags.split()[::2]):
-        raise SystemExit(f"bad option: --flags {a.flags!r}: pairs of --flag value")
+    check_flags(a)
     rows, details = [], []
     for seed in a.seeds:  # seed by seed: an interrupted reproduction has whole seeds of every arm
         for algo in a.algos:
