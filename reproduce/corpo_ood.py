@@ -46,27 +46,15 @@ def parser():
     p.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS), help="arms")
     p.add_argument("--ood", nargs="+", default=OOD, help="out-of-domain tasks (rewards.py specs, e.g. "
                    "products:19)")
-    p.add_argument("--out", default=os.path.join("runs", "corpo_ood"), help="runs, results")
-    p.add_argument("--model", default="smollm2", help="the policy (tiny: the tests' few steps)")
-    p.add_argument("--steps", type=int, default=100, help="training steps per run")
-    p.add_argument("--prompts_per_step", type=int, default=8, help="questions per step")
-    p.add_argument("--group_size", type=int, default=8, help="completions per question")
-    p.add_argument("--lr", type=float, default=2e-5, help="learning rate, every arm")
-    p.add_argument("--max_new_tokens", type=int, default=0,
-                   help="reply tokens, training and evaluation (0: the task's, 32)")
+    base.run_arguments(p, "corpo_ood", 100, 0, "the task's, 32")
     p.add_argument("--eval_n", type=int, default=16, help="final evaluations: samples per question (pass@n)")
     p.add_argument("--eval_limit", type=int, default=40, help="final evaluations: questions of each task")
-    p.add_argument("--engine", default="vllm", choices=["vllm", "hf"], help="rollout and evaluation engine")
-    p.add_argument("--flags", default="", help="more trainer flags for every run")
     return p
 
 
 def train_flags(a, arm: str, seed: int) -> list:
     """The trainer's flags of one run: what its folder records and a reuse compares."""
-    return ["--model", a.model, "--task", TASK, "--engine", a.engine, "--steps", str(a.steps),
-            "--prompts_per_step", str(a.prompts_per_step), "--group_size", str(a.group_size),
-            "--lr", str(a.lr), "--max_new_tokens", str(a.max_new_tokens), "--eval_every", "0",
-            "--seed", str(seed), *ARMS[arm][2], *a.flags.split()]
+    return [*base.run_flags(a, TASK, seed), "--eval_every", "0", *ARMS[arm][2], *a.flags.split()]
 
 
 def _key(task: str) -> str:

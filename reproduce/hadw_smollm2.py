@@ -50,32 +50,20 @@ def parser():
                        allow_abbrev=False)
     p.add_argument("--seeds", nargs="+", type=seed_type, default=[5, 6, 7], help="seeds, 0 to 7")
     p.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS), help="arms")
-    p.add_argument("--out", default=os.path.join("runs", "hadw_smollm2"), help="runs, results, figure")
-    p.add_argument("--model", default="smollm2", help="the policy (tiny: the tests' few steps)")
-    p.add_argument("--steps", type=int, default=120, help="training steps per run")
-    p.add_argument("--prompts_per_step", type=int, default=8, help="questions per step")
-    p.add_argument("--group_size", type=int, default=8, help="completions per question")
-    p.add_argument("--lr", type=float, default=2e-5, help="learning rate, every arm")
+    base.run_arguments(p, "hadw_smollm2", 120, 0, "the task's, 32")
     p.add_argument("--threshold", type=float, default=0.5, help="the fixed arm's anchor C (--hadw_threshold)")
-    p.add_argument("--max_new_tokens", type=int, default=0,
-                   help="reply tokens, training and evaluation (0: the task's, 32)")
     p.add_argument("--eval_every", type=int, default=20, help="curves: evaluate every N steps")
     p.add_argument("--curve_limit", type=int, default=110, help="curves: held-out questions (levels mixed)")
     p.add_argument("--eval_n", type=int, default=2, help="curves: samples per held-out question")
     p.add_argument("--final_limit", type=int, default=0, help="final greedy evaluation: questions (0: all)")
-    p.add_argument("--engine", default="vllm", choices=["vllm", "hf"], help="rollout and evaluation engine")
-    p.add_argument("--flags", default="", help="more trainer flags for every run")
     return p
 
 
 def train_flags(a, arm: str, seed: int) -> list:
     """The trainer's flags of one run: what its folder records and a reuse compares."""
     own = ARMS[arm][1] + (["--hadw_threshold", str(a.threshold)] if arm == "fixed" else [])
-    return ["--model", a.model, "--task", TASK, "--engine", a.engine, "--steps", str(a.steps),
-            "--prompts_per_step", str(a.prompts_per_step), "--group_size", str(a.group_size),
-            "--lr", str(a.lr), "--max_new_tokens", str(a.max_new_tokens),
-            "--eval_every", str(a.eval_every), "--eval_limit", str(a.curve_limit), "--eval_n", str(a.eval_n),
-            "--seed", str(seed), *own, *a.flags.split()]
+    return [*base.run_flags(a, TASK, seed), "--eval_every", str(a.eval_every), "--eval_limit",
+            str(a.curve_limit), "--eval_n", str(a.eval_n), *own, *a.flags.split()]
 
 
 def run_one(a, arm: str, seed: int) -> tuple:

@@ -44,20 +44,11 @@ def parser():
                        allow_abbrev=False)
     p.add_argument("--seeds", nargs="+", type=seed_type, default=[5, 6, 7], help="seeds (non-negative)")
     p.add_argument("--algos", nargs="+", choices=list(ALGOS), default=list(ALGOS), help="algorithms")
-    p.add_argument("--out", default=os.path.join("runs", "seed000_smollm2"), help="runs, results, figure")
-    p.add_argument("--model", default="smollm2", help="the policy (tiny: the tests' few steps)")
-    p.add_argument("--steps", type=int, default=100, help="training steps per run")
-    p.add_argument("--prompts_per_step", type=int, default=8, help="questions per step")
-    p.add_argument("--group_size", type=int, default=8, help="completions per question")
-    p.add_argument("--lr", type=float, default=2e-5, help="learning rate, every algorithm")
-    p.add_argument("--max_new_tokens", type=int, default=8,
-                   help="reply tokens, training and evaluation (0: the task's)")
+    run_arguments(p, "seed000_smollm2", 100, 8, "the task's")
     p.add_argument("--eval_every", type=int, default=20, help="curves: evaluate every N steps")
     p.add_argument("--curve_limit", type=int, default=500, help="curves: held-out questions")
     p.add_argument("--eval_n", type=int, default=4, help="samples per held-out question (curves and final)")
     p.add_argument("--final_limit", type=int, default=0, help="final evaluation: questions (0: all 2,000)")
-    p.add_argument("--engine", default="vllm", choices=["vllm", "hf"], help="rollout and evaluation engine")
-    p.add_argument("--flags", default="", help="more trainer flags for every run")
     return p
 
 
@@ -70,13 +61,32 @@ def seed_type(text: str) -> int:
 seed_type.__name__ = "non-negative integer seed"  # argparse names the type in its one-line refusal
 
 
+def run_arguments(p, out: str, steps: int, max_new_tokens: int, tokens: str) -> None:
+    """The options every SmolLM2 reproduction shares (its own defaults): where, the policy, the batch, the
+    learning rate, reply tokens (`tokens`: what 0 means), the engine and more trainer flags."""
+    p.add_argument("--out", default=os.path.join("runs", out), help="runs, results, figure")
+    p.add_argument("--model", default="smollm2", help="the policy (tiny: the tests' few steps)")
+    p.add_argument("--steps", type=int, default=steps, help="training steps per run")
+    p.add_argument("--prompts_per_step", type=int, default=8, help="questions per step")
+    p.add_argument("--group_size", type=int, default=8, help="completions per question")
+    p.add_argument("--lr", type=float, default=2e-5, help="learning rate, every run")
+    p.add_argument("--max_new_tokens", type=int, default=max_new_tokens,
+                   help=f"reply tokens, training and evaluation (0: {tokens})")
+    p.add_argument("--engine", default="vllm", choices=["vllm", "hf"], help="rollout and evaluation engine")
+    p.add_argument("--flags", default="", help="more trainer flags for every run")
+
+
+def run_flags(a, task: str, seed: int) -> list:
+    """The trainer's flags run_arguments' options give one run of `task`, seeded `seed`."""
+    return ["--model", a.model, "--task", task, "--engine", a.engine, "--steps", str(a.steps),
+            "--prompts_per_step", str(a.prompts_per_step), "--group_size", str(a.group_size),
+            "--lr", str(a.lr), "--max_new_tokens", str(a.max_new_tokens), "--seed", str(seed)]
+
+
 def train_flags(a, algo: str, seed: int) -> list:
     """The trainer's flags of one run: what its folder records and a reuse compares."""
-    return ["--model", a.model, "--task", "calibration_plain", "--engine", a.engine, "--steps", str(a.steps),
-            "--prompts_per_step", str(a.prompts_per_step), "--group_size", str(a.group_size),
-            "--lr", str(a.lr), "--max_new_tokens", str(a.max_new_tokens),
-            "--eval_every", str(a.eval_every), "--eval_limit", str(a.curve_limit), "--eval_n", str(a.eval_n),
-            "--seed", str(seed), *ALGOS[algo][2], *a.flags.split()]
+    return [*run_flags(a, "calibration_plain", seed), "--eval_every", str(a.eval_every), "--eval_limit",
+            str(a.curve_limit), "--eval_n", str(a.eval_n), *ALGOS[algo][2], *a.flags.split()]
 
 
 def differing(folder: str, script: str, flags: list):
