@@ -346,6 +346,14 @@ def test_hadw_smollm2_runs_reuses_continues_and_refuses(tmp_path, capsys):
     same = [*HS_SMALL, "--seeds", "3", "--arms", "fixed", "--threshold", "0.25", "--out", str(out)]
     assert hs.main(same) == rows
     assert os.path.getmtime(out / "fixed-s3" / "metrics.jsonl") == stamp
+    # landed: its small files only, as results/ holds them in git (.gitignore leaves final/ out): reused
+    kept = tmp_path / "landed"
+    shutil.copytree(out, kept, ignore=shutil.ignore_patterns("final", "checkpoint*"))
+    assert hs.main([*same[:-1], str(kept)]) == rows and not (kept / "fixed-s3" / "final").exists()
+    with pytest.raises(SystemExit, match=r"landed/fixed-s3: landed without its weights \(no final/\), so its "
+                                         r"greedy evaluation \(--final_limit 6\) cannot be made") as e:
+        hs.main([*same[:-1], str(kept), "--final_limit", "6"])
+    assert "\n" not in str(e.value)
     a = hs.parser().parse_args([*HS_SMALL, "--threshold", "0.25", "--out", str(out)])
     subprocess.run([sys.executable, os.path.join(ROOT, "train_grpo.py"), *hs.train_flags(a, "fixed", 3),
                     "--out_dir", str(out), "--run_name", "fixed-s3", "--wandb", "false", "--save_every", "1",
