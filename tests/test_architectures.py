@@ -319,7 +319,8 @@ def test_the_sharded_load_reads_fused_experts_from_the_checkpoints_layout(tmp_pa
         monkeypatch.setattr("transformers.core_model_loading.revert_weight_conversion", fake)
         assert message in models._checkpoint_parts(meta, name, shape)
     monkeypatch.setattr("transformers.core_model_loading.revert_weight_conversion", revert_weight_conversion)
-    assert models._checkpoint_parts(meta, "model.norm.weight", (64,)) == [("model.norm.weight", (64,), None, 0)]
+    assert models._checkpoint_parts(meta, "model.norm.weight", (64,)) == [("model.norm.weight", (64,), None,
+                                                                            0)]
 
 
 def test_mixtrals_router_noise_is_off_for_training():
