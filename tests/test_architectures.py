@@ -187,13 +187,13 @@ def test_a_softcapped_model_trains_with_the_sampler_agreeing(tmp_path):
     assert len([line for line in lines if '"step"' in line]) >= 3
 
 
-def save_family(family: str, folder: str) -> str:
-    """build(family) with the built-in model's tokenizer and prompt style (addition's alphabet), saved to
+def save_family(family: str, folder: str, task: str = "addition") -> str:
+    """build(family) with the built-in model's tokenizer and prompt style (over `task`'s alphabet), saved to
     `folder`: a model folder train_*.py --model takes."""
     import rewards
     model = build(family)
     tokenizer = transformers.AutoTokenizer.from_pretrained(
-        models.build_tiny_model(rewards.load_task("addition").alphabet))
+        models.build_tiny_model(rewards.load_task(task).alphabet))
     model.resize_token_embeddings(len(tokenizer))
     model.config.eos_token_id, model.config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     model.save_pretrained(folder)
@@ -321,6 +321,48 @@ def test_the_sharded_load_reads_fused_experts_from_the_checkpoints_layout(tmp_pa
     monkeypatch.setattr("transformers.core_model_loading.revert_weight_conversion", revert_weight_conversion)
     assert models._checkpoint_parts(meta, "model.norm.weight", (64,)) == [("model.norm.weight", (64,), None,
                                                                             0)]
+
+
+@pytest.mark.slow
+def test_the_trainers_train_each_mixture_of_experts_and_vllm_on_cpu_refuses_them(tmp_path):
+    """Qwen3-MoE, Mixtral and OLMoE with the built-in tokenizer, HF engine, fp32, packed, on calibration (a
+    dense reward: every step has a gradient): 2 GRPO steps and 2 RLOO steps with LoRA on the attention (the
+    fused experts are no linear layer: add_lora refuses them), the sampler's log-probs the trainer's; GRPO
+    saved every step and resumed from step 1 (Qwen3-MoE): the same metrics. --engine vllm and a CPU --engine
+    server (the LoRA policy) refuse each at start in one line naming the model (check_moe_reload)."""
+    import common
+    import train_grpo
+    import train_rloo
+    from rlmini import server
+    from test_train_grpo import _rows_without_timing, _same
+    base = ["--engine", "hf", "--task", "calibration", "--prompts_per_step", "2", "--group_size", "4",
+            "--max_new_tokens", "6", "--out_dir", str(tmp_path / "runs"), "--wandb", "false"]
+    lora = ["--lora_rank", "4", "--lora_targets", "q_proj,k_proj,v_proj,o_proj"]
+    for family in MOE:
+        folder = save_family(family, str(tmp_path / family), "calibration")  # a dense reward: a gradient
+        model = f"--model={folder}"
+        for script, extra in ((train_grpo, ["--save_every", "1"]), (train_rloo, lora)):
+            name = f"{family}-{script.__name__}"
+            run = script.main([model, "--steps", "2", "--run_name", name, *base, *extra])
+            assert packing.packing_enabled(run.model), family
+            rows = _rows_without_timing(run.run_dir)
+            assert len(rows) == 2 and rows[0]["grad_norm"] > 0, (family, script.__name__)
+            assert all(r["logprob/sampler_diff"] < 1e-5 for r in rows), (family, script.__name__, rows)
+        if family == "qwen3-moe":
+            for steps, resume in (("1", "false"), ("2", "true")):
+                train_grpo.main([model, "--steps", steps, "--resume", resume, "--save_every", "1",
+                                 "--run_name", "half", *base])
+            _same(_rows_without_timing(tmp_path / "runs" / f"{family}-train_grpo"),
+                  _rows_without_timing(tmp_path / "runs" / "half"))
+        with pytest.raises(SystemExit) as e:
+            train_grpo.main([model, *base, "--engine", "vllm", "--run_name", "vllm"])
+        cls = transformers.AutoConfig.from_pretrained(folder).architectures[0]
+        assert "\n" not in str(e.value) and f"--engine vllm: {cls} is a mixture of experts" in str(e.value)
+        assert "use --engine hf on CPU" in str(e.value)
+        args = common.Args(engine="server", server_url="http://127.0.0.1:1", out_dir=str(tmp_path))
+        with pytest.raises(SystemExit, match=f"--engine server .* on cpu.: {cls} is a mixture of experts"):
+            server.ServerEngine(args, run.model, run.tokenizer, torch.device("cpu"), torch.float32,
+                                ("served", "cpu"))
 
 
 def test_mixtrals_router_noise_is_off_for_training():
