@@ -285,12 +285,12 @@ def _checkpoint_sources(targets, kept, index, base, path) -> tuple[dict, str | N
     peft's wrapping names removed; strides None: the whole target), or, where transformers keeps the family
     in a layout of its own (a mixture of experts' fused experts, renamed modules), the checkpoint tensors its
     own mapping gives (_checkpoint_parts), each into its strided place in the target."""
-    sources, headers, prefix = {}, {}, base.base_model_prefix
+    sources, headers, prefix, layouts = {}, {}, base.base_model_prefix, {}
     for name, target in targets:
         if name in kept:
             continue
         plain = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
-        parts = _checkpoint_parts(base, plain, tuple(target.shape))
+        parts = _checkpoint_parts(base, plain, tuple(target.shape), layouts)
         if isinstance(parts, str):
             return {}, f"{path}: {parts}"
         sources[name] = []
@@ -317,16 +317,21 @@ def _checkpoint_sources(targets, kept, index, base, path) -> tuple[dict, str | N
     return sources, None
 
 
-def _checkpoint_parts(model, name: str, shape: tuple) -> list | str:
+def _checkpoint_parts(model, name: str, shape: tuple, layouts: dict) -> list | str:
     """[(checkpoint key, shape, strides, offset)]: where each checkpoint tensor of in-memory parameter `name`
     lies in it, derived from transformers' own mapping between the two layouts, run backwards as
     save_pretrained runs it (transformers/core_model_loading.py::revert_weight_conversion) on the target's
     element indices: each part must be a strided view of the target (fused experts are: E experts' gate and
     up rows), the parts covering every element once. [(name, shape, None, 0)] where the layouts agree; a
-    one-line reason where the mapping cannot be read this way."""
+    one-line reason where the mapping cannot be read this way. `layouts`: the places found so far, by the
+    names with their numbers masked (every layer's experts lie alike: the indices are made once)."""
     from transformers.core_model_loading import revert_weight_conversion
-    if list(revert_weight_conversion(model, {name: torch.empty(shape, device="meta")})) == [name]:
+    keys = list(revert_weight_conversion(model, {name: torch.empty(shape, device="meta")}))
+    if keys == [name]:
         return [(name, shape, None, 0)]
+    masked = (re.sub(r"\d+", "#", name), shape, tuple(re.sub(r"\d+", "#", k) for k in keys))
+    if masked in layouts:
+        return [(k, *place) for k, place in zip(keys, layouts[masked])]
     n = math.prod(shape)
     index = torch.arange(n, dtype=torch.int32 if n < 2**31 else torch.int64).view(shape)
     seen, parts = torch.zeros(n, dtype=torch.bool), []
@@ -344,6 +349,8 @@ def _checkpoint_parts(model, name: str, shape: tuple) -> list | str:
         parts.append((key, tuple(idx.shape), tuple(strides), at))
     if not seen.all():
         return f"transformers' mapping leaves part of {name} unread: not supported on many ranks"
+    if [k for k, *_ in parts] == keys:
+        layouts[masked] = [tuple(place) for _, *place in parts]
     return parts
 
 

@@ -317,10 +317,10 @@ def test_the_sharded_load_reads_fused_experts_from_the_checkpoints_layout(tmp_pa
                           (lambda m, sd: {"a": sd[name][:2], "b": sd[name][1:]}, "twice"),
                           (lambda m, sd: {"a": sd[name][:2]}, "leaves part")):
         monkeypatch.setattr("transformers.core_model_loading.revert_weight_conversion", fake)
-        assert message in models._checkpoint_parts(meta, name, shape)
+        assert message in models._checkpoint_parts(meta, name, shape, {})
     monkeypatch.setattr("transformers.core_model_loading.revert_weight_conversion", revert_weight_conversion)
-    assert models._checkpoint_parts(meta, "model.norm.weight", (64,)) == [("model.norm.weight", (64,), None,
-                                                                            0)]
+    assert models._checkpoint_parts(meta, "model.norm.weight", (64,), {}) == [("model.norm.weight", (64,),
+                                                                                None, 0)]
 
 
 @pytest.mark.slow
