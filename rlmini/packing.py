@@ -209,6 +209,9 @@ def index_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 # what transformers' attention layers pass that changes nothing here (the packed rows carry the positions)
 _INERT = {"position_ids", "cache_position", "use_cache", "output_attentions", "past_key_values", "is_causal"}
+# off, what a mixture of experts passes every layer: routing is per token, so a packed token is routed as in
+# its padded row (no router logits asked for: the trainer adds no load-balancing loss)
+_INERT_WHEN_FALSE = {"output_router_logits"}
 
 
 def packed_attention(delegate):
@@ -226,7 +229,8 @@ def packed_attention(delegate):
             extra = {} if softcap is None else {"softcap": softcap}
             return delegate(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                             sliding_window=sliding_window, **extra, **kwargs)
-        unknown = sorted(k for k, v in kwargs.items() if k not in _INERT and v is not None)
+        unknown = sorted(k for k, v in kwargs.items() if k not in _INERT and v is not None
+                         and not (k in _INERT_WHEN_FALSE and v is False))
         if unknown:
             raise NotImplementedError(f"packed attention does not implement {', '.join(unknown)}")
         if isinstance(packed_rows, FlexLayout):
