@@ -78,6 +78,7 @@ class HFEngine:
     def calibrate(self, prompt: list, max_new_tokens: int, seed: int, temperature: float = 1.0) -> tuple:
         return (list(prompt), []), 0.0, 0.0
 
+    @torch.no_grad()
     def generate(self, prompt_ids: list, n: int, max_new_tokens, temperature: float, seed: int, stop=None):
         """n completions per prompt, fixed by `seed`; the sampler's log-prob of each token is
         log_softmax(logits / T), as the trainer computes it. T = 0: greedy (the argmax of the logits, as
@@ -85,13 +86,9 @@ class HFEngine:
         budget, or one per prompt; `stop`: strings that end a completion when its text contains one (kept in
         it, like vLLM's include_stop_str_in_output; rlmini/tools.py). A mixture of experts whose routers are
         hooked (rlmini/moe.py::install): each completion's routes too (Rollouts.routes)."""
-        with moe.capturing(self.model) as take:
-            return self._generate(prompt_ids, n, max_new_tokens, temperature, seed, stop, take)
-
-    @torch.no_grad()
-    def _generate(self, prompt_ids, n, max_new_tokens, temperature, seed, stop, take):
         from transformers import DynamicCache
         _check_awake(self)
+        take = moe.capture(self.model)  # None: no routes to capture
         greedy = temperature == 0
         copies, n = (n, 1) if greedy else (1, n)  # greedy: one completion per prompt, repeated
         model, device, dtype = self.model, self.device, self.dtype
@@ -170,6 +167,7 @@ class HFEngine:
                 routes[active, t] = take()
             next_pos = next_pos + 1
         model.train(was_training)
+        moe.capture(model, on=False)
         progress.advance((B - counted) * copies)  # the rows the budget ended
         tokens, logps, length = tokens.cpu().tolist(), logps.cpu().tolist(), length.cpu().tolist()
         r = Rollouts([], [], [], [], self.pad_id, routes=[] if take else None)
@@ -247,7 +245,7 @@ def _start_vllm(args, path: str, device, dtype, max_len: int, share: float = 0.0
                   logprobs_mode="processed_logprobs",
                   enable_prefix_caching=True, use_tqdm_on_load=not quiet.active())  # bars: sys.stderr
     kwargs.update(max_num_seqs=memplan.engine_batch(args, dist.world_size()))  # prefill in large chunks
-    if args.routing_replay:  # each completion's experts per layer (vllm/config/aux_output.py::AuxOutputConfig)
+    if args.routing_replay:  # each token's experts per layer (vllm/config/aux_output.py::AuxOutputConfig)
         kwargs.update(enable_return_routed_experts=True)
     if cuda:
         # asleep, the CUDA graphs go to host memory too (resident by default), at level 2 as well

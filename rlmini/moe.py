@@ -11,7 +11,6 @@ over them or not by family (Mixtral always, Qwen3-MoE and OLMoE by config.norm_t
 replaces the last two. A route is one int per (token position, MoE layer, k): [positions, layers, top_k],
 uint8 up to 256 experts, positions 0..P+L-2 of prompt + completion (the last token is never fed to the
 sampler: vllm/distributed/aux_output_connector/connector.py::take_output, token_end = num_tokens - 1)."""
-import contextlib
 import sys
 
 import torch
@@ -22,7 +21,8 @@ def routers(model) -> list:
     a dense model or one whose router transformers does not record."""
     model = getattr(model, "policy", model)  # AdaptersOff (a LoRA policy's reference): its policy
     kinds = {getattr(rec, "target_class", None) for m in model.modules()
-             for name, rec in (getattr(m, "_can_record_outputs", None) or {}).items() if name == "router_logits"}
+             for name, rec in (getattr(m, "_can_record_outputs", None) or {}).items()
+             if name == "router_logits"}
     kinds.discard(None)
     return [m for m in model.modules() if kinds and isinstance(m, tuple(kinds))]
 
@@ -62,8 +62,8 @@ def prepare(args, model) -> None:
     if not experts(model):
         if args.routing_replay:
             family = type(getattr(model, "policy", model)).__name__
-            raise SystemExit(f"--routing_replay: --model {args.model} ({family}) is not a mixture of experts: "
-                             f"it has no routes to replay")
+            raise SystemExit(f"--routing_replay: --model {args.model} ({family}) is not a mixture of "
+                             f"experts: it has no routes to replay")
         return
     why = install(model, args.model)
     if why and args.routing_replay:
@@ -75,7 +75,9 @@ def prepare(args, model) -> None:
 def layout(micro, replay: bool) -> dict:
     """A policy pass's micro-batch layout: with the sampler's routes, replayed (--routing_replay) or only
     compared with the trainer's own (moe/route_agree)."""
-    return micro.layout if micro.routes is None else {**micro.layout, "routes": micro.routes, "replay": replay}
+    if micro.routes is None:
+        return micro.layout
+    return {**micro.layout, "routes": micro.routes, "replay": replay}
 
 
 def _weighing(state: dict, out):
@@ -141,7 +143,7 @@ def set_routes(model, routes, replay: bool = False) -> None:
     state = _state(model)
     if state is None:
         return
-    state["routes"], state["replay"] = routes, replay and routes is not None
+    state["routes"], state["replay"], state["captured"] = routes, replay and routes is not None, None
     n = routes.shape[0] if routes is not None else 0
     state["agree"] = routes.new_zeros(n, dtype=torch.float32) if routes is not None else None
     state["valid"] = routes.new_zeros(n, dtype=torch.float32) if routes is not None else None
@@ -160,24 +162,20 @@ def agreement(model, mask) -> tuple | None:
     return (agree * mask).sum(), (valid * mask).sum()
 
 
-@contextlib.contextmanager
-def capturing(model):
-    """While it is open the router outputs of every forward are kept: take() gives each forward's
-    [tokens, layers, top_k] (route_dtype), in call order. No replay meanwhile."""
+def capture(model, on: bool = True):
+    """on: from now every forward's router outputs are kept, and the function returned gives each forward's
+    [tokens, layers, top_k] (route_dtype), in call order (None: `model` has no hooked routers); no replay
+    meanwhile. off: none kept (set_routes also ends a capture, one a generate that raised left open)."""
     state = _state(model)
     if state is None:
-        yield None
-        return
-    state["routes"], state["agree"], state["captured"] = None, None, [[] for _ in range(state["layers"])]
+        return None
+    state["routes"], state["agree"], state["valid"] = None, None, None
+    state["captured"] = [[] for _ in range(state["layers"])] if on else None
     dtype = route_dtype(state["experts"])
 
     def take() -> torch.Tensor:
-        got = torch.stack([x.pop(0) for x in state["captured"]], 1)  # [tokens, layers, top_k]
-        return got.to(dtype)
-    try:
-        yield take
-    finally:
-        state["captured"] = None
+        return torch.stack([x.pop(0) for x in state["captured"]], 1).to(dtype)  # [tokens, layers, top_k]
+    return take if on else None
 
 
 def padded(routes: list, rows: list, width: int, device) -> torch.Tensor:

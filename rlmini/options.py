@@ -71,8 +71,8 @@ def validate(args) -> None:
                          "returns no routed experts (vllm/entrypoints/openai/completion/protocol.py); use "
                          "--engine vllm or hf")
     if getattr(args, "routing_replay", False) and (getattr(args, "tools", "") or getattr(args, "env", "")):
-        raise ValueError("--routing_replay: with --tools or --env a trajectory is sampled over several turns, "
-                         "whose routes are not joined; train without them or without replay")
+        raise ValueError("--routing_replay: with --tools or --env a trajectory is sampled over several "
+                         "turns, whose routes are not joined; train without them or without replay")
     tp = getattr(args, "vllm_tp", 1)
     ranks = args.gpus if getattr(args, "plan_only", False) else int(os.environ.get("WORLD_SIZE", 1))
     if tp > 1 and args.engine != "vllm":
