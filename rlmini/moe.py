@@ -182,7 +182,7 @@ def padded(routes: list, rows: list, width: int, device) -> torch.Tensor:
     """Completions `rows`' routes ([P + L - 1, layers, top_k] each, or None) laid out like the trainer's
     padded rows (packing.make_batch: prompt + completion, right-padded to `width`) -> [b * width, layers,
     top_k] int16, -1 where there is none (padding, the last token, a completion without routes)."""
-    shape = next(r.shape[1:] for r in (routes[i] for i in rows) if r is not None)
+    shape = next(r.shape[1:] for r in routes if r is not None)  # [layers, top_k]
     out = torch.full((len(rows), width, *shape), -1, dtype=torch.int16)
     for j, i in enumerate(rows):
         if routes[i] is not None:

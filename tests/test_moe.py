@@ -10,7 +10,8 @@ import torch
 import transformers
 
 import common
-from rlmini import engine, logprobs, moe, packing
+from rlmini import engine, logprobs, models, moe, packing
+from rlmini.rollouts import continue_prefixes
 from test_architectures import FAMILIES, _Tok, build
 
 T = 0.7
@@ -67,6 +68,16 @@ def test_routing_replay_follows_the_samplers_experts(family):
         grads.append([b.mlp.gate.weight.grad.clone() for b in model.model.layers])
     for own, replayed in zip(*grads):
         assert own.abs().sum() > 0 and torch.allclose(own, replayed, rtol=1e-5, atol=1e-7 * own.abs().max())
+    # continued prefixes (common.generate(prefixes=)): routes of prompt + prefix + continuation; none where
+    # nothing was sampled (a prefix filling the budget), whose tokens the trainer routes itself
+    c = continue_prefixes(engine.HFEngine(model, _Tok()), [[3, 4, 5], [9, 10]], [[6, 7], [8] * 8], 2, 8, T, 4,
+                          [3])
+    assert [None if x is None else len(x) for x in c.routes] == [3 + len(c.completion_ids[0]) - 1,
+                                                                 3 + len(c.completion_ids[1]) - 1, None, None]
+    lp, agree, layout, _ = routed(model, c, replay=True)
+    with torch.no_grad():
+        plain = logprobs.token_logprobs(model, layout, T)[0][layout["mask"] > 0]
+    assert agree == 1.0 and (lp - plain).abs().max() < 1e-5
     # (b) the trainer's router moves after sampling: its own top-k differs from the sampler's on some tokens
     torch.manual_seed(1)
     with torch.no_grad():
@@ -94,6 +105,16 @@ def test_routing_replay_follows_the_samplers_experts(family):
     for b in model.model.layers:
         g = b.mlp.gate.weight.grad
         assert g is not None and torch.isfinite(g).all() and g.abs().sum() > 0
+    # gradient checkpointing recomputes each layer in the backward: replayed there too, the same gradient
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    models.prepare_for_training(model, gradient_checkpointing=True, packing=False)
+    model.zero_grad()
+    again = routed(model, r, replay=True, grad=True)[0]
+    again.sum().backward()
+    assert torch.equal(again, lp)
+    for n, g in grads.items():
+        p = dict(model.named_parameters())[n]
+        assert torch.allclose(p.grad, g, rtol=1e-5, atol=1e-6 * g.abs().max()), n
 
 
 def test_routing_replay_trains_a_mixture_of_experts(tmp_path):
