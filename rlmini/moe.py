@@ -35,17 +35,16 @@ def install(model, name: str) -> str:
     """Hook every router of `model` (capture, replay, agreement); "" when done, else why its family's routes
     cannot be replayed (one line naming it). A forward on 8 tokens reads how the family weighs its top-k:
     the router's own weights must equal softmax(logits) at its indices, renormalised over them or not."""
-    found = routers(model)
-    family = type(getattr(model, "policy", model)).__name__
+    found, base = routers(model), getattr(model, "policy", model)
+    family = type(base).__name__
     if not found:
         return (f"--model {name}: {family} is a mixture of experts whose router transformers does not record "
                 f"(no router_logits in _can_record_outputs): its routes cannot be captured or replayed")
     state = {"routes": None, "replay": False, "captured": None, "agree": None, "valid": None, "renorm": None,
              "layers": len(found), "top_k": 0, "experts": 0}
-    getattr(model, "policy", model)._rlmini_routes = state
+    base._rlmini_routes = state
     for layer, r in enumerate(found):
         r.register_forward_hook(lambda module, args, out, layer=layer: _route(state, layer, out))
-    base = getattr(model, "policy", model)
     with torch.no_grad():  # a whole forward (under FSDP2 a collective of every rank): its routers' weighing
         base(input_ids=torch.arange(2, 10, device=next(base.parameters()).device)[None], use_cache=False)
     if isinstance(state["renorm"], str):  # its hooks stay, inert: no state to capture, compare or replay into
