@@ -119,7 +119,8 @@ def test_routing_replay_follows_the_samplers_experts(family):
 
 def test_routing_replay_trains_a_mixture_of_experts(tmp_path):
     """(c) train_grpo.py, 2 steps on a tiny Qwen3-MoE with the built-in tokenizer, --engine hf, fp32: the
-    sampler's routes replayed, the trainer reproducing the sampler, moe/route_agree logged (1 in fp32)."""
+    sampler's routes replayed, the trainer reproducing the sampler, moe/route_agree logged (1 in fp32); and
+    a step without replay, the agreement logged too."""
     import rewards
     import train_grpo
     from rlmini import models
@@ -133,16 +134,17 @@ def test_routing_replay_trains_a_mixture_of_experts(tmp_path):
     tokenizer.save_pretrained(folder)
     with open(f"{folder}/rlmini.json", "w") as f:
         f.write('{"prompt_style": "tiny"}')
-    run = train_grpo.main(["--model", folder, "--engine", "hf", "--steps", "2", "--prompts_per_step", "4",
-                           "--group_size", "4", "--max_new_tokens", "8", "--micro_batch_size", "6",
-                           "--routing_replay", "true", "--dtype", "float32", "--out_dir",
-                           str(tmp_path / "runs"), "--run_name", "r3", "--wandb", "false",
-                           "--save_every", "-1"])
-    assert run.step == 2 and moe.installed(run.model)
     import json
-    rows = [json.loads(x) for x in open(tmp_path / "runs" / "r3" / "metrics.jsonl") if '"step"' in x]
-    assert len(rows) == 2 and all(x["moe/route_agree"] == 1.0 and x["logprob/sampler_diff"] < 1e-5
-                                  for x in rows), rows
+    for replay, steps in (("true", 2), ("false", 1)):  # without replay the agreement is logged all the same
+        run = train_grpo.main(["--model", folder, "--engine", "hf", "--steps", str(steps),
+                               "--prompts_per_step", "4", "--group_size", "4", "--max_new_tokens", "8", "--micro_batch_size", "6",
+                               "--routing_replay", replay, "--dtype", "float32", "--out_dir",
+                               str(tmp_path / "runs"), "--run_name", replay, "--wandb", "false",
+                               "--save_every", "-1"])
+        assert run.step == steps and moe.installed(run.model)
+        rows = [json.loads(x) for x in open(tmp_path / "runs" / replay / "metrics.jsonl") if '"step"' in x]
+        assert len(rows) == steps and all(x["moe/route_agree"] == 1.0 and x["logprob/sampler_diff"] < 1e-5
+                                          for x in rows), rows
 
 
 def test_what_cannot_return_routes_is_refused_in_one_line(tmp_path, monkeypatch):
