@@ -138,8 +138,8 @@ def test_routing_replay_trains_a_mixture_of_experts(tmp_path):
     for replay, steps in (("true", 2), ("false", 1)):  # without replay the agreement is logged all the same
         run = train_grpo.main(["--model", folder, "--engine", "hf", "--steps", str(steps),
                                "--prompts_per_step", "4", "--group_size", "4", "--max_new_tokens", "8",
-                               "--micro_batch_size", "6", "--routing_replay", replay, "--dtype", "float32", "--out_dir",
-                               str(tmp_path / "runs"), "--run_name", replay, "--wandb", "false",
+                               "--micro_batch_size", "6", "--routing_replay", replay, "--dtype", "float32",
+                               "--out_dir", str(tmp_path / "runs"), "--run_name", replay, "--wandb", "false",
                                "--save_every", "-1"])
         assert run.step == steps and moe.installed(run.model)
         rows = [json.loads(x) for x in open(tmp_path / "runs" / replay / "metrics.jsonl") if '"step"' in x]
