@@ -2,6 +2,7 @@
 OLMoE: 4 experts, top-2, fp32): the HF engine returns each token's experts per layer, the trainer's forward
 replays them with the router's weights over them from its own logits, and moe/route_agree measures how often
 the trainer's own top-k is the sampler's. What cannot return or replay routes is refused in one line."""
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -187,7 +188,8 @@ def test_what_cannot_return_routes_is_refused_in_one_line(tmp_path, monkeypatch)
     with pytest.raises(SystemExit):
         engine._start_vllm(common.Args(engine="vllm", routing_replay=True), str(tmp_path),
                            torch.device("cpu"), torch.float32, 64)
-    assert started["enable_return_routed_experts"] is True
+    assert started["enable_return_routed_experts"] is True  # vLLM's own name (vllm/engine/arg_utils.py)
+    assert "enable_return_routed_experts" in {f.name for f in dataclasses.fields(vllm.EngineArgs)}
     # ... and the routes read from its outputs: vllm/outputs.py::CompletionOutput.routed_experts, rows for
     # positions 0 .. P + L - 2 (vllm/distributed/aux_output_connector/connector.py::take_output)
     prompt, toks = [3, 4, 5], [6, 7]
