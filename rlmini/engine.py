@@ -171,11 +171,13 @@ class HFEngine:
         progress.advance((B - counted) * copies)  # the rows the budget ended
         tokens, logps, length = tokens.cpu().tolist(), logps.cpu().tolist(), length.cpu().tolist()
         r = Rollouts([], [], [], [], self.pad_id, routes=[] if take else None)
+        if take:  # one copy each to the host
+            first, routes = first.cpu(), routes.cpu()
         for i in range(B):
             toks = tokens[i][:length[i]]
             if take:  # positions 0 .. P + L - 2: the last token was never fed
                 p = len(prompt_ids[i // n])
-                own = torch.cat([first[i // n, width - p:], routes[i, :length[i]]])[:p + length[i] - 1].cpu()
+                own = torch.cat([first[i // n, width - p:], routes[i, :length[i]]])[:p + length[i] - 1]
             for _ in range(copies):
                 r.prompt_ids.append(list(prompt_ids[i // n]))
                 r.completion_ids.append(list(toks))
