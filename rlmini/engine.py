@@ -42,7 +42,7 @@ def make_engine(args, path: str, model, tokenizer, device, dtype, max_len: int, 
     return VLLMEngine(_start_vllm(args, path, device, dtype, max_len, share), model, tokenizer, device, dtype,
                       sleep_mode=device.type == "cuda" and args.vllm_sleep,
                       seed_per_request=args.vllm_seed == "request", adapters=_vllm_lora(args),
-                      tp=args.vllm_tp, routes=experts(model) if args.routing_replay else 0)
+                      tp=args.vllm_tp, routes=args.routing_replay)
 
 
 def stop_ids(tokenizer, model=None) -> frozenset:
@@ -387,9 +387,9 @@ class VLLMEngine:
     its weights discarded; elsewhere a state only) it refuses to generate until the next push wakes it."""
 
     def __init__(self, llm, model, tokenizer, device=torch.device("cpu"), dtype=torch.float32,
-                 sleep_mode=False, seed_per_request=True, adapters=False, tp=1, routes=0):
+                 sleep_mode=False, seed_per_request=True, adapters=False, tp=1, routes=False):
         self.llm, self.model, self.tokenizer, self.device, self.dtype = llm, model, tokenizer, device, dtype
-        self.routes = routes  # --routing_replay: the model's experts, whose routes vLLM returns (else 0)
+        self.routes = routes  # --routing_replay: vLLM returns each token's experts (rlmini/moe.py)
         self.seed_per_request, self.tp = seed_per_request, tp  # tp: ranks sharing this engine (--vllm_tp)
         self.adapters, self.lora = (Adapters() if adapters else None), None  # --lora_push adapter
         self.eos_ids, self.pad_id = stop_ids(tokenizer, model), tokenizer.pad_token_id
@@ -435,7 +435,7 @@ class VLLMEngine:
             for c in out.outputs * (n if greedy else 1):
                 toks = list(c.token_ids)
                 if self.routes:
-                    r.routes.append(moe.from_vllm(c, len(ids), len(toks), self.routes))
+                    r.routes.append(moe.from_vllm(c, len(ids), len(toks), self.model))
                 r.prompt_ids.append(list(ids))
                 r.completion_ids.append(toks)
                 r.sampler_logprobs.append([lp[t].logprob for t, lp in zip(toks, c.logprobs)])

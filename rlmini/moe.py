@@ -11,6 +11,7 @@ over them or not by family (Mixtral always, Qwen3-MoE and OLMoE by config.norm_t
 replaces the last two. A route is one int per (token position, MoE layer, k): [positions, layers, top_k],
 uint8 up to 256 experts, positions 0..P+L-2 of prompt + completion (the last token is never fed to the
 sampler: vllm/distributed/aux_output_connector/connector.py::take_output, token_end = num_tokens - 1)."""
+import re
 import sys
 
 import torch
@@ -40,8 +41,11 @@ def install(model, name: str) -> str:
     if not found:
         return (f"--model {name}: {family} is a mixture of experts whose router transformers does not record "
                 f"(no router_logits in _can_record_outputs): its routes cannot be captured or replayed")
+    names = {id(m): name for name, m in base.named_modules()}
+    numbers = [re.findall(r"\.(\d+)\.", f".{names[id(r)]}.") for r in found]  # model.layers.3.mlp.gate: 3
     state = {"routes": None, "replay": False, "captured": None, "agree": None, "valid": None, "renorm": None,
-             "layers": len(found), "top_k": 0, "experts": 0}
+             "layers": len(found), "top_k": 0, "experts": 0,  # each router's decoder layer (vLLM's columns)
+             "layer_ids": [int(x[0]) if x else k for k, x in enumerate(numbers)]}
     base._rlmini_routes = state
     for layer, r in enumerate(found):
         r.register_forward_hook(lambda module, args, out, layer=layer: _route(state, layer, out))
@@ -189,11 +193,14 @@ def padded(routes: list, rows: list, width: int, device) -> torch.Tensor:
     return out.view(-1, *shape).to(device)
 
 
-def from_vllm(completion, prompt_len: int, length: int, experts: int) -> torch.Tensor:
-    """A vLLM CompletionOutput's routes as ours. vllm/outputs.py::CompletionOutput.routed_experts is
-    [seq_len, layer_num, topk] (numpy, uint8/uint16/int32), one row per fed position from
-    SamplingParams.routed_experts_prompt_start (0 here) to num_tokens - 1
-    (vllm/distributed/aux_output_connector/connector.py::take_output); so P + L - 1 rows."""
+def from_vllm(completion, prompt_len: int, length: int, model) -> torch.Tensor:
+    """A vLLM CompletionOutput's routes as ours (`model`: the trainer's, hooked). vllm/outputs.py::
+    CompletionOutput.routed_experts is [seq_len, layer_num, topk] (numpy, uint8/uint16/int32), one row per
+    fed position from SamplingParams.routed_experts_prompt_start (0 here) to num_tokens - 1
+    (vllm/distributed/aux_output_connector/connector.py::take_output), so P + L - 1 rows, and one column per
+    decoder layer, dense ones included (vllm/model_executor/layers/fused_moe/routed_experts_capturer.py::
+    _get_routed_experts_shape: get_total_num_hidden_layers): the MoE layers' columns are ours."""
+    state = _state(model)
     got = getattr(completion, "routed_experts", None)
     if got is None:
         raise ValueError("--routing_replay: vLLM returned no routed_experts for a completion (its engine was "
@@ -201,4 +208,7 @@ def from_vllm(completion, prompt_len: int, length: int, experts: int) -> torch.T
     if got.shape[0] != prompt_len + length - 1:
         raise ValueError(f"--routing_replay: vLLM returned routes for {got.shape[0]} positions, expected "
                          f"prompt {prompt_len} + completion {length} - 1")
-    return torch.from_numpy(got.astype("int64")).to(route_dtype(experts))
+    if got.shape[1] <= max(state["layer_ids"]):
+        raise ValueError(f"--routing_replay: vLLM returned routes for {got.shape[1]} layers, the model's MoE "
+                         f"layers are {state['layer_ids']}")
+    return torch.from_numpy(got[:, state["layer_ids"]].astype("int64")).to(route_dtype(state["experts"]))

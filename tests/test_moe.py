@@ -13,7 +13,7 @@ import transformers
 import common
 from rlmini import engine, logprobs, models, moe, packing
 from rlmini.rollouts import continue_prefixes
-from test_architectures import FAMILIES, _Tok, build
+from test_architectures import BASE, FAMILIES, _Tok, build
 
 T = 0.7
 MOE = ["qwen3-moe", "mixtral", "olmoe"]
@@ -193,15 +193,19 @@ def test_what_cannot_return_routes_is_refused_in_one_line(tmp_path, monkeypatch)
     # ... and the routes read from its outputs: vllm/outputs.py::CompletionOutput.routed_experts, rows for
     # positions 0 .. P + L - 2 (vllm/distributed/aux_output_connector/connector.py::take_output)
     prompt, toks = [3, 4, 5], [6, 7]
-    routes = np.arange(4 * 2 * 2, dtype=np.int32).reshape(4, 2, 2) % 4
+    routes = np.arange(4 * 3 * 2, dtype=np.int32).reshape(4, 3, 2) % 4  # a dense layer 1 between MoE 0, 2
     lps = [{6: SimpleNamespace(logprob=-1.0)}, {7: SimpleNamespace(logprob=-2.0)}]
     out = SimpleNamespace(outputs=[SimpleNamespace(token_ids=toks, routed_experts=routes, logprobs=lps,
                                                    finish_reason="length")])
-    double = engine.VLLMEngine(None, build("qwen3-moe"), _Tok(), routes=4)
+    cls, kw = FAMILIES["qwen3-moe"]
+    moe_model = transformers.AutoModelForCausalLM.from_config(
+        getattr(transformers, cls)(**{**BASE, **kw, "num_hidden_layers": 3, "mlp_only_layers": [1]}))
+    assert moe.install(moe_model, "qwen3-moe") == "" and moe_model._rlmini_routes["layer_ids"] == [0, 2]
+    double = engine.VLLMEngine(None, moe_model, _Tok(), routes=True)
     double.llm = SimpleNamespace(generate=lambda *a, **k: [out])
     got = double.generate([prompt], 1, 2, 1.0, seed=0)
     assert got.routes[0].dtype == torch.uint8
-    assert torch.equal(got.routes[0].long(), torch.from_numpy(routes).long())
+    assert torch.equal(got.routes[0].long(), torch.from_numpy(routes[:, [0, 2]]).long())
     out.outputs[0].routed_experts = routes[:3]
     with pytest.raises(ValueError, match="prompt 3 \\+ completion 2 - 1"):
         double.generate([prompt], 1, 2, 1.0, seed=0)
