@@ -201,6 +201,8 @@ def test_what_cannot_return_routes_is_refused_in_one_line(tmp_path, monkeypatch)
     moe_model = transformers.AutoModelForCausalLM.from_config(
         getattr(transformers, cls)(**{**BASE, **kw, "num_hidden_layers": 3, "mlp_only_layers": [1]}))
     assert moe.install(moe_model, "qwen3-moe") == "" and moe_model._rlmini_routes["layer_ids"] == [0, 2]
+    sampled = engine.HFEngine(moe_model, _Tok()).generate([[3, 4, 5]], 1, 4, 1.0, seed=0)
+    assert sampled.routes[0].shape == (3 + len(sampled.completion_ids[0]) - 1, 2, 2)  # the MoE layers only
     double = engine.VLLMEngine(None, moe_model, _Tok(), routes=True)
     double.llm = SimpleNamespace(generate=lambda *a, **k: [out])
     got = double.generate([prompt], 1, 2, 1.0, seed=0)
