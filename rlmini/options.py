@@ -67,6 +67,13 @@ def validate(args) -> None:
     if getattr(args, "async_steps", 0) and engine != "server":
         raise ValueError(f"--async_steps {args.async_steps}: rollouts overlap the update only with --engine "
                          f"server (an in-process engine shares the trainer's GPU, asleep while it updates)")
+    if getattr(args, "routing_replay", False) and engine == "server":  # vllm serve: /v1/completions
+        raise ValueError("--routing_replay: --engine server samples through vLLM's /v1/completions, which "
+                         "returns no routed experts (vllm/entrypoints/openai/completion/protocol.py); use "
+                         "--engine vllm or hf")
+    if getattr(args, "routing_replay", False) and (getattr(args, "tools", "") or getattr(args, "env", "")):
+        raise ValueError("--routing_replay: with --tools or --env a trajectory is sampled over several "
+                         "turns, whose routes are not joined; train without them or without replay")
     tp = getattr(args, "vllm_tp", 1)
     ranks = args.gpus if getattr(args, "plan_only", False) else int(os.environ.get("WORLD_SIZE", 1))
     if tp > 1 and args.engine != "vllm":
