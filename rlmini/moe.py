@@ -149,7 +149,7 @@ def set_routes(model, routes, replay: bool = False, batch: dict | None = None) -
     state = _state(model)
     if state is None:
         return
-    packed = batch.get("packed") if batch is not None and routes is not None and packing_enabled(model) else None
+    packed = batch.get("packed") if batch and routes is not None and packing_enabled(model) else None
     state["unpack"] = packed["packed_at"] if packed else None  # agreement(): back to the padded places
     routes = routes[packed["padded_at"]] if packed else routes
     state["routes"], state["replay"], state["captured"] = routes, replay and routes is not None, None
@@ -167,7 +167,7 @@ def agreement(model, mask) -> tuple | None:
         return None
     b, width = mask.shape[0], mask.shape[1] + 1
     agree, valid = state["agree"], state["valid"]
-    if state.get("unpack") is not None:  # a packed forward: each padded place's packed token (a shared prompt)
+    if state.get("unpack") is not None:  # a packed forward: each padded place's packed token
         at = state["unpack"]
         agree, valid = (torch.where(at >= 0, x[at.clamp(min=0)], 0) for x in (agree, valid))
     agree, valid = agree.view(b, width)[:, :-1], valid.view(b, width)[:, :-1]

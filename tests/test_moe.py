@@ -116,6 +116,14 @@ def test_routing_replay_follows_the_samplers_experts(family):
     for n, g in grads.items():
         p = dict(model.named_parameters())[n]
         assert torch.allclose(p.grad, g, rtol=1e-5, atol=1e-6 * g.abs().max()), n
+    # packed (each prompt once, completions by length class): the routes follow each token to its place
+    moe.set_routes(model, None)  # the last pass's routes stay for its backward: none for packing's probe
+    models.prepare_for_training(model, gradient_checkpointing=False, packing=True)
+    assert packing.packing_enabled(model)
+    for replay, padded_lp, padded_agree in ((True, lp, agree_replayed), (False, own_lp, agree)):
+        packed_lp, packed_agree, _, _ = routed(model, r, replay)
+        assert packed_agree == padded_agree, (replay, packed_agree, padded_agree)
+        assert (packed_lp - padded_lp.detach()).abs().max() <= 1e-5 * max(padded_lp.abs().max().item(), 1.0)
 
 
 def test_routing_replay_trains_a_mixture_of_experts(tmp_path):
