@@ -365,7 +365,7 @@ def policy_logprobs(run, micro: Micro) -> tuple:
         out = token_logprobs(run.model, moe.layout(micro, run.args.routing_replay), run.args.temperature,
                              with_entropy=micro.epoch == 0 or run.args.entropy_coef > 0,
                              entropy_grad=run.args.entropy_coef > 0)
-    if micro.epoch == 0 and micro.routes is not None:
+    if micro.epoch == 0:  # (0, 0) without routes: a model with routers adds the keys on every rank
         micro.route_agree = moe.agreement(run.model, micro.mask)
     return out
 

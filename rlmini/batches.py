@@ -150,8 +150,8 @@ def micro_batch(batch: Batch, rows: list, model, device, epoch: int = 0, group_s
     loss_mask = mask * batch.in_loss[rows].unsqueeze(1).to(device)
     groups = torch.unique_consecutive(torch.tensor(rows) // group_size, return_inverse=True)[1] \
         if group_size else None
-    routes = (moe.padded(r.routes, rows, layout["input_ids"].shape[1], device)
-              if r.routes is not None and any(x is not None for x in r.routes) else None)
+    routes = (moe.padded(r.routes, rows, layout["input_ids"].shape[1], device, model)
+              if r.routes is not None and moe.installed(model) else None)
     return Micro(rows, epoch, layout, loss_mask, to_padded(batch.sampler_logp, rows, mask),
                  *padded_tokens(layout, model), size=len(batch), groups=groups, routes=routes)
 

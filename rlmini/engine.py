@@ -79,16 +79,18 @@ class HFEngine:
         return (list(prompt), []), 0.0, 0.0
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list, n: int, max_new_tokens, temperature: float, seed: int, stop=None):
+    def generate(self, prompt_ids: list, n: int, max_new_tokens, temperature: float, seed: int, stop=None,
+                 routes: bool = False):
         """n completions per prompt, fixed by `seed`; the sampler's log-prob of each token is
         log_softmax(logits / T), as the trainer computes it. T = 0: greedy (the argmax of the logits, as
         transformers' generate(do_sample=False)), the log-prob log_softmax(logits). `max_new_tokens`: one
         budget, or one per prompt; `stop`: strings that end a completion when its text contains one (kept in
-        it, like vLLM's include_stop_str_in_output; rlmini/tools.py). A mixture of experts whose routers are
-        hooked (rlmini/moe.py::install): each completion's routes too (Rollouts.routes)."""
+        it, like vLLM's include_stop_str_in_output; rlmini/tools.py). `routes` (the training rollouts ask,
+        moe.ask): a mixture of experts whose routers are hooked (rlmini/moe.py::install) returns each
+        completion's routes too (Rollouts.routes); no other call keeps them (evaluation)."""
         from transformers import DynamicCache
         _check_awake(self)
-        take = moe.capture(self.model)  # None: no routes to capture
+        take = moe.capture(self.model) if routes else None  # None: no routes to capture
         greedy = temperature == 0
         copies, n = (n, 1) if greedy else (1, n)  # greedy: one completion per prompt, repeated
         model, device, dtype = self.model, self.device, self.dtype
@@ -398,7 +400,8 @@ class VLLMEngine:
         self.tied = llm.apply_model(_tied_groups)[0] if llm is not None else []  # names sharing one tensor
         self.weighted = llm.apply_model(_weighted_layers)[0] if llm is not None else set()
 
-    def generate(self, prompt_ids: list, n: int, max_new_tokens, temperature: float, seed: int, stop=None):
+    def generate(self, prompt_ids: list, n: int, max_new_tokens, temperature: float, seed: int, stop=None,
+                 routes: bool = False):
         """n completions per prompt. --vllm_seed request: fixed by `seed` and the prompt's index, whatever
         else runs (vLLM's V1 runner then samples each request with its own generator, one by one); engine:
         drawn from the process's RNG, seeded by --seed and saved in checkpoints (rlmini/data.py::rng_state):
@@ -408,7 +411,8 @@ class VLLMEngine:
         prompt; `stop`: stop strings, kept in the output. T = 0: vLLM's greedy (n = 1, repeated n times;
         log-probs of the untempered logits). --vllm_tp N: a group's N ranks generate their prompts together,
         each request with the seed its own rank gives it (the samples of N engines, at fp32), and each rank
-        keeps its own rows."""
+        keeps its own rows. `routes` (the training rollouts ask): each completion's routes, read only then
+        (enable_return_routed_experts is the engine's, set at start: every request returns them)."""
         from vllm import SamplingParams
         _check_awake(self)
         greedy = temperature == 0
@@ -430,11 +434,12 @@ class VLLMEngine:
         outs = self.llm.generate([{"prompt_token_ids": ids} for ids, _, _ in requests], params,
                                  use_tqdm=progress.vllm_bar if progress.active() else False,  # eval.py's bar
                                  lora_request=self.lora)[first:first + len(prompt_ids)]
-        r = Rollouts([], [], [], [], self.pad_id, routes=[] if self.routes else None)
+        routes = routes and self.routes
+        r = Rollouts([], [], [], [], self.pad_id, routes=[] if routes else None)
         for ids, out in zip(prompt_ids, outs):
             for c in out.outputs * (n if greedy else 1):
                 toks = list(c.token_ids)
-                if self.routes:
+                if routes:
                     r.routes.append(moe.from_vllm(c, len(ids), len(toks), self.model))
                 r.prompt_ids.append(list(ids))
                 r.completion_ids.append(toks)

@@ -7,10 +7,11 @@ share of routing decisions where the trainer's own top-k equals the sampler's is
 The one hook point is the router module transformers 5 records as the model's router_logits
 (`_can_record_outputs`, e.g. transformers/models/qwen3_moe/modeling_qwen3_moe.py::Qwen3MoeTopKRouter): its
 forward returns (logits, top-k weights, top-k indices), the weights softmax(logits) at the top-k, renormalised
-over them or not by family (Mixtral always, Qwen3-MoE and OLMoE by config.norm_topk_prob). A forward hook
+over them or not by family (Mixtral always, Qwen3-MoE and OLMoE by the router's norm_topk_prob). A forward hook
 replaces the last two. A route is one int per (token position, MoE layer, k): [positions, layers, top_k],
 uint8 up to 256 experts, positions 0..P+L-2 of prompt + completion (the last token is never fed to the
-sampler: vllm/distributed/aux_output_connector/connector.py::take_output, token_end = num_tokens - 1)."""
+sampler: vllm/distributed/aux_output_connector/connector.py::AuxOutputSchedulerConnector.take_output,
+token_end = num_tokens - 1)."""
 import re
 import sys
 
@@ -33,9 +34,13 @@ def route_dtype(experts: int) -> torch.dtype:
 
 
 def install(model, name: str) -> str:
-    """Hook every router of `model` (capture, replay, agreement); "" when done, else why its family's routes
-    cannot be replayed (one line naming it). A forward on 8 tokens reads how the family weighs its top-k:
-    the router's own weights must equal softmax(logits) at its indices, renormalised over them or not."""
+    """Hook every router of `model` once (capture, replay, agreement); "" when done, else why its family's
+    routes cannot be replayed (one line naming it). Each router's rule, renormalised over its top-k or not, is
+    its own (norm_topk_prob; Mixtral always); a forward on 8 tokens checks it on every router: the router's
+    weights must equal softmax(logits) at its indices under that rule (a router without one: under exactly
+    one of the two)."""
+    if installed(model):
+        return ""
     found, base = routers(model), getattr(model, "policy", model)
     family = type(base).__name__
     if not found:
@@ -43,18 +48,32 @@ def install(model, name: str) -> str:
                 f"(no router_logits in _can_record_outputs): its routes cannot be captured or replayed")
     names = {id(m): name for name, m in base.named_modules()}
     numbers = [re.findall(r"\.(\d+)\.", f".{names[id(r)]}.") for r in found]  # model.layers.3.mlp.gate: 3
-    state = {"routes": None, "replay": False, "captured": None, "agree": None, "valid": None, "renorm": None,
+    state = {"routes": None, "replay": False, "captured": None, "agree": None, "valid": None,
+             "renorm": [_declared(r) for r in found], "probed": [False] * len(found),
              "layers": len(found), "top_k": 0, "experts": 0,  # each router's decoder layer (vLLM's columns)
-             "layer_ids": [int(x[0]) if x else k for k, x in enumerate(numbers)]}
+             "layer_ids": [int(x[0]) if x else None for x in numbers]}
     base._rlmini_routes = state
     for layer, r in enumerate(found):
         r.register_forward_hook(lambda module, args, out, layer=layer: _route(state, layer, out))
     with torch.no_grad():  # a whole forward (under FSDP2 a collective of every rank): its routers' weighing
         base(input_ids=torch.arange(2, 10, device=next(base.parameters()).device)[None], use_cache=False)
-    if isinstance(state["renorm"], str):  # its hooks stay, inert: no state to capture, compare or replay into
+    why = next((x for x in state["renorm"] if isinstance(x, str)), None)
+    if why is None and not all(state["probed"]):
+        why = "was not called by a forward on 8 tokens"
+    if why:  # its hooks stay, inert: no state to capture, compare or replay into
         del base._rlmini_routes
-        return f"--model {name}: {family}'s router {state['renorm']}: its routes cannot be replayed"
+        return f"--model {name}: {family}'s router {why}: its routes cannot be replayed"
     return ""
+
+
+def _declared(router):
+    """A router's own rule: its norm_topk_prob (Qwen3-MoE, OLMoE, Qwen2-MoE); True for Mixtral's, which always
+    renormalises (transformers/models/mixtral/modeling_mixtral.py::MixtralTopKRouter); else None (the probe
+    decides)."""
+    rule = getattr(router, "norm_topk_prob", None)
+    if isinstance(rule, bool):
+        return rule
+    return True if type(router).__name__ == "MixtralTopKRouter" else None
 
 
 def prepare(args, model) -> None:
@@ -71,6 +90,10 @@ def prepare(args, model) -> None:
     why = install(model, args.model)
     if why and args.routing_replay:
         raise SystemExit(f"--routing_replay: {why}")
+    unnumbered = [k for k, x in enumerate(_state(model)["layer_ids"] if not why else []) if x is None]
+    if unnumbered and args.routing_replay:  # vLLM returns a column per decoder layer: which is this router's
+        raise SystemExit(f"--routing_replay: --model {args.model}: router {unnumbered[0]}'s module name has no "
+                         f"layer number, so its decoder layer (vLLM's routes column) is unknown")
     if why:
         print(f"note: moe/route_agree is not logged: {why}", file=sys.stderr)
 
@@ -83,19 +106,26 @@ def layout(micro, replay: bool) -> dict:
     return {**micro.layout, "routes": micro.routes, "replay": replay}
 
 
-def _weighing(state: dict, out):
-    """How the family weighs its top-k, read off the router's own output: True (renormalised over the top-k),
-    False (the softmax itself), or why neither (a string)."""
+def _weighing(state: dict, layer: int, out):
+    """Checks a router's rule against its own output: True (renormalised over the top-k), False (the softmax
+    itself), or why neither or both (a string): the declared rule must reproduce its weights; without one,
+    exactly one rule must (a top-k mass of about 1 on the probe fits both)."""
     if not (isinstance(out, tuple) and len(out) == 3 and not out[2].is_floating_point()):
         return "does not return (logits, weights, indices)"
     logits, weights, index = out
     picked = logits.float().softmax(-1).gather(-1, index)
     state["top_k"], state["experts"] = index.shape[-1], logits.shape[-1]
-    for renorm in (False, True):
-        w = picked / picked.sum(-1, keepdim=True) if renorm else picked
-        if torch.allclose(w.to(weights.dtype).float(), weights.float(), rtol=1e-2, atol=1e-6):
-            return renorm
-    return "weighs its experts otherwise than a softmax at the top-k, renormalised or not"
+    fits = [renorm for renorm in (False, True) if torch.allclose(
+        (picked / picked.sum(-1, keepdim=True) if renorm else picked).to(weights.dtype).float(), weights.float(),
+        rtol=1e-2, atol=1e-6)]
+    declared = state["renorm"][layer]
+    if declared is not None:
+        return declared if declared in fits else (f"{layer} weighs its experts otherwise than its "
+                                                  f"norm_topk_prob={declared} says")
+    if len(fits) == 1:
+        return fits[0]
+    return (f"{layer} weighs its experts otherwise than a softmax at the top-k, renormalised or not" if not fits
+            else f"{layer} declares no norm_topk_prob and its probe fits both rules (top-k mass ~1)")
 
 
 def _state(model):
@@ -106,14 +136,20 @@ def installed(model) -> bool:
     return _state(model) is not None
 
 
+def ask(engine) -> dict:
+    """engine.generate's keyword asking for routes, where the engine's model has hooked routers (a sampler
+    double or a dense model: none)."""
+    return {"routes": True} if installed(getattr(engine, "model", None)) else {}
+
+
 def _route(state: dict, layer: int, out):
     """The router's output, captured (the HF engine), compared with the sampler's routes, or replayed: the
     sampler's indices, weights softmax(logits) at them (fp32, as the families compute them), renormalised
     where the family renormalises, in the dtype of the router's own weights; positions without a route
     (padding, the last token) keep the router's own choice."""
-    if state["renorm"] is None:
-        state["renorm"] = _weighing(state, out)
-    if isinstance(state["renorm"], str):
+    if not state["probed"][layer]:
+        state["renorm"][layer], state["probed"][layer] = _weighing(state, layer, out), True
+    if isinstance(state["renorm"][layer], str):
         return out
     logits, weights, own = out
     if state["captured"] is not None:
@@ -134,7 +170,7 @@ def _route(state: dict, layer: int, out):
         return out
     index = torch.where(valid[:, None], given, own)
     w = logits.float().softmax(-1).gather(-1, index)
-    if state["renorm"]:
+    if state["renorm"][layer]:
         w = w / w.sum(-1, keepdim=True)
     return logits, w.to(weights.dtype), index.to(own.dtype)
 
@@ -143,7 +179,8 @@ def set_routes(model, routes, replay: bool = False, batch: dict | None = None) -
     """The routes of the next forward's token positions ([b * width, layers, top_k] ints in the padded rows'
     places, -1 where none; None: the router's own), replayed or only compared (moe/route_agree); left in
     place for the backward's recomputation (gradient checkpointing) until the next call. A packed forward
-    (`batch`'s packed layout, when the model packs) takes them in its own token order. A model without
+    (`batch`'s packed layout, when the model packs) takes them in its own token order, a shared prompt's from
+    the first of its rows that has routes (a continued prefix with nothing sampled has none). A model without
     routers: nothing."""
     from rlmini.packing import packing_enabled
     state = _state(model)
@@ -151,7 +188,15 @@ def set_routes(model, routes, replay: bool = False, batch: dict | None = None) -
         return
     packed = batch.get("packed") if batch and routes is not None and packing_enabled(model) else None
     state["unpack"] = packed["packed_at"] if packed else None  # agreement(): back to the padded places
-    routes = routes[packed["padded_at"]] if packed else routes
+    if packed:
+        owner, prompt_of, at = packed["owner"], packed["prompt_of"], packed["padded_at"].clone()
+        b, m = len(owner), len(prompt_of)
+        width = routes.shape[0] // b
+        has = routes.view(b, width, -1)[:, 0, 0] >= 0  # a row's routes start at its prompt's first token
+        key = torch.arange(b, device=owner.device) + b * (~has).long()  # rows with routes first, in order
+        best = key.new_full((int(owner.max()) + 1,), 2 * b).scatter_reduce_(0, owner, key, "amin") % b
+        at[:m] = best[prompt_of] * width + at[:m] % width
+        routes = routes[at]
     state["routes"], state["replay"], state["captured"] = routes, replay and routes is not None, None
     n = routes.shape[0] if routes is not None else 0
     state["agree"] = routes.new_zeros(n, dtype=torch.float32) if routes is not None else None
@@ -161,10 +206,14 @@ def set_routes(model, routes, replay: bool = False, batch: dict | None = None) -
 def agreement(model, mask) -> tuple | None:
     """(routing decisions that agree, routing decisions) over the completion tokens of `mask` [b, T-1] in the
     forward just run (position t predicts token t + 1, so its routes are those of position t), as tensors;
-    None without routes."""
+    (0, 0) without routes (every rank adds the keys: check_sampler's all_sum); None for a model without hooked
+    routers."""
     state = _state(model)
-    if state is None or state["agree"] is None:
+    if state is None:
         return None
+    if state["agree"] is None:
+        zero = mask.new_zeros((), dtype=torch.float32)
+        return zero, zero.clone()
     b, width = mask.shape[0], mask.shape[1] + 1
     agree, valid = state["agree"], state["valid"]
     if state.get("unpack") is not None:  # a packed forward: each padded place's packed token
@@ -190,11 +239,13 @@ def capture(model, on: bool = True):
     return take if on else None
 
 
-def padded(routes: list, rows: list, width: int, device) -> torch.Tensor:
+def padded(routes: list, rows: list, width: int, device, model) -> torch.Tensor:
     """Completions `rows`' routes ([P + L - 1, layers, top_k] each, or None) laid out like the trainer's
     padded rows (packing.make_batch: prompt + completion, right-padded to `width`) -> [b * width, layers,
-    top_k] int16, -1 where there is none (padding, the last token, a completion without routes)."""
-    shape = next(r.shape[1:] for r in routes if r is not None)  # [layers, top_k]
+    top_k] int16, -1 where there is none (padding, the last token, a completion without routes: all of a
+    rank's may lack them, its forward's collectives the same as the others')."""
+    state = _state(model)
+    shape = (state["layers"], state["top_k"])
     out = torch.full((len(rows), width, *shape), -1, dtype=torch.int16)
     for j, i in enumerate(rows):
         if routes[i] is not None:

@@ -113,7 +113,9 @@ def _pack(prompt_ids, completion_ids, P, L, keep, device, kernel) -> dict:
 def _padded_places(P, L, owner, order, p_start, Pu, c_start, pos_p, pos_c, device) -> dict:
     """Where each packed token sits in the padded rows (flat index row * width + position: a shared prompt's
     tokens in its first row), `padded_at`, and the reverse for every padded place, `packed_at` (-1: padding):
-    what lays per-token inputs of the padded layout out for the packed forward and back (rlmini/moe.py)."""
+    what lays per-token inputs of the padded layout out for the packed forward and back (rlmini/moe.py);
+    `owner` (each row's distinct prompt) and `prompt_of` (each packed prompt token's) let moe.set_routes
+    take a shared prompt from another of its rows."""
     width, b = int((P + L).max()), len(P)
     first = torch.full((len(Pu),), b, dtype=torch.long).scatter_reduce_(0, owner, torch.arange(b), "amin")
     padded_at = torch.cat([torch.repeat_interleave(first * width, Pu) + pos_p,
@@ -123,7 +125,8 @@ def _padded_places(P, L, owner, order, p_start, Pu, c_start, pos_p, pos_c, devic
     j = torch.arange(int(P.sum())) - torch.repeat_interleave(torch.cumsum(P, 0) - P, P)  # every row's prompt
     packed_at[torch.repeat_interleave(torch.arange(b) * width, P) + j] = torch.repeat_interleave(
         p_start[owner], P) + j
-    return {"padded_at": padded_at.to(device), "packed_at": packed_at.to(device)}
+    return {"padded_at": padded_at.to(device), "packed_at": packed_at.to(device), "owner": owner.to(device),
+            "prompt_of": torch.repeat_interleave(torch.arange(len(Pu)), Pu).to(device)}
 
 
 class FlexLayout:

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import torch
 
-from rlmini import data, dist, faults, tools
+from rlmini import data, dist, faults, moe, tools
 from rlmini.batches import Batch, Keep, Scored
 from rlmini.dist import rank
 
@@ -23,10 +23,12 @@ def overlong_penalty(rollouts, limit: int, buffer: int, penalty: float) -> torch
     return penalty * ((limit - buffer - length) / buffer).clamp(-1.0, 0.0)
 
 
-def sample(run, examples: list, n: int, temperature: float, seed: int, prefixes=None) -> data.Rollouts:
+def sample(run, examples: list, n: int, temperature: float, seed: int, prefixes=None,
+           routes: bool = False) -> data.Rollouts:
     """generate's sampling: the engine's (with --tools, multi-turn) completions, not yet scored; what
     --async_steps runs in the background (the server engine makes no collective). `prefixes`: continue one
-    partial completion per example instead (continue_prefixes)."""
+    partial completion per example instead (continue_prefixes, with routes). `routes`: a mixture of experts'
+    routes too (the training rollouts'; evaluation keeps none)."""
     if prefixes is not None:
         return _continue(run, examples, prefixes, n, temperature, seed)
     mine = examples or run.task.train[:1]  # FSDP2: a rank with nothing still joins every forward
@@ -37,7 +39,7 @@ def sample(run, examples: list, n: int, temperature: float, seed: int, prefixes=
     try:
         prompt_ids = data.encode_prompts(run.tokenizer, prompts, run.style == "chat", run.toolbox)
         rollouts = tools.generate(run.engine, run.toolbox, run.tokenizer, prompt_ids, per, run.max_new_tokens,
-                                  temperature, seed, instances)
+                                  temperature, seed, instances, routes)
     finally:  # the rollouts are over (or failed): get_reward of each, the instances back in the pool
         env_rewards = pool.end(instances, rewards=sys.exc_info()[0] is None) if pool is not None else None
     rollouts.env_rewards = env_rewards
@@ -82,7 +84,7 @@ def continue_prefixes(engine, prompt_ids: list, prefixes: list, n: int, budget: 
     eos = engine.eos_ids
     live = [i for i, x in enumerate(prefixes) if len(x) < budget and not (x and x[-1] in eos)]
     r = engine.generate([list(prompt_ids[i]) + prefixes[i] for i in live] or [stand_in], n,
-                        [budget - len(prefixes[i]) for i in live] or [1], temperature, seed)
+                        [budget - len(prefixes[i]) for i in live] or [1], temperature, seed, **moe.ask(engine))
     at = {i: k * n for k, i in enumerate(live)}  # the first of prompt i's n rows in the engine's output
     out = data.Rollouts([], [], [], [], engine.pad_id, prefix_lengths=[])
     out.versions = [] if r.versions is not None else None
@@ -176,7 +178,7 @@ def resample(run, keep: Keep | None = None) -> Batch:
                                                        args.seed)
             seed = data.rollout_seed(args.seed, run.step, rank(), rounds)
             mine = dist.shard(examples)
-            scored = score(run, mine, G, sample(run, mine, G, args.temperature, seed))
+            scored = score(run, mine, G, sample(run, mine, G, args.temperature, seed, routes=True))
         first = first or (scored.rewards, scored.correct, scored.fmt, scored.parts)
         groups = data.split_groups(scored.examples, scored.rollouts, scored.rewards, scored.correct,
                                    scored.fmt, G)

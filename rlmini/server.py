@@ -100,10 +100,12 @@ class ServerEngine:
 
     # ---------------------------------------------------------------------------------------------- sampling
 
-    def generate(self, prompt_ids: list, n: int, max_new_tokens, temperature: float, seed: int, stop=None):
+    def generate(self, prompt_ids: list, n: int, max_new_tokens, temperature: float, seed: int, stop=None,
+                 routes: bool = False):
         """n completions per prompt, each prompt one request with its own seed, as the in-process engine seeds
         them (rlmini/engine.py::VLLMEngine.generate: the same samples in fp32). T = 0: greedy, n = 1
-        repeated. Each completion records the weight version it was sampled from (Rollouts.versions)."""
+        repeated. Each completion records the weight version it was sampled from (Rollouts.versions).
+        `routes`: none here (/v1/completions returns none; options.py refuses --routing_replay)."""
         if not getattr(self.local, "background", False):  # submit()'s rollouts sample while it updates
             _check_awake(self)
         greedy = temperature == 0

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rlmini import dist, envs, sandbox
+from rlmini import dist, envs, moe, sandbox
 from rlmini.data import Rollouts
 from rlmini.options import arg
 from rlmini.reward_fns import import_function
@@ -377,13 +377,15 @@ def turn_seed(seed: int, turn: int) -> int:
 
 
 def generate(engine, box, tokenizer, prompt_ids: list, n: int, max_new_tokens: int, temperature: float,
-             seed: int, instances: list | None = None):
+             seed: int, instances: list | None = None, routes: bool = False):
     """n trajectories per prompt. Without tools: engine.generate. With: turn 0 samples n per prompt (stopping
     at a call); each later turn continues every live trajectory from its token ids (vLLM: one batch, prefix
     cache), with what is left of the length budget. `instances`: per trajectory, the --env instance its
-    calls go to. Returns Rollouts with policy_mask and tool_stats."""
+    calls go to. Returns Rollouts with policy_mask and tool_stats. `routes`: without tools, a mixture of
+    experts' routes too (moe.ask; with tools --routing_replay is refused)."""
     if box is None:
-        return engine.generate(prompt_ids, n, max_new_tokens, temperature, seed)
+        return engine.generate(prompt_ids, n, max_new_tokens, temperature, seed, **(moe.ask(engine) if routes
+                                                                                    else {}))
     B = len(prompt_ids) * n
     prompts = [list(prompt_ids[i // n]) for i in range(B)]
     ids, logps, masks = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]

@@ -24,7 +24,7 @@ def routed(model, rollouts, replay: bool, grad: bool = False):
     compared), and (agreeing, all) routing decisions."""
     layout = packing.make_batch(rollouts.prompt_ids, rollouts.completion_ids, 0, torch.device("cpu"))
     routes = moe.padded(rollouts.routes, list(range(len(rollouts.routes))), layout["input_ids"].shape[1],
-                        torch.device("cpu"))
+                        torch.device("cpu"), model)
     with torch.set_grad_enabled(grad):
         lp = logprobs.token_logprobs(model, {**layout, "routes": routes, "replay": replay}, T)[0]
     agree, pairs = moe.agreement(model, layout["mask"])
@@ -53,7 +53,7 @@ def test_routing_replay_follows_the_samplers_experts(family):
     model = build(family)
     assert moe.install(model, family) == ""
     renorm = family == "mixtral" or model.config.norm_topk_prob  # the family's own rule, read from its code
-    r = engine.HFEngine(model, _Tok()).generate([[3, 4, 5, 6, 7, 8], [9, 10]], 3, 8, T, seed=3)
+    r = engine.HFEngine(model, _Tok()).generate([[3, 4, 5, 6, 7, 8], [9, 10]], 3, 8, T, seed=3, routes=True)
     layers, k = model.config.num_hidden_layers, model.config.num_experts_per_tok
     assert [tuple(x.shape) for x in r.routes] == [(len(p) + len(c) - 1, layers, k)
                                                  for p, c in zip(r.prompt_ids, r.completion_ids)]
@@ -209,13 +209,13 @@ def test_what_cannot_return_routes_is_refused_in_one_line(tmp_path, monkeypatch)
     moe_model = transformers.AutoModelForCausalLM.from_config(
         getattr(transformers, cls)(**{**BASE, **kw, "num_hidden_layers": 3, "mlp_only_layers": [1]}))
     assert moe.install(moe_model, "qwen3-moe") == "" and moe_model._rlmini_routes["layer_ids"] == [0, 2]
-    sampled = engine.HFEngine(moe_model, _Tok()).generate([[3, 4, 5]], 1, 4, 1.0, seed=0)
+    sampled = engine.HFEngine(moe_model, _Tok()).generate([[3, 4, 5]], 1, 4, 1.0, seed=0, routes=True)
     assert sampled.routes[0].shape == (3 + len(sampled.completion_ids[0]) - 1, 2, 2)  # the MoE layers only
     double = engine.VLLMEngine(None, moe_model, _Tok(), routes=True)
     double.llm = SimpleNamespace(generate=lambda *a, **k: [out])
-    got = double.generate([prompt], 1, 2, 1.0, seed=0)
+    got = double.generate([prompt], 1, 2, 1.0, seed=0, routes=True)
     assert got.routes[0].dtype == torch.uint8
     assert torch.equal(got.routes[0].long(), torch.from_numpy(routes[:, [0, 2]]).long())
     out.outputs[0].routed_experts = routes[:3]
     with pytest.raises(ValueError, match="prompt 3 \\+ completion 2 - 1"):
-        double.generate([prompt], 1, 2, 1.0, seed=0)
+        double.generate([prompt], 1, 2, 1.0, seed=0, routes=True)
