@@ -48,7 +48,7 @@ def install(model, name: str) -> str:
                 f"(no router_logits in _can_record_outputs): its routes cannot be captured or replayed")
     names = {id(m): name for name, m in base.named_modules()}
     numbers = [re.findall(r"\.(\d+)\.", f".{names[id(r)]}.") for r in found]  # model.layers.3.mlp.gate: 3
-    state = {"routes": None, "replay": False, "captured": None, "agree": None, "valid": None,
+    state = {"routes": None, "replay": False, "captured": None, "agree": None, "valid": None, "replaced": 0,
              "renorm": [_declared(r) for r in found], "probed": [False] * len(found),
              "layers": len(found), "top_k": 0, "experts": 0,  # each router's decoder layer (vLLM's columns)
              "layer_ids": [int(x[0]) if x else None for x in numbers]}
@@ -169,6 +169,8 @@ def _route(state: dict, layer: int, out):
     if not state["replay"]:
         return out
     index = torch.where(valid[:, None], given, own)
+    changed = (index.sort(-1).values != own.sort(-1).values).any(-1)
+    state["replaced"] = state["replaced"] + changed.sum().detach()  # decisions replay overrode (no host sync)
     w = logits.float().softmax(-1).gather(-1, index)
     if state["renorm"][layer]:
         w = w / w.sum(-1, keepdim=True)

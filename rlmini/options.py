@@ -68,9 +68,9 @@ def validate(args) -> None:
         raise ValueError(f"--async_steps {args.async_steps}: rollouts overlap the update only with --engine "
                          f"server (an in-process engine shares the trainer's GPU, asleep while it updates)")
     if getattr(args, "routing_replay", False) and engine == "server":  # vllm serve: /v1/completions
-        raise ValueError("--routing_replay: --engine server samples through vLLM's /v1/completions, which "
-                         "returns no routed experts (vllm/entrypoints/openai/completion/protocol.py); use "
-                         "--engine vllm or hf")
+        raise ValueError("--routing_replay: not wired for --engine server yet (it samples through "
+                         "/v1/completions, which returns no routes; vLLM's /inference/v1/generate returns "
+                         "routed_experts); use --engine vllm or hf")
     if getattr(args, "routing_replay", False) and (getattr(args, "tools", "") or getattr(args, "env", "")):
         raise ValueError("--routing_replay: with --tools or --env a trajectory is sampled over several "
                          "turns, whose routes are not joined; train without them or without replay")

@@ -79,6 +79,10 @@ def test_routing_replay_follows_the_samplers_experts(family):
     with torch.no_grad():
         plain = logprobs.token_logprobs(model, layout, T)[0][layout["mask"] > 0]
     assert agree == 1.0 and (lp - plain).abs().max() < 1e-5
+    # one prompt twice: its first rows' prefix fills the budget (no routes), the next rows' is continued
+    c2 = continue_prefixes(engine.HFEngine(model, _Tok()), [[3, 4, 5, 6], [3, 4, 5, 6]], [[8] * 8, [6, 7]], 2,
+                           8, T, 5, [3])
+    assert c2.routes[0] is None and c2.routes[1] is None and c2.routes[2] is not None
     # (b) the trainer's router moves after sampling: its own top-k differs from the sampler's on some tokens
     torch.manual_seed(1)
     with torch.no_grad():
@@ -86,6 +90,8 @@ def test_routing_replay_follows_the_samplers_experts(family):
             b.mlp.gate.weight += 2.0 * b.mlp.gate.weight.std() * torch.randn_like(b.mlp.gate.weight)
     own_lp, agree, _, _ = routed(model, r, replay=False)
     assert 0 < agree < 1 and (own_lp - sampler).abs().max() > 1e-3
+    c2_lp = routed(model, c2, replay=True)[0]  # padded: each row its own prompt's routes
+    assert (c2_lp - routed(model, c2, replay=False)[0]).abs().max() > 1e-3
     seen = []  # each MoE block's input and output in the replayed forward
     keep = lambda m, a, out: seen.append((m, a[0].flatten(0, 1), out.flatten(0, 1)))  # noqa: E731
     hooks = [b.mlp.register_forward_hook(keep) for b in model.model.layers]
@@ -124,15 +130,32 @@ def test_routing_replay_follows_the_samplers_experts(family):
         packed_lp, packed_agree, _, _ = routed(model, r, replay)
         assert packed_agree == padded_agree, (replay, packed_agree, padded_agree)
         assert (packed_lp - padded_lp.detach()).abs().max() <= 1e-5 * max(padded_lp.abs().max().item(), 1.0)
+    # packed, the shared prompt's routes come from a row that has them (its first rows have none, and see the
+    # prompt once, replayed: only the rows with routes are the padded forward's)
+    packed_lp, _, layout, _ = routed(model, c2, replay=True)
+    has = torch.tensor([x is not None for x in c2.routes])[layout["mask"].nonzero()[:, 0]]
+    assert has.any() and not has.all()
+    assert (packed_lp - c2_lp)[has].abs().max() <= 1e-5 * max(c2_lp.abs().max().item(), 1.0)
 
 
-def test_routing_replay_trains_a_mixture_of_experts(tmp_path):
-    """(c) train_grpo.py, 2 steps on a tiny Qwen3-MoE with the built-in tokenizer, --engine hf, fp32: the
-    sampler's routes replayed, the trainer reproducing the sampler, moe/route_agree logged (1 in fp32); and
-    a step without replay, the agreement logged too."""
+def test_routing_replay_trains_a_mixture_of_experts(tmp_path, monkeypatch):
+    """(c) train_grpo.py, 2 steps on a tiny Qwen3-MoE with the built-in tokenizer, --engine hf, fp32, the
+    routers perturbed after each rollout (the trainer off the sampler): with replay the sampler's routes
+    override the trainer's own choices, without replay none is; moe/route_agree logged (below 1) either
+    way."""
     import rewards
     import train_grpo
-    from rlmini import models
+    from rlmini import models, rollouts
+    sample, noise = rollouts.sample, torch.Generator().manual_seed(0)
+
+    def perturbed(run, *a, **k):  # sampled, then the shared model's routers moved
+        out = sample(run, *a, **k)
+        with torch.no_grad():
+            for block in run.model.model.layers:
+                w = block.mlp.gate.weight
+                w += 0.5 * w.std() * torch.randn(w.shape, generator=noise)
+        return out
+    monkeypatch.setattr(rollouts, "sample", perturbed)
     task = rewards.load_task("addition")
     folder = str(tmp_path / "qwen3-moe")
     model = build("qwen3-moe")
@@ -149,11 +172,12 @@ def test_routing_replay_trains_a_mixture_of_experts(tmp_path):
                                "--prompts_per_step", "4", "--group_size", "4", "--max_new_tokens", "8",
                                "--micro_batch_size", "6", "--routing_replay", replay, "--dtype", "float32",
                                "--out_dir", str(tmp_path / "runs"), "--run_name", replay, "--wandb", "false",
-                               "--save_every", "-1"])
+                               "--save_every", "-1", "--sampler_diff_tol", "1"])  # the router moved
         assert run.step == steps and moe.installed(run.model)
+        replaced = int(run.model._rlmini_routes["replaced"])  # decisions the replay overrode
+        assert replaced > 0 if replay == "true" else replaced == 0, (replay, replaced)
         rows = [json.loads(x) for x in open(tmp_path / "runs" / replay / "metrics.jsonl") if '"step"' in x]
-        assert len(rows) == steps and all(x["moe/route_agree"] == 1.0 and x["logprob/sampler_diff"] < 1e-5
-                                          for x in rows), rows
+        assert len(rows) == steps and all(0 < x["moe/route_agree"] < 1 for x in rows), rows
 
 
 def test_what_cannot_return_routes_is_refused_in_one_line(tmp_path, monkeypatch):
@@ -207,10 +231,39 @@ def test_what_cannot_return_routes_is_refused_in_one_line(tmp_path, monkeypatch)
                                                    finish_reason="length")])
     cls, kw = FAMILIES["qwen3-moe"]
     moe_model = transformers.AutoModelForCausalLM.from_config(
-        getattr(transformers, cls)(**{**BASE, **kw, "num_hidden_layers": 3, "mlp_only_layers": [1]}))
+        getattr(transformers, cls)(**{**BASE, **kw, "num_hidden_layers": 3, "mlp_only_layers": [1],
+                                  "norm_topk_prob": True}))
+    with torch.no_grad():  # a peaked first router: its top-k mass ~1 fits both rules, its own says renormalise
+        moe_model.model.layers[0].mlp.gate.weight *= 300
     assert moe.install(moe_model, "qwen3-moe") == "" and moe_model._rlmini_routes["layer_ids"] == [0, 2]
-    sampled = engine.HFEngine(moe_model, _Tok()).generate([[3, 4, 5]], 1, 4, 1.0, seed=0, routes=True)
+    assert moe.install(moe_model, "qwen3-moe") == ""  # a second call: still one hook a router
+    assert [len(moe_model.model.layers[i].mlp.gate._forward_hooks) for i in (0, 2)] == [1, 1]
+    sampler = engine.HFEngine(moe_model, _Tok())
+    sampled = sampler.generate([[3, 4, 5], [6, 7, 8, 9]], 3, 6, 1.0, seed=0, routes=True)
     assert sampled.routes[0].shape == (3 + len(sampled.completion_ids[0]) - 1, 2, 2)  # the MoE layers only
+    assert sampler.generate([[3, 4, 5]], 2, 4, 1.0, seed=0).routes is None  # evaluation's call: none kept
+    own, agree_own = routed(moe_model, sampled, replay=False)[:2]
+    replayed, agree = routed(moe_model, sampled, replay=True)[:2]
+    assert agree == agree_own == 1.0 and (replayed - own).abs().max() <= 1e-5 * max(own.abs().max().item(), 1)
+    # torchrun: a rank whose completions have no routes lays out all -1, and adds moe/route_* all the same
+    from rlmini import batches, metrics
+    none = dataclasses.replace(sampled, routes=[None] * len(sampled.routes))
+    z = torch.zeros(len(none.routes))
+    micro = batches.micro_batch(batches.Batch([{}] * len(z), none, z, z, z, (z,), 1, len(z), "correct",
+                                              torch.ones(len(z))), [0, 1], moe_model, torch.device("cpu"))
+    assert micro.routes is not None and (micro.routes == -1).all() and micro.routes.shape[1:] == (2, 2)
+    moe.set_routes(moe_model, None)  # a rank whose routes are all None (or none returned): (0, 0)
+    micro.route_agree = moe.agreement(moe_model, micro.mask)
+    stats, zero = metrics.StepStats(), torch.zeros(micro.mask.shape)
+    stats.add(micro, torch.zeros(()), zero, zero, {})
+    assert stats.sums["moe/route_agree"] == 0 and stats.sums["moe/route_decisions"] == 0
+    # a router whose module name has no layer number: vLLM's column unknown, refused under replay
+    unnamed = build("qwen3-moe")
+    unnamed._modules = {"router": unnamed.model.layers[0].mlp.gate, **unnamed._modules}
+    with pytest.raises(SystemExit, match="no layer number"):
+        moe.prepare(SimpleNamespace(routing_replay=True, model="x/unnamed"), unnamed)
+    moe.prepare(SimpleNamespace(routing_replay=False, model="x/unnamed"), unnamed)  # without: installed
+    assert moe.installed(unnamed)
     double = engine.VLLMEngine(None, moe_model, _Tok(), routes=True)
     double.llm = SimpleNamespace(generate=lambda *a, **k: [out])
     got = double.generate([prompt], 1, 2, 1.0, seed=0, routes=True)
