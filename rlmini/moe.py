@@ -7,8 +7,8 @@ share of routing decisions where the trainer's own top-k equals the sampler's is
 The one hook point is the router module transformers 5 records as the model's router_logits
 (`_can_record_outputs`, e.g. transformers/models/qwen3_moe/modeling_qwen3_moe.py::Qwen3MoeTopKRouter): its
 forward returns (logits, top-k weights, top-k indices), the weights softmax(logits) at the top-k, renormalised
-over them or not by family (Mixtral always, Qwen3-MoE and OLMoE by the router's norm_topk_prob). A forward hook
-replaces the last two. A route is one int per (token position, MoE layer, k): [positions, layers, top_k],
+over them or not by family (Mixtral always, Qwen3-MoE and OLMoE by the router's norm_topk_prob). A forward
+hook replaces the last two. A route is one int per (token position, MoE layer, k): [positions, layers, top_k],
 uint8 up to 256 experts, positions 0..P+L-2 of prompt + completion (the last token is never fed to the
 sampler: vllm/distributed/aux_output_connector/connector.py::AuxOutputSchedulerConnector.take_output,
 token_end = num_tokens - 1)."""
@@ -92,8 +92,8 @@ def prepare(args, model) -> None:
         raise SystemExit(f"--routing_replay: {why}")
     unnumbered = [k for k, x in enumerate(_state(model)["layer_ids"] if not why else []) if x is None]
     if unnumbered and args.routing_replay:  # vLLM returns a column per decoder layer: which is this router's
-        raise SystemExit(f"--routing_replay: --model {args.model}: router {unnumbered[0]}'s module name has no "
-                         f"layer number, so its decoder layer (vLLM's routes column) is unknown")
+        raise SystemExit(f"--routing_replay: --model {args.model}: router {unnumbered[0]}'s module name has "
+                         f"no layer number, so its decoder layer (vLLM's routes column) is unknown")
     if why:
         print(f"note: moe/route_agree is not logged: {why}", file=sys.stderr)
 
@@ -115,17 +115,18 @@ def _weighing(state: dict, layer: int, out):
     logits, weights, index = out
     picked = logits.float().softmax(-1).gather(-1, index)
     state["top_k"], state["experts"] = index.shape[-1], logits.shape[-1]
-    fits = [renorm for renorm in (False, True) if torch.allclose(
-        (picked / picked.sum(-1, keepdim=True) if renorm else picked).to(weights.dtype).float(), weights.float(),
-        rtol=1e-2, atol=1e-6)]
+    rules = {False: picked, True: picked / picked.sum(-1, keepdim=True)}
+    fits = [renorm for renorm, w in rules.items()
+            if torch.allclose(w.to(weights.dtype).float(), weights.float(), rtol=1e-2, atol=1e-6)]
     declared = state["renorm"][layer]
     if declared is not None:
         return declared if declared in fits else (f"{layer} weighs its experts otherwise than its "
                                                   f"norm_topk_prob={declared} says")
     if len(fits) == 1:
         return fits[0]
-    return (f"{layer} weighs its experts otherwise than a softmax at the top-k, renormalised or not" if not fits
-            else f"{layer} declares no norm_topk_prob and its probe fits both rules (top-k mass ~1)")
+    if not fits:
+        return f"{layer} weighs its experts otherwise than a softmax at the top-k, renormalised or not"
+    return f"{layer} declares no norm_topk_prob and its probe fits both rules (top-k mass ~1)"
 
 
 def _state(model):

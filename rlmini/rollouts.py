@@ -84,7 +84,8 @@ def continue_prefixes(engine, prompt_ids: list, prefixes: list, n: int, budget: 
     eos = engine.eos_ids
     live = [i for i, x in enumerate(prefixes) if len(x) < budget and not (x and x[-1] in eos)]
     r = engine.generate([list(prompt_ids[i]) + prefixes[i] for i in live] or [stand_in], n,
-                        [budget - len(prefixes[i]) for i in live] or [1], temperature, seed, **moe.ask(engine))
+                        [budget - len(prefixes[i]) for i in live] or [1], temperature, seed,
+                        **moe.ask(engine))
     at = {i: k * n for k, i in enumerate(live)}  # the first of prompt i's n rows in the engine's output
     out = data.Rollouts([], [], [], [], engine.pad_id, prefix_lengths=[])
     out.versions = [] if r.versions is not None else None

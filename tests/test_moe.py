@@ -233,7 +233,7 @@ def test_what_cannot_return_routes_is_refused_in_one_line(tmp_path, monkeypatch)
     moe_model = transformers.AutoModelForCausalLM.from_config(
         getattr(transformers, cls)(**{**BASE, **kw, "num_hidden_layers": 3, "mlp_only_layers": [1],
                                   "norm_topk_prob": True}))
-    with torch.no_grad():  # a peaked first router: its top-k mass ~1 fits both rules, its own says renormalise
+    with torch.no_grad():  # a peaked first router: top-k mass ~1 fits both rules; its own says renormalise
         moe_model.model.layers[0].mlp.gate.weight *= 300
     assert moe.install(moe_model, "qwen3-moe") == "" and moe_model._rlmini_routes["layer_ids"] == [0, 2]
     assert moe.install(moe_model, "qwen3-moe") == ""  # a second call: still one hook a router
