@@ -418,6 +418,30 @@ def entropy_terms(token_loss, entropy, pre: PreUpdate, micro: Micro, args):
     return token_loss
 
 
+def cov_tokens(run, batch: Batch, logp: list, advantages, share: float, band: tuple | None = None) -> list:
+    """Clip-Cov's and KL-Cov's tokens (Cui et al. 2025, arXiv 2505.22617): Cov_t = (log pi(y_t) - mean log pi)
+    (A_t - mean A), the means over the global batch's tokens in the loss (every rank's); the top `share` of
+    those tokens by Cov_t (KL-Cov), or with `band` (lo, hi) a uniform random `share` of them among those with
+    lo < Cov_t < hi (Clip-Cov; all of these when fewer), drawn per completion from --seed, the step and its
+    place in the global batch, so neither --micro_batch_size nor torchrun changes the choice. `logp` ragged as
+    pre.old, `advantages` one per completion of this rank; a 0/1 tensor per completion (micro.per_token)."""
+    used, adv = (batch.in_loss * batch.kept).tolist(), advantages.detach().double().cpu().tolist()
+    n = all_sum({"n": sum(len(x) * u for x, u in zip(logp, used)),
+                 "adv": sum(len(x) * a * u for x, a, u in zip(logp, adv, used)),
+                 "logp": sum(float(x.double().sum()) * u for x, u in zip(logp, used))})
+    mean_logp, mean_adv = n["logp"] / max(n["n"], 1), n["adv"] / max(n["n"], 1)
+    cov = [((x.detach().double().cpu() - mean_logp) * (a - mean_adv)).float() for x, a in zip(logp, adv)]
+    if band is None:
+        ranked, inside = cov, [torch.ones_like(c, dtype=torch.bool) for c in cov]
+    else:  # the band's tokens in a random order (uniform draws; out of the band last): the top is a uniform pick
+        first, seed = local_slice(len(batch)).start, (run.args.seed, run.step)
+        inside = [(c > band[0]) & (c < band[1]) for c in cov]
+        ranked = [torch.where(b, torch.rand(len(b), generator=torch.Generator().manual_seed(
+            hash((*seed, first + i)) % 2**62)), -torch.inf) for i, b in enumerate(inside)]
+    tau = dist.top_share_threshold([r for r, u in zip(ranked, used) if u], share)  # fp32, as `ranked`
+    return [((r >= tau) & b).float() * u for r, b, u in zip(ranked, inside, used)]
+
+
 def aggregate(token_loss, mask, loss_agg, n_seqs, n_tokens, max_len):
     """This micro-batch's share of the minibatch loss. The normalisers (n_seqs, n_tokens) count the whole
     minibatch, so gradient accumulation does not change the result."""
