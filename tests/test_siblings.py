@@ -350,6 +350,21 @@ EXAMPLES = {
                   ("metrics = common.step_metrics(", DOCS), ('algo="rloo"', 'algo="onlinedpo"')],
     "sapo": [("surrogate: Literal[", DOCS), ('stats["clipped"] = (ratio > 1 + eps_high)', DOCS),
              ('algo="grpo"', 'algo="sapo"')],
+    "gmpo": [("clip_eps: float = arg(", DOCS), ("surrogate: Literal[", DOCS),
+             ('raise ValueError("--std_level batch', DOCS), ('stats["clipped"] = (ratio > 1 + eps_high)', DOCS),
+             ('algo="grpo"', 'algo="gmpo"')],
+    "clipcov": [("max_sampling_rounds: int", DOCS), ("pre = common.pre_update(", DOCS),
+                ("local = advantages[common.local_slice", DOCS), ("micro.loss_mask, args, is_weight)", DOCS),
+                ('algo="grpo"', 'algo="clipcov"')],
+    "klcov": [("surrogate: Literal[", DOCS), ("def policy_loss(", DOCS),
+              ('stats["clipped"] = (ratio > 1 + eps_high)', DOCS), ("pre = common.pre_update(", DOCS),
+              ("local = advantages[common.local_slice", DOCS),
+              (("token_loss, info = policy_loss(", "micro.loss_mask, args, is_weight)"), DOCS),
+              ('algo="grpo"', 'algo="klcov"')],
+    "luspo": [(("loss_agg: Literal", '"loss aggregation: GRPO'), ""), ("ratio_level: Literal", DOCS),
+              (("loss = common.aggregate(", "run.max_new_tokens)"), DOCS), ('algo="grpo"', 'algo="luspo"')],
+    "vespo": [(("loss_agg: Literal", '"loss aggregation: GRPO'), DOCS), ("surrogate: Literal[", DOCS),
+              ('stats["clipped"] = (ratio > 1 + eps_high)', DOCS), ('algo="grpo"', 'algo="vespo"')],
 }
 
 
