@@ -351,8 +351,8 @@ EXAMPLES = {
     "sapo": [("surrogate: Literal[", DOCS), ('stats["clipped"] = (ratio > 1 + eps_high)', DOCS),
              ('algo="grpo"', 'algo="sapo"')],
     "gmpo": [("clip_eps: float = arg(", DOCS), ("surrogate: Literal[", DOCS),
-             ('raise ValueError("--std_level batch', DOCS), ('stats["clipped"] = (ratio > 1 + eps_high)', DOCS),
-             ('algo="grpo"', 'algo="gmpo"')],
+             ('raise ValueError("--std_level batch', DOCS),
+             ('stats["clipped"] = (ratio > 1 + eps_high)', DOCS), ('algo="grpo"', 'algo="gmpo"')],
     "clipcov": [("max_sampling_rounds: int", DOCS), ("pre = common.pre_update(", DOCS),
                 ("local = advantages[common.local_slice", DOCS), ("micro.loss_mask, args, is_weight)", DOCS),
                 ('algo="grpo"', 'algo="clipcov"')],
@@ -676,3 +676,180 @@ def test_a_sapo_script_written_as_the_docs_say_gates_the_ratio_softly(tmp_path, 
         assert a.abs().sum() > 0
         want = (-2 / torch.where(a > 0, 1.0, 3.0) * a).mean().item()
         assert row["loss/policy"] == pytest.approx(want, abs=1e-6) and row["clip_frac"] == 0
+
+
+def load_example(name: str, tmp_path, monkeypatch):
+    """The train_<name>.py a test just built into tmp_path (worked_example), imported afresh."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, f"train_{name}", raising=False)  # another test's module of that name
+    return importlib.import_module(f"train_{name}")
+
+
+def record_advantages(module, monkeypatch, shift: float = 0.0) -> list:
+    """Each step's advantages (compute_advantages' output), moved by `shift` where given: a baseline off the
+    group mean, so that a loss averaged over completions is not 0 on-policy."""
+    seen, compute = [], module.compute_advantages
+    monkeypatch.setattr(module, "compute_advantages",
+                        lambda *a, **k: seen.append(compute(*a, **k) + shift) or seen[-1])
+    return seen
+
+
+def test_a_gmpo_script_written_as_the_docs_say_takes_the_geometric_mean_of_the_clipped_ratios(tmp_path,
+                                                                                          monkeypatch):
+    """train_grpo.py copied, with the GMPO lines of docs/algorithms.md: policy_loss is -A (prod_t
+    clip(r_t))^(1/|o|) on every token, r_t clipped to (e^-0.4, e^0.4) on the side the sign of A makes
+    pessimistic (verl's sgn(A) min(sgn(A) log r, sgn(A) clip(log r))), its gradient that of the mean over
+    completions, zero through a clipped token; another --loss_agg is refused; 2 steps (advantages moved off
+    the group mean) whose logged loss is -A averaged over the completions (on-policy every ratio is 1)."""
+    import math
+    worked_example("gmpo", tmp_path)
+    gmpo = load_example("gmpo", tmp_path, monkeypatch)
+    with pytest.raises(ValueError, match="--surrogate gmpo averages over completions"):
+        gmpo.Args(loss_agg="token-mean")
+    args = gmpo.Args()  # --surrogate gmpo --clip_eps 0.4, the defaults
+    g = torch.Generator().manual_seed(0)
+    logp = (torch.randn(3, 5, generator=g) * 0.5).requires_grad_()
+    old = logp.detach() + torch.randn(3, 5, generator=g) * 0.4
+    adv, mask = torch.tensor([1.5, -0.5, 0.0]), torch.tensor([[1, 1, 1, 1, 0], [1.0] * 5, [1, 1, 0, 0, 0]])
+    loss, info = gmpo.policy_loss(logp, old, None, adv, mask, args)
+    r, a = torch.exp(logp - old), adv[:, None]
+    clip = torch.clamp(r, math.exp(-0.4), math.exp(0.4))
+    sided = torch.where(mask > 0, torch.where(a > 0, torch.minimum(r, clip), torch.maximum(r, clip)), 1.0)
+    want = -sided.prod(1) ** (1 / mask.sum(1)) * adv
+    torch.testing.assert_close(loss, want[:, None].expand(3, 5))
+    (got,) = torch.autograd.grad(common.aggregate(loss, mask, "seq-mean-token-mean", 3, 12, 5), logp)
+    (grad,) = torch.autograd.grad(want.mean(), logp)
+    torch.testing.assert_close(got, grad)
+    cut = info["clipped"].bool() & (mask > 0) & (a != 0)
+    assert cut.any() and (got[cut] == 0).all() and (got[~cut & (mask > 0) & (a != 0)] != 0).all()
+    seen = record_advantages(gmpo, monkeypatch, shift=0.3)
+    run = train(gmpo, tmp_path, "--steps", "2", "--prompts_per_step", "8", "--group_size", "4",
+                "--format_weight", "0.5", "--micro_batch_size", "5")
+    rows = read_metrics(run.run_dir)
+    assert run.algo == "gmpo" and len(rows) == len(seen) == 2
+    for a, row in zip(seen, rows):
+        assert row["loss/policy"] == pytest.approx(-a.mean().item(), abs=1e-6) and row["clip_frac"] == 0
+
+
+def test_a_clipcov_script_written_as_the_docs_say_cuts_the_chosen_tokens_for_any_micro_batch(tmp_path,
+                                                                                          monkeypatch):
+    """train_grpo.py copied, with the Clip-Cov lines of docs/algorithms.md: 2 steps (a wide band, r 0.3, so
+    that tokens are cut) whose logged loss is the hand computation's from the tokens common.cov_tokens chose,
+    -A_i (1 - cut_i / |o_i|) averaged over the completions (on-policy every ratio is 1); and one step's
+    gradient the same for micro-batches of 64 and 3 completions (the choice is made over the global batch
+    before the micro-batches)."""
+    worked_example("clipcov", tmp_path)
+    clipcov = load_example("clipcov", tmp_path, monkeypatch)
+    seen, chosen, cov_tokens = record_advantages(clipcov, monkeypatch), [], common.cov_tokens
+    monkeypatch.setattr(common, "cov_tokens", lambda run, batch, *a: chosen.append(
+        (batch, cov_tokens(run, batch, *a))) or chosen[-1][1])
+    flags = ["--prompts_per_step", "8", "--group_size", "4", "--format_weight", "0.5", "--save_every", "-1",
+             "--clip_cov_lb", "-100", "--clip_cov_ub", "100", "--clip_cov_ratio", "0.3"]
+    run = train(clipcov, tmp_path, "--steps", "2", "--micro_batch_size", "5", *flags)
+    rows = read_metrics(run.run_dir)
+    assert run.algo == "clipcov" and len(rows) == len(seen) == len(chosen) == 2
+    for a, (batch, cut), row in zip(seen, chosen, rows):
+        used = batch.in_loss * batch.kept
+        share = torch.tensor([float(c.sum()) / len(c) for c in cut])  # cut_i / |o_i|
+        assert 0.25 < sum(float(c.sum()) for c in cut) / float(batch.lengths @ used) < 0.35  # ceil(0.3 N)
+        want = (-a * (1 - share) * used).sum() / used.sum()
+        assert (share * a).abs().sum() > 0.1 and row["loss/policy"] == pytest.approx(want.item(), abs=1e-5)
+    grads = []
+    monkeypatch.setattr(common, "optimizer_step", lambda run, stats: grads.append(
+        {n: p.grad.clone() for n, p in run.model.named_parameters() if p.grad is not None}))
+    for size in (64, 3):
+        train(clipcov, tmp_path, "--steps", "1", "--micro_batch_size", str(size), "--run_name", f"m{size}",
+              *flags)
+    norm = torch.cat([g.flatten() for g in grads[0].values()]).norm().item()
+    assert norm > 0 and len(grads) == 2 and grads[1].keys() == grads[0].keys()
+    for name in grads[0]:
+        assert_grad_close(grads[1][name], grads[0][name], rel=1e-5, name=name, floor=norm)
+
+
+def test_a_klcov_script_written_as_the_docs_say_penalises_the_top_covariance_tokens(tmp_path, monkeypatch):
+    """train_grpo.py copied, with the KL-Cov lines of docs/algorithms.md: policy_loss is -r A + beta k_t
+    |log r| (no clip), its gradient -r A + beta k_t sign(log r) in log pi; 2 steps (k 0.2, advantages moved
+    off the group mean) in which the tokens common.cov_tokens chose, and only these, reach the penalty, and
+    whose logged loss is -A averaged over the completions (on-policy r is 1 and |log r| 0)."""
+    worked_example("klcov", tmp_path)
+    klcov = load_example("klcov", tmp_path, monkeypatch)
+    args = klcov.Args(kl_cov_coef=0.7)
+    g = torch.Generator().manual_seed(1)
+    logp = torch.randn(3, 4, generator=g).requires_grad_()
+    old = logp.detach() + torch.randn(3, 4, generator=g) * 0.3
+    top = (torch.rand(3, 4, generator=g) > 0.5).float()
+    adv, mask = torch.tensor([1.5, -0.5, 0.0]), torch.ones(3, 4)
+    loss, info = klcov.policy_loss(logp, old, None, adv, mask, args, None, top)
+    r, a = torch.exp(logp - old).detach(), adv[:, None]
+    torch.testing.assert_close(loss, -r * a + 0.7 * top * (logp - old).abs())
+    loss.sum().backward()
+    torch.testing.assert_close(logp.grad, -r * a + 0.7 * top * torch.sign(logp - old))
+    assert not info["clipped"].any()
+    seen, chosen, reached = record_advantages(klcov, monkeypatch, shift=0.3), [], []
+    cov_tokens, policy_loss = common.cov_tokens, klcov.policy_loss
+    monkeypatch.setattr(common, "cov_tokens", lambda *a: chosen.append(cov_tokens(*a)) or chosen[-1])
+    monkeypatch.setattr(klcov, "policy_loss",
+                        lambda *a: reached.append(float(a[-1].sum())) or policy_loss(*a))
+    run = train(klcov, tmp_path, "--steps", "2", "--prompts_per_step", "8", "--group_size", "4",
+                "--format_weight", "0.5", "--micro_batch_size", "5", "--kl_cov_ratio", "0.2")
+    rows = read_metrics(run.run_dir)
+    assert run.algo == "klcov" and len(rows) == len(seen) == len(chosen) == 2
+    assert sum(reached) == sum(float(c.sum()) for step in chosen for c in step) > 0
+    for a, row in zip(seen, rows):
+        assert row["loss/policy"] == pytest.approx(-a.mean().item(), abs=1e-5)
+
+
+def test_a_luspo_script_written_as_the_docs_say_weights_each_completion_by_its_length(tmp_path, monkeypatch):
+    """train_grpo.py copied, with the LUSPO lines of docs/algorithms.md: 2 steps whose logged loss is the
+    hand computation's, -|o_i| A_i averaged over the completions (on-policy GSPO's sequence ratio is 1), from
+    the batch's lengths."""
+    worked_example("luspo", tmp_path)
+    luspo = load_example("luspo", tmp_path, monkeypatch)
+    seen, batches, pre_update = record_advantages(luspo, monkeypatch), [], common.pre_update
+    monkeypatch.setattr(common, "pre_update", lambda run, batch, *a, **k: batches.append(batch) or pre_update(
+        run, batch, *a, **k))
+    run = train(luspo, tmp_path, "--steps", "2", "--prompts_per_step", "8", "--group_size", "4",
+                "--format_weight", "0.5", "--micro_batch_size", "5")
+    rows = read_metrics(run.run_dir)
+    assert run.algo == "luspo" and run.args.ratio_level == "sequence" and len(rows) == len(seen) == 2
+    for a, batch, row in zip(seen, batches, rows):
+        used = batch.in_loss * batch.kept
+        want = (-batch.lengths * a * used).sum() / used.sum()
+        assert abs(want) > 0.05 and row["loss/policy"] == pytest.approx(want.item(), abs=1e-5)
+
+
+def test_a_vespo_script_written_as_the_docs_say_weights_the_policy_gradient_by_a_gamma_kernel(tmp_path,
+                                                                                        monkeypatch):
+    """train_grpo.py copied, with the VESPO lines of docs/algorithms.md: policy_loss is -phi(w) A log pi,
+    phi(w) = e^lam w^k e^(-lam w) of the sequence ratio w = prod_t r_t, (k, lam) = (2, 3) for A >= 0 and
+    (3, 2) below, detached: its gradient -phi(w) A in log pi; 2 steps whose logged loss is the hand
+    computation's, -A log pi summed over the batch's tokens over their number (on-policy phi(1) = 1), log pi the
+    sampler's."""
+    worked_example("vespo", tmp_path)
+    vespo = load_example("vespo", tmp_path, monkeypatch)
+    args = vespo.Args()
+    g = torch.Generator().manual_seed(2)
+    logp = (torch.randn(3, 4, generator=g) - 1).requires_grad_()
+    old = logp.detach() + torch.randn(3, 4, generator=g) * 0.2
+    adv, mask = torch.tensor([1.5, -0.5, 0.0]), torch.tensor([[1.0] * 4, [1, 1, 1, 0], [1, 0, 0, 0]])
+    loss, info = vespo.policy_loss(logp, old, None, adv, mask, args)
+    w = torch.where(mask > 0, torch.exp(logp - old), 1.0).prod(1).detach()
+    k, lam = torch.tensor([2.0, 3.0, 2.0]), torch.tensor([3.0, 2.0, 3.0])
+    phi = (torch.e ** lam * w ** k * torch.exp(-lam * w))[:, None]
+    assert 0 < phi.min() < 0.99 and phi.max() != 1  # the ratios are off 1: the kernel acts
+    torch.testing.assert_close(loss, -phi * adv[:, None] * logp)
+    (loss * mask).sum().backward()
+    torch.testing.assert_close(logp.grad, -phi * adv[:, None] * mask)
+    assert not info["clipped"].any()
+    seen, batches, pre_update = record_advantages(vespo, monkeypatch), [], common.pre_update
+    monkeypatch.setattr(common, "pre_update", lambda run, batch, *a, **k: batches.append(batch) or pre_update(
+        run, batch, *a, **k))
+    run = train(vespo, tmp_path, "--steps", "2", "--prompts_per_step", "8", "--group_size", "4",
+                "--format_weight", "0.5", "--micro_batch_size", "5")
+    rows = read_metrics(run.run_dir)
+    assert run.algo == "vespo" and len(rows) == len(seen) == 2
+    for a, batch, row in zip(seen, batches, rows):
+        used = (batch.in_loss * batch.kept).tolist()
+        total = sum(-a[i] * batch.sampler_logp[i].sum() for i in range(len(used)) if used[i])
+        want = total / sum(len(batch.sampler_logp[i]) for i in range(len(used)) if used[i])
+        assert row["loss/policy"] == pytest.approx(want.item(), rel=1e-4)
