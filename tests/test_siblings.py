@@ -823,8 +823,8 @@ def test_a_vespo_script_written_as_the_docs_say_weights_the_policy_gradient_by_a
     """train_grpo.py copied, with the VESPO lines of docs/algorithms.md: policy_loss is -phi(w) A log pi,
     phi(w) = e^lam w^k e^(-lam w) of the sequence ratio w = prod_t r_t, (k, lam) = (2, 3) for A >= 0 and
     (3, 2) below, detached: its gradient -phi(w) A in log pi; 2 steps whose logged loss is the hand
-    computation's, -A log pi summed over the batch's tokens over their number (on-policy phi(1) = 1), log pi the
-    sampler's."""
+    computation's, -A log pi summed over the batch's tokens over their number (on-policy phi(1) = 1), log
+    pi the sampler's."""
     worked_example("vespo", tmp_path)
     vespo = load_example("vespo", tmp_path, monkeypatch)
     args = vespo.Args()
