@@ -433,7 +433,7 @@ def cov_tokens(run, batch: Batch, logp: list, advantages, share: float, band: tu
     cov = [((x.detach().double().cpu() - mean_logp) * (a - mean_adv)).float() for x, a in zip(logp, adv)]
     if band is None:
         ranked, inside = cov, [torch.ones_like(c, dtype=torch.bool) for c in cov]
-    else:  # the band's tokens in a random order (uniform draws; out of the band last): the top is a uniform pick
+    else:  # the band's tokens in a random order (uniform draws, the rest last): the top is a uniform pick
         first, seed = local_slice(len(batch)).start, (run.args.seed, run.step)
         inside = [(c > band[0]) & (c < band[1]) for c in cov]
         ranked = [torch.where(b, torch.rand(len(b), generator=torch.Generator().manual_seed(

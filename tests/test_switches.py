@@ -54,7 +54,7 @@ def test_top_share_threshold_keeps_the_right_tokens():
 
 
 def test_cov_tokens_centre_over_the_batch_and_pick_the_top_share_or_a_random_share_of_the_band():
-    """common.cov_tokens (Clip-Cov, KL-Cov; Cui et al. 2025): Cov_t = (log pi_t - mean) (A_t - mean), the means
+    """common.cov_tokens (Clip-Cov, KL-Cov; Cui et al. 2025): Cov_t = (log pi_t - mean)(A_t - mean), the means
     over the tokens in the loss only (a completion cut by --mask_truncated or dropped is not counted), by
     hand; KL-Cov's top ceil(share N); Clip-Cov's ceil(r N) of the band's tokens, uniformly drawn, the same
     draw for the same seed and step, another for another step, all of the band when it has fewer."""
