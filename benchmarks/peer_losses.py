@@ -7,11 +7,11 @@ loss of each side and the largest gradient difference in log pi over the gradien
     python benchmarks/peer_losses.py                          # the peers importable in this Python
     python benchmarks/peer_losses.py --path /tmp/peers        # or from a folder (pip install --target)
 
-The rows: GMPO (verl `geo_mean`); Clip-Cov on-policy (verl `clip_cov`, every token of the band chosen:
-verl's choice of r N is random); KL-Cov (verl `kl_cov`, the tokens chosen by common.cov_tokens from the
-current log-probs as verl does; the scripts choose from pi_old, the same on-policy); LUSPO, VESPO, SAPO (TRL
-`luspo`, `vespo`, `sapo`); TRL `bnpo` against `--loss_agg token-mean` in one micro-batch and in two, where
-TRL normalises each micro-batch by its own tokens.
+The rows: GMPO (verl `geo_mean`, TRL's experimental GMPOTrainer); Clip-Cov on-policy (verl `clip_cov`,
+every token of the band chosen: verl's choice of r N is random); KL-Cov (verl `kl_cov`, the tokens chosen
+by common.cov_tokens from the current log-probs as verl does; the scripts choose from pi_old, the same
+on-policy); LUSPO, VESPO, SAPO (TRL `luspo`, `vespo`, `sapo`); TRL `bnpo` against `--loss_agg token-mean`
+in one micro-batch and in three, where TRL normalises each micro-batch by its own tokens.
 """
 import argparse
 import importlib
@@ -62,33 +62,33 @@ def row(name, peer, ours_fn, peer_fn, logp, mask):
     return f"| {name} | {peer} | {a:.10f} | {b:.10f} | {abs(a - b):.2e} | {rel:.2e} |"
 
 
-def trl_loss(loss_type: str, logp, old, adv, mask, micro: int = 1, **extra):
+def trl_loss(loss_type: str, logp, old, adv, mask, micro: int = 1, trainer=None, **extra):
     """TRL's GRPOTrainer._compute_loss on a stand-in trainer: the log-probs given, no KL, no entropy terms;
     the batch split into `micro` micro-batches of one optimizer step, their losses summed (as TRL
-    accumulates them)."""
+    accumulates them). `trainer`: another class whose _compute_loss to call (TRL's experimental GMPO)."""
     from trl.trainer.grpo_trainer import GRPOTrainer
     total, rows = 0.0, torch.arange(len(adv)).chunk(micro)
     for r in rows:
         args = SimpleNamespace(delta=None, steps_per_generation=1, sapo_temperature_pos=1.0,
                                sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0,
                                vespo_k_neg=3.0, vespo_lambda_neg=2.0)
-        fake = SimpleNamespace(
-            _get_per_token_logps_and_entropies=lambda *a, r=r, **k: (logp[r], 0 * logp[r], None),
-            top_entropy_quantile=1.0, off_policy_mask_threshold=None, beta=0.0, loss_type=loss_type,
-            epsilon_low=0.2, epsilon_high=0.2, args=args, use_vllm=False,
-            model=SimpleNamespace(training=True),
-            current_gradient_accumulation_steps=micro, _entropy_bonus_enabled=False, aux_loss_enabled=False,
-            accelerator=SimpleNamespace(gather=lambda x: x, reduce=lambda x, reduction: x, num_processes=1,
-                                        gather_for_metrics=lambda x: x),
-            _metrics=defaultdict(lambda: defaultdict(list)), get_gamma_weights=GRPOTrainer.get_gamma_weights,
-            **extra)
-        fake.importance_sampling_level = extra.get("importance_sampling_level", "token")
+        fake = SimpleNamespace(**{
+            "_get_per_token_logps_and_entropies": lambda *a, r=r, **k: (logp[r], 0 * logp[r], None),
+            "top_entropy_quantile": 1.0, "off_policy_mask_threshold": None, "beta": 0.0,
+            "loss_type": loss_type,
+            "epsilon_low": 0.2, "epsilon_high": 0.2, "args": args, "use_vllm": False,
+            "model": SimpleNamespace(training=True), "importance_sampling_level": "token",
+            "current_gradient_accumulation_steps": micro, "_entropy_bonus_enabled": False,
+            "aux_loss_enabled": False, "_metrics": defaultdict(lambda: defaultdict(list)),
+            "accelerator": SimpleNamespace(gather=lambda x: x, reduce=lambda x, reduction: x, num_processes=1,
+                                           gather_for_metrics=lambda x: x),
+            "get_gamma_weights": GRPOTrainer.get_gamma_weights, **extra})
         n = mask[r].shape[1]
         batch = {"prompt_ids": torch.zeros(len(r), 1, dtype=torch.long), "prompt_mask": torch.ones(len(r), 1),
                  "completion_ids": torch.zeros(len(r), n, dtype=torch.long), "completion_mask": mask[r],
                  "advantages": adv[r], "old_per_token_logps": old[r],
                  "num_items_in_batch": mask.sum()}  # the whole step's tokens (TRL's dapo, vespo)
-        total = total + GRPOTrainer._compute_loss(fake, None, batch)
+        total = total + (trainer or GRPOTrainer)._compute_loss(fake, None, batch)
     return total
 
 
@@ -177,6 +177,14 @@ def main():
                            lambda x: (m.policy_loss(x, old, None, adv, mask, args)[0] * mask).sum() / B,
                            lambda x: trl_loss("luspo", x, old, adv, mask,
                                               importance_sampling_level="sequence"), logp, mask))
+            from trl.experimental.gmpo import GMPOTrainer
+            m = scripts["gmpo"]
+            args = m.Args(clip_eps=0.4)
+            out.append(row("GMPO", f"{peer} experimental.gmpo",
+                           lambda x: agg(m.policy_loss(x, old, None, adv, mask, args)[0],
+                                         "seq-mean-token-mean"),
+                           lambda x: trl_loss("gmpo", x, old, adv, mask, trainer=GMPOTrainer, epsilon_low=0.4,
+                                              epsilon_high=0.4), logp, mask))
             for name, how, args in (("vespo", "token-mean", scripts["vespo"].Args()),
                                     ("sapo", "seq-mean-token-mean", scripts["sapo"].Args(surrogate="sapo"))):
                 ours = lambda x, m=scripts[name], how=how, args=args: agg(  # noqa: E731
