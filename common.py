@@ -434,10 +434,11 @@ def cov_tokens(run, batch: Batch, logp: list, advantages, share: float, band: tu
     if band is None:
         ranked, inside = cov, [torch.ones_like(c, dtype=torch.bool) for c in cov]
     else:  # the band's tokens in a random order (uniform draws, the rest last): the top is a uniform pick
-        first, seed = local_slice(len(batch)).start, (run.args.seed, run.step)
+        seed = (run.args.seed * 1_000_003 + run.step) * 1_000_003 + local_slice(len(batch)).start
         inside = [(c > band[0]) & (c < band[1]) for c in cov]
-        ranked = [torch.where(b, torch.rand(len(b), generator=torch.Generator().manual_seed(
-            hash((*seed, first + i)) % 2**62)), -torch.inf) for i, b in enumerate(inside)]
+        draws = [torch.rand(len(c), generator=torch.Generator().manual_seed(seed + i))
+                 for i, c in enumerate(cov)]
+        ranked = [torch.where(b, d, -torch.inf) for b, d in zip(inside, draws)]
     tau = dist.top_share_threshold([r for r, u in zip(ranked, used) if u], share)  # fp32, as `ranked`
     return [((r >= tau) & b).float() * u for r, b, u in zip(ranked, inside, used)]
 

@@ -733,37 +733,47 @@ def test_a_gmpo_script_written_as_the_docs_say_takes_the_geometric_mean_of_the_c
 
 def test_a_clipcov_script_written_as_the_docs_say_cuts_the_chosen_tokens_for_any_micro_batch(tmp_path,
                                                                                           monkeypatch):
-    """train_grpo.py copied, with the Clip-Cov lines of docs/algorithms.md: 2 steps (a wide band, r 0.3, so
-    that tokens are cut) whose logged loss is the hand computation's from the tokens common.cov_tokens chose,
-    -A_i (1 - cut_i / |o_i|) averaged over the completions (on-policy every ratio is 1); and one step's
-    gradient the same for micro-batches of 64 and 3 completions (the choice is made over the global batch
-    before the micro-batches)."""
+    """train_grpo.py copied, with the Clip-Cov lines of docs/algorithms.md, 2 steps (a wide band, r 0.3, so
+    that tokens are cut; the optimizer step replaced by a record of the gradient) on micro-batches of 64 and
+    of 3 completions: each step's logged loss is the hand computation's from the tokens common.cov_tokens
+    chose, -A_i (1 - cut_i / |o_i|) averaged over the completions (on-policy every ratio is 1), and its
+    gradient is the same for both sizes (the choice is made over the global batch before the micro-batches).
+    """
     worked_example("clipcov", tmp_path)
     clipcov = load_example("clipcov", tmp_path, monkeypatch)
-    seen, chosen, cov_tokens = record_advantages(clipcov, monkeypatch), [], common.cov_tokens
+    seen, chosen, grads, cov_tokens = record_advantages(clipcov, monkeypatch), [], [], common.cov_tokens
     monkeypatch.setattr(common, "cov_tokens", lambda run, batch, *a: chosen.append(
         (batch, cov_tokens(run, batch, *a))) or chosen[-1][1])
-    flags = ["--prompts_per_step", "8", "--group_size", "4", "--format_weight", "0.5", "--save_every", "-1",
-             "--clip_cov_lb", "-100", "--clip_cov_ub", "100", "--clip_cov_ratio", "0.3"]
-    run = train(clipcov, tmp_path, "--steps", "2", "--micro_batch_size", "5", *flags)
-    rows = read_metrics(run.run_dir)
-    assert run.algo == "clipcov" and len(rows) == len(seen) == len(chosen) == 2
-    for a, (batch, cut), row in zip(seen, chosen, rows):
-        used = batch.in_loss * batch.kept
-        share = torch.tensor([float(c.sum()) / len(c) for c in cut])  # cut_i / |o_i|
-        assert 0.25 < sum(float(c.sum()) for c in cut) / float(batch.lengths @ used) < 0.35  # ceil(0.3 N)
-        want = (-a * (1 - share) * used).sum() / used.sum()
-        assert (share * a).abs().sum() > 0.1 and row["loss/policy"] == pytest.approx(want.item(), abs=1e-5)
-    grads = []
-    monkeypatch.setattr(common, "optimizer_step", lambda run, stats: grads.append(
-        {n: p.grad.clone() for n, p in run.model.named_parameters() if p.grad is not None}))
+
+    def record(run, stats):  # the gradient, counted as an update (the loss is logged), no step
+        grads.append({n: p.grad.clone() for n, p in run.model.named_parameters() if p.grad is not None})
+        run.optimizer.zero_grad(set_to_none=True)
+        stats.updates += 1
+    monkeypatch.setattr(common, "optimizer_step", record)
+    result = {}
     for size in (64, 3):
-        train(clipcov, tmp_path, "--steps", "1", "--micro_batch_size", str(size), "--run_name", f"m{size}",
-              *flags)
-    norm = torch.cat([g.flatten() for g in grads[0].values()]).norm().item()
-    assert norm > 0 and len(grads) == 2 and grads[1].keys() == grads[0].keys()
-    for name in grads[0]:
-        assert_grad_close(grads[1][name], grads[0][name], rel=1e-5, name=name, floor=norm)
+        run = train(clipcov, tmp_path, "--steps", "2", "--prompts_per_step", "8", "--group_size", "4",
+                    "--format_weight", "0.5", "--save_every", "-1", "--clip_cov_lb", "-100", "--clip_cov_ub",
+                    "100", "--clip_cov_ratio", "0.3", "--micro_batch_size", str(size),
+                    "--run_name", f"m{size}")
+        rows = read_metrics(run.run_dir)
+        assert run.algo == "clipcov" and len(rows) == len(seen) == len(chosen) == len(grads) == 2
+        for a, (batch, cut), row in zip(seen, chosen, rows):
+            used = batch.in_loss * batch.kept
+            share = torch.tensor([float(c.sum()) / len(c) for c in cut])  # cut_i / |o_i|
+            assert 0.25 < sum(float(c.sum()) for c in cut) / float(batch.lengths @ used) < 0.35  # ceil(0.3 N)
+            want = (-a * (1 - share) * used).sum() / used.sum()
+            assert (share * a).abs().sum() > 0.1
+            assert row["loss/policy"] == pytest.approx(want.item(), abs=1e-5)
+        result[size] = [c for _, c in chosen], list(grads)
+        seen.clear(), chosen.clear(), grads.clear()
+    (cut64, grad64), (cut3, grad3) = result[64], result[3]
+    assert all(torch.equal(x, y) for a, b in zip(cut64, cut3) for x, y in zip(a, b))  # the same tokens
+    for want, got in zip(grad64, grad3):
+        norm = torch.cat([g.flatten() for g in want.values()]).norm().item()
+        assert norm > 0 and got.keys() == want.keys()
+        for name in want:
+            assert_grad_close(got[name], want[name], rel=1e-5, name=name, floor=norm)
 
 
 def test_a_klcov_script_written_as_the_docs_say_penalises_the_top_covariance_tokens(tmp_path, monkeypatch):
