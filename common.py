@@ -419,12 +419,12 @@ def entropy_terms(token_loss, entropy, pre: PreUpdate, micro: Micro, args):
 
 
 def cov_tokens(run, batch: Batch, logp: list, advantages, share: float, band: tuple | None = None) -> list:
-    """Clip-Cov's and KL-Cov's tokens (Cui et al. 2025, arXiv 2505.22617): Cov_t = (log pi(y_t) - mean log pi)
-    (A_t - mean A), the means over the global batch's tokens in the loss (every rank's); the top `share` of
-    those tokens by Cov_t (KL-Cov), or with `band` (lo, hi) a uniform random `share` of them among those with
-    lo < Cov_t < hi (Clip-Cov; all of these when fewer), drawn per completion from --seed, the step and its
-    place in the global batch, so neither --micro_batch_size nor torchrun changes the choice. `logp` ragged as
-    pre.old, `advantages` one per completion of this rank; a 0/1 tensor per completion (micro.per_token)."""
+    """Clip-Cov's and KL-Cov's tokens (Cui et al. 2025, eq. 10): Cov_t = (log pi(y_t) - mean log pi)(A_t -
+    mean A), the means over the global batch's tokens in the loss (every rank's); the top `share` by Cov_t
+    (KL-Cov, eq. 13), or with `band` (lo, hi) a uniform random `share` of those with lo < Cov_t < hi
+    (Clip-Cov, eq. 11; all when fewer; eq. 11 and verl floor r N, here ceil), drawn per completion from
+    --seed, the step and its place in the global batch: neither --micro_batch_size nor torchrun changes the
+    choice. `logp` ragged as pre.old, `advantages` one per completion of this rank; a 0/1 tensor each."""
     used, adv = (batch.in_loss * batch.kept).tolist(), advantages.detach().double().cpu().tolist()
     n = all_sum({"n": sum(len(x) * u for x, u in zip(logp, used)),
                  "adv": sum(len(x) * a * u for x, a, u in zip(logp, adv, used)),
