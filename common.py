@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from rlmini import checkpoint as ckpt, memstats, reward_model
-from rlmini import data, dist, faults, memplan, models, optim, runlog, server, startup, tools
+from rlmini import data, dist, faults, memplan, models, moe, optim, runlog, server, startup, tools
 from rlmini.batches import (Batch, Keep, Micro, Minibatch, PreUpdate, Scored, batch_logprobs,
                             group_permutation, ragged_pass, this_ranks)
 
@@ -91,6 +91,8 @@ class Args(data.TaskArgs, tools.ToolArgs, server.ServerArgs, memplan.PlanArgs, r
     rollout_correction: Literal["auto", "off", "token-tis", "token-mis", "seq-mis"] = arg(
         "auto", "sampler/trainer mismatch correction (Yao et al. 2025); auto: token-tis with vLLM in "
                 "bf16/fp16")
+    routing_replay: bool = arg(False, "a mixture of experts: the trainer's forward routes each token to the "
+                                      "experts the sampler chose (R3; rlmini/moe.py)")
     is_cap: float = arg(2.0, "token-tis: the weight pi_old / pi_sampler is truncated at this cap", gt=0)
     is_low: float = arg(0.5, "token-mis / seq-mis: tokens (completions) weighted below it are dropped", ge=0)
     is_high: float = arg(2.0, "token-mis / seq-mis: tokens (completions) weighted above it are dropped", gt=0)
@@ -298,7 +300,8 @@ def pre_update(run, batch: Batch, ref_model=None, values=None, need_old: bool = 
 
     def forward(micro):
         with autocast(run.device, run.dtype):
-            logp, entropy = (token_logprobs(run.model, micro.layout, T, with_entropy=top_entropy)
+            logp, entropy = (token_logprobs(run.model, moe.layout(micro, args.routing_replay), T,
+                                            with_entropy=top_entropy)
                              if not on_policy or top_entropy else (None, None))
             return {"old": logp, "entropy": entropy, "values": values and values(micro.layout)}
     # what the pass computes is there for every completion, zeros for a dropped one, even if all were dropped
@@ -355,11 +358,16 @@ def minibatches(run, batch: Batch, whole_groups: bool = False):
 
 def policy_logprobs(run, micro: Micro) -> tuple:
     """The policy's log-probs of the micro-batch's tokens, with their gradient, and its entropies (in the
-    first pass, or with --entropy_coef, whose gradient flows through them)."""
+    first pass, or with --entropy_coef, whose gradient flows through them). A mixture of experts with the
+    sampler's routes: routed by them (--routing_replay), and the first pass's agreement kept (route_agree).
+    """
     with autocast(run.device, run.dtype):
-        return token_logprobs(run.model, micro.layout, run.args.temperature,
-                              with_entropy=micro.epoch == 0 or run.args.entropy_coef > 0,
-                              entropy_grad=run.args.entropy_coef > 0)
+        out = token_logprobs(run.model, moe.layout(micro, run.args.routing_replay), run.args.temperature,
+                             with_entropy=micro.epoch == 0 or run.args.entropy_coef > 0,
+                             entropy_grad=run.args.entropy_coef > 0)
+    if micro.epoch == 0 and micro.routes is not None:
+        micro.route_agree = moe.agreement(run.model, micro.mask)
+    return out
 
 
 def optimizer_step(run, stats) -> None:

@@ -28,8 +28,8 @@ class Args(common.Args):
     hadw_window: int = arg(50, "HA-DW: anchors in the std window (m)", ge=1)
     hadw_lambda: float = arg(1.3, "HA-DW lambda_scale (the paper's best, Table 7)", gt=0)
     hadw_anchor: Literal["kalman", "mean", "fixed"] = arg(
-        "kalman", "HA-DW anchor: sec. 3 Kalman | app. F moving mean | fixed at --hadw_threshold")
-    hadw_threshold: float = arg(0.5, "HA-DW --hadw_anchor fixed: the constant anchor C", ge=0, le=1)
+        "kalman", "HA-DW anchor: sec. 3 Kalman | app. F moving mean | fixed", only_with=("hadw", True))
+    hadw_threshold: float = arg(0.5, "HA-DW's fixed anchor C", ge=0, le=1, only_with=("hadw_anchor", "fixed"))
     max_sampling_rounds: int = arg(20, "the beta_th rule: rounds per step at most (authors' code: 20)", ge=1)
     min_group_size: ClassVar[int] = 2  # the group baseline needs two completions of a prompt
     smoke_flags: ClassVar[tuple] = ("--beta_th", "0")  # one step: no resampling rounds on an untrained model

@@ -371,6 +371,7 @@ CASES = [  # (model, ranks, LoRA rank, reference, critic, checkpointing)
     ("gemma-2-2b-it", 1, 0, False, False, False),
     ("gemma-2-2b-it", 1, 0, False, False, True),
     ("qwen2.5-1.5b-instruct", 8, 0, False, True, True),
+    ("qwen3-30b-a3b", 8, 0, False, False, False),  # a mixture of experts: 48 layers' activations
 ]
 
 

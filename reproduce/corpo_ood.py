@@ -7,13 +7,14 @@ estimator) with pass@1 beside it, the measure of the paper's Table 1; the verdic
 call per task.
 
     python reproduce/corpo_ood.py --seeds 5 6 7 --arms grpo static corpo         # docs/corpo.md
-    python reproduce/corpo_ood.py --seeds 0 1 2 3 4 --out runs/corpo_ood_tune     # the tuning seeds
+    python reproduce/corpo_ood.py --seeds 0 1 2 3 4 --out results/corpo_ood_tune     # the tuning seeds
 
-Seeds 0-4 are for tuning, 5-7 held out; 8 and up are reserved (refused). A finished run (final/ and its
-evaluations) is reused; an interrupted one continues from its checkpoint, or starts again without one; a
-folder trained with another configuration is refused, naming the flag. Prints a line per run; writes
-DIR/results.json (a list of {arm, seed, in_domain, ood: {task: pass@16}, in_domain_pass1, ood_pass1: {task:
-pass@1}, minutes}), DIR/table.md and DIR/details.json (eval.py compare's verdict of each task).
+Seeds 0-4 are for tuning, 5-7 held out; 8 and up are reserved (refused). A finished run (final/, or its small
+files alone as results/ lands them in git, and its evaluations) is reused; an interrupted one continues from
+its checkpoint, or starts again without one; a folder trained with another configuration is refused, naming
+the flag. Prints a line per run; writes DIR/results.json (a list of {arm, seed, in_domain, ood: {task:
+pass@16}, in_domain_pass1, ood_pass1: {task: pass@1}, minutes}), DIR/table.md and DIR/details.json (eval.py
+compare's verdict of each task).
 """
 import contextlib
 import importlib
@@ -46,7 +47,7 @@ def parser():
     p.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS), help="arms")
     p.add_argument("--ood", nargs="+", default=OOD, help="out-of-domain tasks (rewards.py specs, e.g. "
                    "products:19)")
-    base.run_arguments(p, "corpo_ood", 100, 0, "the task's, 32")
+    base.run_arguments(p, "results/corpo_ood", 100, 0, "the task's, 32")
     p.add_argument("--eval_n", type=int, default=16, help="final evaluations: samples per question (pass@n)")
     p.add_argument("--eval_limit", type=int, default=40, help="final evaluations: questions of each task")
     return p
@@ -76,6 +77,8 @@ def run_one(a, arm: str, seed: int) -> dict:
         ev_dir = os.path.join(a.out, f"eval-{name}-{_key(task)}")
         path = os.path.join(ev_dir, "eval.json")
         if not os.path.exists(path) or done.get(task) != [a.eval_n, a.eval_limit]:
+            base.need_weights(folder, f"its evaluation on {task} (--eval_n {a.eval_n}, --eval_limit "
+                                      f"{a.eval_limit})")
             call_start = record["eval_s"]
             base.call(["eval.py", "--model", os.path.join(folder, "final"), "--task", task, "--engine",
                        a.engine, "--n", str(a.eval_n), "--k", ",".join(map(str, ks)), "--limit",

@@ -6,13 +6,14 @@ GRPO + HA-DW with its sec. 3 evolving anchor (`--hadw_anchor kalman`) and with a
 and per level); the verdict by `eval.py compare`, overall and per level (--subset level=L).
 
     python reproduce/hadw_smollm2.py --seeds 5 6 7 --arms grpo hadw fixed       # docs/hadw.md
-    python reproduce/hadw_smollm2.py --seeds 0 1 2 3 4 --out runs/hadw_smollm2_tune   # the tuning seeds
+    python reproduce/hadw_smollm2.py --seeds 0 1 2 3 4 --out results/hadw_smollm2_tune   # the tuning seeds
 
-Seeds 0-4 are for tuning, 5-7 held out; 8 and up are reserved (refused). A finished run (final/ and its
-evaluation) is reused; an interrupted one continues from its checkpoint, or starts again without one; a
-folder trained with another configuration is refused, naming the flag. Prints a line per run; writes
-DIR/results.json (a list of {arm, seed, accuracy, by_level: {level: accuracy}, minutes}), DIR/table.md,
-DIR/details.json (curves, hadw/anchor over steps, eval.py compare's verdicts) and DIR/hadw_smollm2.png.
+Seeds 0-4 are for tuning, 5-7 held out; 8 and up are reserved (refused). A finished run (final/, or its small
+files alone as results/ lands them in git, and its evaluation) is reused; an interrupted one continues from
+its checkpoint, or starts again without one; a folder trained with another configuration is refused, naming
+the flag. Prints a line per run; writes DIR/results.json (a list of {arm, seed, accuracy, by_level: {level:
+accuracy}, minutes}), DIR/table.md, DIR/details.json (curves, hadw/anchor over steps, eval.py compare's
+verdicts) and DIR/hadw_smollm2.png.
 """
 import contextlib
 import json
@@ -50,7 +51,7 @@ def parser():
                        allow_abbrev=False)
     p.add_argument("--seeds", nargs="+", type=seed_type, default=[5, 6, 7], help="seeds, 0 to 7")
     p.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS), help="arms")
-    base.run_arguments(p, "hadw_smollm2", 120, 0, "the task's, 32")
+    base.run_arguments(p, "results/hadw_smollm2", 120, 0, "the task's, 32")
     p.add_argument("--threshold", type=float, default=0.5, help="the fixed arm's anchor C (--hadw_threshold)")
     p.add_argument("--eval_every", type=int, default=20, help="curves: evaluate every N steps")
     p.add_argument("--curve_limit", type=int, default=110, help="curves: held-out questions (levels mixed)")
@@ -77,6 +78,7 @@ def run_one(a, arm: str, seed: int) -> tuple:
     path = os.path.join(ev_dir, "eval.json")
     ev = json.load(open(path)) if os.path.exists(path) else {}
     if not ev or record.get("final_limit") != a.final_limit:  # none, or of another size
+        base.need_weights(folder, f"its greedy evaluation (--final_limit {a.final_limit})")
         record.update(eval_s=0.0, final_limit=a.final_limit)
         base.call(["eval.py", "--model", os.path.join(folder, "final"), "--task", TASK, "--engine", a.engine,
                    "--temperature", "0", "--limit", str(a.final_limit), "--seed", str(seed),

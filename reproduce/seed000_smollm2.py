@@ -44,7 +44,7 @@ def parser():
                        allow_abbrev=False)
     p.add_argument("--seeds", nargs="+", type=seed_type, default=[5, 6, 7], help="seeds (non-negative)")
     p.add_argument("--algos", nargs="+", choices=list(ALGOS), default=list(ALGOS), help="algorithms")
-    run_arguments(p, "seed000_smollm2", 100, 8, "the task's")
+    run_arguments(p, "runs/seed000_smollm2", 100, 8, "the task's")
     p.add_argument("--eval_every", type=int, default=20, help="curves: evaluate every N steps")
     p.add_argument("--curve_limit", type=int, default=500, help="curves: held-out questions")
     p.add_argument("--eval_n", type=int, default=4, help="samples per held-out question (curves and final)")
@@ -62,9 +62,10 @@ seed_type.__name__ = "non-negative integer seed"  # argparse names the type in i
 
 
 def run_arguments(p, out: str, steps: int, max_new_tokens: int, tokens: str) -> None:
-    """The options every SmolLM2 reproduction shares (its own defaults): where, the policy, the batch, the
-    learning rate, reply tokens (`tokens`: what 0 means), the engine and more trainer flags."""
-    p.add_argument("--out", default=os.path.join("runs", out), help="runs, results, figure")
+    """The options every SmolLM2 reproduction shares (its own defaults): where (`out`: results/ is in git,
+    its runs' weights ignored), the policy, the batch, the learning rate, reply tokens (`tokens`: what 0
+    means), the engine and more trainer flags."""
+    p.add_argument("--out", default=out, help="runs, results, figure")
     p.add_argument("--model", default="smollm2", help="the policy (tiny: the tests' few steps)")
     p.add_argument("--steps", type=int, default=steps, help="training steps per run")
     p.add_argument("--prompts_per_step", type=int, default=8, help="questions per step")
@@ -142,16 +143,32 @@ def train(a, script: str, name: str, flags: list, folder: str, save_every: int) 
         sys.exit(f"{folder}: trained with another configuration: {other}; give another --out")
     record = json.load(open(record_path)) if os.path.exists(record_path) else {"train_s": 0.0, "eval_s": 0.0}
     os.makedirs(a.out, exist_ok=True)
-    if os.path.exists(os.path.join(folder, "final", "config.json")):
-        return record, False
     again = os.path.exists(os.path.join(folder, "checkpoint.pt")) or os.path.isdir(
         os.path.join(folder, "checkpoint"))  # interrupted: continue from its checkpoint, else start again
+    if os.path.exists(os.path.join(folder, "final", "config.json")) or (landed(folder, record) and not again):
+        return record, False
     record["train_s"] = record["train_s"] if again else 0.0
     call([script, *flags, "--out_dir", a.out, "--run_name", name, "--wandb", "false",
           "--save_every", str(save_every), "--keep_checkpoint", "false",
           *(["--resume", "true"] if again else ["--overwrite", "true"])],
          os.path.join(a.out, f"{name}.log"), record, "train_s", record_path)
+    record["finished"] = True  # its small files alone (landed without final/) make it a finished run
+    with open(record_path, "w") as f:
+        json.dump(record, f)
     return record, True
+
+
+def landed(folder: str, record: dict) -> bool:
+    """A finished run kept as its small files only (config, metrics, its record and evaluations, as results/
+    holds them in git): reused as it stands; an evaluation it lacks cannot be made without final/."""
+    return bool(record.get("finished")) and os.path.exists(os.path.join(folder, "metrics.jsonl"))
+
+
+def need_weights(folder: str, what: str) -> None:
+    """Before evaluating `folder`'s final policy: a landed run without its weights is refused in one line."""
+    if not os.path.exists(os.path.join(folder, "final", "config.json")):
+        sys.exit(f"{folder}: landed without its weights (no final/), so {what} cannot be made: give the "
+                 f"options it was evaluated with, or another --out to train it again")
 
 
 def run_one(a, algo: str, seed: int) -> dict:
@@ -163,6 +180,7 @@ def run_one(a, algo: str, seed: int) -> dict:
     path = os.path.join(ev_dir, "eval.json")
     ev = json.load(open(path)) if os.path.exists(path) else {}
     if (ev.get("n"), ev.get("questions")) != (a.eval_n, a.final_limit or 2000):  # none, or of another size
+        need_weights(folder, f"its evaluation (--eval_n {a.eval_n}, --final_limit {a.final_limit})")
         record["eval_s"] = 0.0
         call(["eval.py", "--model", os.path.join(folder, "final"), "--task", "calibration_plain", "--engine",
               a.engine, "--n", str(a.eval_n), "--k", "1", "--limit", str(a.final_limit), "--seed", str(seed),

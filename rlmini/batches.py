@@ -5,6 +5,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from rlmini import moe
 from rlmini.data import Rollouts
 from rlmini.dist import all_gather, local_slice, reshard_frozen, world_size
 from rlmini.logprobs import to_padded, to_ragged, token_logprobs
@@ -90,6 +91,8 @@ class Micro:
     size: int = 0           # completions in this rank's batch (advantages: this rank's or the global batch's)
     idle: bool = False      # torchrun: a repeat that keeps this rank in step, every mask zero (Minibatch)
     groups: torch.Tensor | None = None  # whole groups (common.minibatches): each row's group, 0, 0, 1, ...
+    routes: torch.Tensor | None = None  # a mixture of experts: the sampler's routes (rlmini/moe.py::padded)
+    route_agree: tuple | None = None  # the first pass's (agreeing, all) routing decisions (moe.agreement)
 
     @property
     def mask(self):
@@ -147,8 +150,10 @@ def micro_batch(batch: Batch, rows: list, model, device, epoch: int = 0, group_s
     loss_mask = mask * batch.in_loss[rows].unsqueeze(1).to(device)
     groups = torch.unique_consecutive(torch.tensor(rows) // group_size, return_inverse=True)[1] \
         if group_size else None
+    routes = (moe.padded(r.routes, rows, layout["input_ids"].shape[1], device)
+              if r.routes is not None and any(x is not None for x in r.routes) else None)
     return Micro(rows, epoch, layout, loss_mask, to_padded(batch.sampler_logp, rows, mask),
-                 *padded_tokens(layout, model), size=len(batch), groups=groups)
+                 *padded_tokens(layout, model), size=len(batch), groups=groups, routes=routes)
 
 
 @torch.no_grad()

@@ -192,6 +192,7 @@ class Rollouts:
     versions: list | None = None     # --engine server: per completion the weight push it was sampled from
     env_rewards: list | None = None  # --env with get_reward: per completion its value (None: discarded)
     prefix_lengths: list | None = None  # common.generate(prefixes=): per completion, its given tokens
+    routes: list | None = None  # a mixture of experts: per completion [P + L - 1, layers, k] (rlmini/moe.py)
 
     def lists(self) -> tuple:
         """The per-completion fields present (what groups are cut from and joined into)."""
@@ -199,7 +200,7 @@ class Rollouts:
 
 
 _PER_COMPLETION = ("prompt_ids", "completion_ids", "sampler_logprobs", "finished", "policy_mask",
-                   "tool_stats", "versions", "env_rewards", "prefix_lengths")
+                   "tool_stats", "versions", "env_rewards", "prefix_lengths", "routes")
 
 
 class Group(typing.NamedTuple):

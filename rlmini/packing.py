@@ -95,7 +95,8 @@ def _pack(prompt_ids, completion_ids, P, L, keep, device, kernel) -> dict:
     pred = torch.where(j == 0, (p_start[owner] + P - 1)[seq], c_start[seq] + j - 1)
     pred = pred if keep is None else pred[keep]  # `keep`: the policy's tokens (make_batch's `policy`)
     packed = {"input_ids": ids[None].to(device), "position_ids": torch.cat([pos_p, pos_c])[None].to(device),
-              "pred": pred.to(device), "computed": len(ids)}
+              "pred": pred.to(device), "computed": len(ids), **_padded_places(P, L, owner, order, p_start, Pu,
+                                                                              c_start, pos_p, pos_c, device)}
     if kernel == "flex":
         packed["rows"] = FlexLayout(p_start, Pu, c_start[order], L[order], P[order], p_start[owner[order]],
                                     len(ids), device)
@@ -107,6 +108,22 @@ def _pack(prompt_ids, completion_ids, P, L, keep, device, kernel) -> dict:
         rows.append(_attention_rows(c_start[i], L[i], P[i], p_start[owner[i]], P[i]))
     packed["rows"] = [tuple(t.to(device) for t in r) for r in rows]
     return packed
+
+
+def _padded_places(P, L, owner, order, p_start, Pu, c_start, pos_p, pos_c, device) -> dict:
+    """Where each packed token sits in the padded rows (flat index row * width + position: a shared prompt's
+    tokens in its first row), `padded_at`, and the reverse for every padded place, `packed_at` (-1: padding):
+    what lays per-token inputs of the padded layout out for the packed forward and back (rlmini/moe.py)."""
+    width, b = int((P + L).max()), len(P)
+    first = torch.full((len(Pu),), b, dtype=torch.long).scatter_reduce_(0, owner, torch.arange(b), "amin")
+    padded_at = torch.cat([torch.repeat_interleave(first * width, Pu) + pos_p,
+                           torch.repeat_interleave(order * width, L[order]) + pos_c])
+    packed_at = torch.full((b * width,), -1, dtype=torch.long)
+    packed_at[padded_at[len(pos_p):]] = torch.arange(len(pos_p), len(padded_at))  # completions: their own
+    j = torch.arange(int(P.sum())) - torch.repeat_interleave(torch.cumsum(P, 0) - P, P)  # every row's prompt
+    packed_at[torch.repeat_interleave(torch.arange(b) * width, P) + j] = torch.repeat_interleave(
+        p_start[owner], P) + j
+    return {"padded_at": padded_at.to(device), "packed_at": packed_at.to(device)}
 
 
 class FlexLayout:
@@ -209,6 +226,9 @@ def index_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 # what transformers' attention layers pass that changes nothing here (the packed rows carry the positions)
 _INERT = {"position_ids", "cache_position", "use_cache", "output_attentions", "past_key_values", "is_causal"}
+# off, what a mixture of experts passes every layer: routing is per token, so a packed token is routed as in
+# its padded row (no router logits asked for: the trainer adds no load-balancing loss)
+_INERT_WHEN_FALSE = {"output_router_logits"}
 
 
 def packed_attention(delegate):
@@ -226,7 +246,8 @@ def packed_attention(delegate):
             extra = {} if softcap is None else {"softcap": softcap}
             return delegate(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                             sliding_window=sliding_window, **extra, **kwargs)
-        unknown = sorted(k for k, v in kwargs.items() if k not in _INERT and v is not None)
+        unknown = sorted(k for k, v in kwargs.items() if k not in _INERT and v is not None
+                         and not (k in _INERT_WHEN_FALSE and v is False))
         if unknown:
             raise NotImplementedError(f"packed attention does not implement {', '.join(unknown)}")
         if isinstance(packed_rows, FlexLayout):

@@ -86,6 +86,7 @@ def continue_prefixes(engine, prompt_ids: list, prefixes: list, n: int, budget: 
     at = {i: k * n for k, i in enumerate(live)}  # the first of prompt i's n rows in the engine's output
     out = data.Rollouts([], [], [], [], engine.pad_id, prefix_lengths=[])
     out.versions = [] if r.versions is not None else None
+    out.routes = [] if r.routes is not None else None  # MoE: prompt + prefix + continuation's
     for i, (prompt, prefix) in enumerate(zip(prompt_ids, prefixes)):
         for j in range(n):
             k = at[i] + j if i in at else None
@@ -97,6 +98,8 @@ def continue_prefixes(engine, prompt_ids: list, prefixes: list, n: int, budget: 
             out.prefix_lengths.append(len(prefix))
             if out.versions is not None:
                 out.versions.append(r.versions[k if k is not None else 0])
+            if out.routes is not None:  # nothing sampled: none (the trainer routes it itself)
+                out.routes.append(r.routes[k] if k is not None else None)
     return out
 
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlmini import checkpoint as ckpt, data, dist, engine, faults, memplan, models, optim, quiet, runlog
+from rlmini import checkpoint as ckpt, data, dist, engine, faults, memplan, models, moe, optim, quiet, runlog
 from rlmini import reward_model, server, tools
 from rlmini.models import trainable_parameters
 from rlmini.options import check_ranks
@@ -85,6 +85,7 @@ def build(args, algo: str) -> Run:
     plan = memplan.plan_run(args, algo, path, device, dtype, max_len, run_dir, (max_prompt, max_new))
     server.check_trainer_memory(args, device, plan)  # --engine server: `vllm serve` on these GPUs?
     model, tokenizer, path = models.load_model(args, task, device, dtype, tokenizer)  # torchrun: sharded
+    moe.prepare(args, model)  # a mixture of experts: routes captured, compared, replayed (--routing_replay)
     reward_model.load(task, args, tokenizer, device, dtype)  # --reward_model, --judge_url: before vLLM sizes
     runlog.startup("model", f" (task, memory plan, {args.model} built or loaded)")
     runlog.status(f"starting the {args.engine} engine")

@@ -19,7 +19,8 @@ sampler's and the trainer's log-probs (common.logprobs), and the line each rank 
 rank's prefix is refused, go to OUT/<name>.prefixes.rank<r>.pt. Then
 dist.top_share_threshold of fixed values split unevenly over the ranks (one rank may hold none) goes to
 OUT/thresholds.rank<r>.json, common.cov_tokens of fixed completions split over the ranks to
-OUT/cov_tokens.rank<r>.pt.
+OUT/cov_tokens.rank<r>.pt. A mixture of experts' MoE block parameters, whole and this rank's shard, go to
+OUT/<name>.experts.rank<r>.json.
 """
 import importlib
 import json
@@ -58,6 +59,10 @@ for spec in runs:
     own = ["--micro_batch_size", "1"] if uneven else []  # rank 0 more micro-batches than rank 1: no hang
     run = importlib.import_module(spec["script"]).main(argv + spec["argv"] + own)
     torch.save(list(recorded), os.path.join(out_dir, f"{spec['name']}.rank{dist.rank()}.pt"))
+    experts = {n: [list(p.shape), list(getattr(p, "_local_tensor", p).shape)]  # whole, this rank's
+               for n, p in run.model.named_parameters() if ".mlp." in n and "norm" not in n}
+    if any(".experts." in n for n in experts):  # a mixture of experts: its MoE blocks', router included
+        json.dump(experts, open(os.path.join(out_dir, f"{spec['name']}.experts.rank{dist.rank()}.json"), "w"))
     if spec.get("generate"):
         out = {}
         for k in (4, 3, 1):

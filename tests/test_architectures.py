@@ -105,8 +105,8 @@ def family_diffs(family: str) -> tuple:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_trainer_logprobs_are_the_models_own(family):
     own, packed, sampler, packs = family_diffs(family)
-    # Falcon does not use transformers' attention interface; an MoE's packed forward gives no router logits
-    assert packs == (family not in ("falcon-mqa", "qwen3-moe", "mixtral", "olmoe"))
+    # Falcon does not use transformers' attention interface; a mixture of experts routes each token alike
+    assert packs == (family != "falcon-mqa")
     assert own <= 1e-5 and packed <= 1e-5 and sampler <= 1e-5
 
 
@@ -175,18 +175,7 @@ def test_a_model_whose_logits_we_cannot_reproduce_is_refused_in_one_line():
 def test_a_softcapped_model_trains_with_the_sampler_agreeing(tmp_path):
     """The issue's reproduction: a Gemma-2-shaped model with the built-in tokenizer, HF engine, fp32: it
     stopped at step 1 ("the trainer's log-probs ... differ from the sampler's"); now 3 GRPO steps run."""
-    import rewards
-    task = rewards.load_task("addition")
-    folder = str(tmp_path / "gemma2")
-    model = build("gemma2-softcap")
-    tiny = models.build_tiny_model(task.alphabet)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny)
-    model.resize_token_embeddings(len(tokenizer))
-    model.config.eos_token_id, model.config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    with open(os.path.join(folder, "rlmini.json"), "w") as f:
-        f.write('{"prompt_style": "tiny"}')
+    folder = save_family("gemma2-softcap", str(tmp_path / "gemma2"))
     env = {**os.environ, "WANDB_MODE": "disabled"}
     argv = ["--model", folder, "--engine", "hf", "--steps", "3", "--prompts_per_step", "4", "--group_size",
             "4", "--max_new_tokens", "8", "--out_dir", str(tmp_path / "runs"), "--run_name", "g", "--wandb",
@@ -196,6 +185,22 @@ def test_a_softcapped_model_trains_with_the_sampler_agreeing(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = open(tmp_path / "runs" / "g" / "metrics.jsonl").read().splitlines()
     assert len([line for line in lines if '"step"' in line]) >= 3
+
+
+def save_family(family: str, folder: str, task: str = "addition") -> str:
+    """build(family) with the built-in model's tokenizer and prompt style (over `task`'s alphabet), saved to
+    `folder`: a model folder train_*.py --model takes."""
+    import rewards
+    model = build(family)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        models.build_tiny_model(rewards.load_task(task).alphabet))
+    model.resize_token_embeddings(len(tokenizer))
+    model.config.eos_token_id, model.config.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    with open(os.path.join(folder, "rlmini.json"), "w") as f:
+        f.write('{"prompt_style": "tiny"}')
+    return folder
 
 
 def _config_folder(tmp_path, family, **changes):
@@ -285,6 +290,98 @@ def test_vllm_samples_the_trainers_policy_and_takes_pushes_across_families(tmp_p
             assert "\n" not in r["refused"] and "--engine hf" in r["refused"], r
             continue
         assert r["sampler_vs_trainer"] <= 1e-4 and r["push_check"] <= 1e-4, r
+
+
+def test_the_sharded_load_reads_fused_experts_from_the_checkpoints_layout(tmp_path, monkeypatch):
+    """Under torchrun every rank builds the model on meta and rank 0 reads each parameter from the files
+    (rlmini/models.py::load_streamed): a fused [E, 2I, H] parameter is read from its E x 2 checkpoint tensors
+    (Mixtral's also renamed), each into its place as transformers' own mapping run backwards gives it; what
+    it reads is from_pretrained's model, tensor for tensor. A mapping the load cannot read this way (a part
+    not a strided view, a part read twice, a part left unread) is one line naming the parameter."""
+    from transformers.core_model_loading import revert_weight_conversion
+    for family in MOE:
+        folder = str(tmp_path / family)
+        build(family).save_pretrained(folder)
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(folder)
+        with torch.device("meta"):
+            meta = transformers.AutoModelForCausalLM.from_config(loaded.config)
+        targets = list(meta.named_parameters())
+        sources, error = models._checkpoint_sources(targets, {}, models.weight_index(folder), meta, folder)
+        assert error is None and any(len(parts) == 8 for parts in sources.values()), family  # 4 x gate, up
+        for name, p in loaded.named_parameters():
+            out = torch.full(p.shape, float("nan"))
+            models._read_parts(sources[name], out)
+            assert torch.equal(out, p.detach()), (family, name)
+    name, shape = "model.layers.0.mlp.experts.down_proj", (4, 6, 5)
+    for fake, message in ((lambda m, sd: {"a": sd[name].flip(0)}, "a way the sharded load cannot read"),
+                          (lambda m, sd: {"a": sd[name][:2], "b": sd[name][1:]}, "twice"),
+                          (lambda m, sd: {"a": sd[name][:2]}, "leaves part")):
+        monkeypatch.setattr("transformers.core_model_loading.revert_weight_conversion", fake)
+        assert message in models._checkpoint_parts(meta, name, shape, {})
+    monkeypatch.setattr("transformers.core_model_loading.revert_weight_conversion", revert_weight_conversion)
+    assert models._checkpoint_parts(meta, "model.norm.weight", (64,), {}) == [("model.norm.weight", (64,),
+                                                                                None, 0)]
+
+
+@pytest.mark.slow
+def test_the_trainers_train_each_mixture_of_experts_and_vllm_on_cpu_refuses_them(tmp_path):
+    """Qwen3-MoE, Mixtral and OLMoE with the built-in tokenizer, HF engine, fp32, packed, on calibration (a
+    dense reward: every step has a gradient): 2 GRPO steps and 2 RLOO steps with LoRA on the attention (the
+    fused experts are no linear layer: add_lora refuses them), the sampler's log-probs the trainer's; GRPO
+    saved every step and resumed from step 1 (Qwen3-MoE): the same metrics. --engine vllm and a CPU --engine
+    server (the LoRA policy) refuse each at start in one line naming the model (check_moe_reload)."""
+    import common
+    import train_grpo
+    import train_rloo
+    from rlmini import server
+    from test_train_grpo import _rows_without_timing, _same
+    base = ["--engine", "hf", "--task", "calibration", "--prompts_per_step", "2", "--group_size", "4",
+            "--max_new_tokens", "6", "--out_dir", str(tmp_path / "runs"), "--wandb", "false"]
+    lora = ["--lora_rank", "4", "--lora_targets", "q_proj,k_proj,v_proj,o_proj"]
+    for family in MOE:
+        folder = save_family(family, str(tmp_path / family), "calibration")  # a dense reward: a gradient
+        model = f"--model={folder}"
+        for script, extra in ((train_grpo, ["--save_every", "1"]), (train_rloo, lora)):
+            name = f"{family}-{script.__name__}"
+            run = script.main([model, "--steps", "2", "--run_name", name, *base, *extra])
+            assert packing.packing_enabled(run.model), family
+            rows = _rows_without_timing(run.run_dir)
+            assert len(rows) == 2 and rows[0]["grad_norm"] > 0, (family, script.__name__)
+            assert all(r["logprob/sampler_diff"] < 1e-5 for r in rows), (family, script.__name__, rows)
+        if family == "qwen3-moe":
+            for steps, resume in (("1", "false"), ("2", "true")):
+                train_grpo.main([model, "--steps", steps, "--resume", resume, "--save_every", "1",
+                                 "--run_name", "half", *base])
+            _same(_rows_without_timing(tmp_path / "runs" / f"{family}-train_grpo"),
+                  _rows_without_timing(tmp_path / "runs" / "half"))
+        with pytest.raises(SystemExit) as e:
+            train_grpo.main([model, *base, "--engine", "vllm", "--run_name", "vllm"])
+        cls = transformers.AutoConfig.from_pretrained(folder).architectures[0]
+        assert "\n" not in str(e.value) and f"--engine vllm: {cls} is a mixture of experts" in str(e.value)
+        assert "use --engine hf on CPU" in str(e.value)
+        args = common.Args(engine="server", server_url="http://127.0.0.1:1", out_dir=str(tmp_path))
+        with pytest.raises(SystemExit, match=f"--engine server .* on cpu.: {cls} is a mixture of experts"):
+            server.ServerEngine(args, run.model, run.tokenizer, torch.device("cpu"), torch.float32,
+                                ("served", "cpu"))
+
+
+def test_mixtrals_router_noise_is_off_for_training():
+    """Mixtral multiplies the router's input by uniform noise in training mode (router_jitter_noise), which
+    would make the trained policy another than the one that sampled: prepare_for_training turns it off, as
+    dropout, and asks no router logits (the trainer adds no load-balancing loss)."""
+    cls, kw = FAMILIES["mixtral"]
+    config = getattr(transformers, cls)(**{**BASE, **kw, "router_jitter_noise": 0.5,
+                                           "output_router_logits": True})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    noisy = [model.train()(input_ids=ids).logits for _ in range(2)]
+    assert not torch.equal(*noisy)  # the noise bites
+    models.prepare_for_training(model, gradient_checkpointing=False, packing=True)
+    assert model.training and packing.packing_enabled(model) and not model.config.output_router_logits
+    with torch.no_grad():
+        trained = model(input_ids=ids).logits
+        torch.testing.assert_close(trained, model.eval()(input_ids=ids).logits, rtol=0, atol=1e-6)
 
 
 if __name__ == "__main__":  # the matrix of docs/models.md: python tests/test_architectures.py

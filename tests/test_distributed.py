@@ -24,6 +24,9 @@ from test_train_grpo import _rows_without_timing, _same
 
 BATCH = ["--steps", "2", "--prompts_per_step", "4", "--group_size", "4", "--micro_batch_size", "4"]
 RM = os.path.join(tempfile.gettempdir(), "rlmini-test-rm-random")  # tests/chat_model.py::build_reward_model
+# a random Mixtral (4 experts, top-2) with the built-in tokenizer (tests/test_architectures.py::save_family)
+MOE = os.path.join(tempfile.gettempdir(), "rlmini-test-mixtral-random")
+MOE_ARGV = BATCH[2:] + ["--model", MOE, "--save_every", "1", "--loss_agg", "token-mean"]
 OWN_REWARD = ["--reward", "task,docs/examples/my_rewards.py:starts_with_answer_digit", "--reward_weights",
               "1,0.5"]
 RUNS = [  # each exercises a statistic defined over the batch, or a path that synchronises ranks
@@ -49,6 +52,8 @@ RUNS = [  # each exercises a statistic defined over the batch, or a path that sy
               tool_sandbox()]),
     ("ppo-tools", "train_ppo", BATCH + ["--task", "modmul", "--tools", "python", "--gamma", "0.9",
                                         "--tool_sandbox", tool_sandbox()]),
+    # a mixture of experts: fused experts sharded, read from the checkpoint's layout; saved every step
+    ("grpo-moe", "train_grpo", ["--steps", "2", *MOE_ARGV]),
 ]
 RESUME = [  # on 2 ranks: 4 steps straight, and 2 steps + resume to 4 (HA-DW's anchor, PPO's critic)
     (f"{name}-{part}", script, BATCH[2:] + ["--steps", steps, "--save_every", "2", *resume, *extra])
@@ -56,12 +61,17 @@ RESUME = [  # on 2 ranks: 4 steps straight, and 2 steps + resume to 4 (HA-DW's a
                                 # adapters-only shards
                                 ("ppo", "train_ppo", ["--minibatches", "2", "--lora_rank", "4"]))
     for part, steps, resume in (("straight", "4", []), ("half", "2", []), ("half", "4", ["--resume", "true"]))
-] + [("rloo-dynamic", "train_rloo", BATCH + ["--dynamic_sampling", "true", "--log_completions", "16"])]
+] + [("rloo-dynamic", "train_rloo", BATCH + ["--dynamic_sampling", "true", "--log_completions", "16"])] + [
+    # the mixture of experts: 1 step + resume to 2, against RUNS' grpo-moe on 2 ranks
+    ("grpo-moe-half", "train_grpo", ["--steps", steps, *resume, *MOE_ARGV])
+    for steps, resume in (("1", []), ("2", ["--resume", "true"]))]
+STRAIGHT = {"grpo": "grpo-straight", "ppo": "ppo-straight", "grpo-moe": "grpo-moe"}  # each -half's reference
 
 
 GENERATE = {"grpo-tools"}  # after training: a script's own common.generate calls (tests/dist_worker.py)
 PREFIXES = {"grpo"}  # after training: common.generate(prefixes=...) on the real HF engine (dist_worker.py)
-UNEVEN = {"ppo"}  # 2 ranks: rank 0 on micro-batches of 1, rank 1 of 4 (tests/dist_worker.py)
+# 2 ranks: rank 0 on micro-batches of 1, rank 1 of 4 (tests/dist_worker.py)
+UNEVEN = {"ppo", "grpo-moe", "grpo-moe-half"}
 
 
 def launch(out, runs, ranks, timeout=600):
@@ -82,7 +92,9 @@ def launch(out, runs, ranks, timeout=600):
 
 @pytest.fixture(scope="module")
 def one_and_two_ranks(tmp_path_factory):
+    from test_architectures import save_family
     build_reward_model(RM)
+    save_family("mixtral", MOE)
     one, two = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("two")
     launch(str(one), RUNS, 1)
     launch(str(two), RUNS + RESUME, 2)
@@ -191,12 +203,28 @@ def test_logprobs_under_torchrun_are_the_one_rank_ones_aligned_with_the_sampler(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["grpo", "ppo"])
+@pytest.mark.parametrize("name", list(STRAIGHT))
 def test_resume_under_torchrun_is_exact(one_and_two_ranks, name):
     _, two = one_and_two_ranks
     assert sorted(os.listdir(two / f"{name}-half" / "checkpoint")) == [  # each rank wrote its own shards
         ".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
-    _same(_rows_without_timing(two / f"{name}-straight"), _rows_without_timing(two / f"{name}-half"))
+    _same(_rows_without_timing(two / STRAIGHT[name]), _rows_without_timing(two / f"{name}-half"))
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_fused_experts_are_sharded_over_the_ranks(one_and_two_ranks):
+    """FSDP2 shards each decoder layer's parameters on dim 0: a fused [E, 2I, H] tensor's experts split
+    between the ranks (2 of 4 each), the router's rows likewise; the gradients and metrics tests above show
+    the sharded run computes the one-process update (rank 0 on micro-batches of 1: dummy forwards)."""
+    one, two = one_and_two_ranks
+    shapes = [json.load(open(two / f"grpo-moe.experts.rank{r}.json")) for r in (0, 1)]
+    assert shapes[0] == shapes[1] and json.load(open(one / "grpo-moe.experts.rank0.json")).keys() == \
+        shapes[0].keys()
+    fused = {n: s for n, s in shapes[0].items() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    assert len(fused) == 4  # 2 layers
+    for name, (whole, local) in shapes[0].items():
+        assert local == [whole[0] // 2, *whole[1:]], name
+    assert fused["model.layers.0.mlp.experts.gate_up_proj"][0] == [4, 2 * 128, 64]
 
 
 @pytest.mark.slow
@@ -226,7 +254,7 @@ def test_the_final_policy_is_gathered_whole(one_and_two_ranks):
     from transformers import AutoModelForCausalLM
     one, two = one_and_two_ranks
     # rloo: LoRA, the merged model gathered from the shards of base and adapters
-    for name in ("grpo", "rloo"):
+    for name in ("grpo", "rloo", "grpo-moe"):  # grpo-moe: saved in the checkpoint's layout, read back fused
         a = dict(AutoModelForCausalLM.from_pretrained(one / name / "final").named_parameters())
         b = dict(AutoModelForCausalLM.from_pretrained(two / name / "final").named_parameters())
         assert a.keys() == b.keys()

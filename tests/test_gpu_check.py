@@ -275,3 +275,17 @@ def test_each_start_up_phase_is_one_line_with_its_compile_seconds(monkeypatch, c
         "start-up: model 3.5 s (built)", "start-up: engine 6.5 s; torch.compile 2.0 s of it",
         "start-up: first step 40.0 s (before it 1.0: rollout 4.0, update 30.0, push 2.0); torch.compile "
         "30.0 s of it"]
+
+
+def test_the_mfu_of_a_mixture_of_experts_counts_the_experts_a_token_runs(tmp_path):
+    """A random Qwen3-MoE (2 layers, 4 experts of [32, 64] gate, up and down, top-2): gpu_check's FLOPs per
+    token are the active parameters' (every weight but the 2 experts a token skips in each layer)."""
+    from test_architectures import save_family
+    folder = save_family("qwen3-moe", str(tmp_path / "moe"))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"model": folder, "task": "addition", "steps": 1,
+                                                 "prompts_per_step": 2}))
+    from transformers import AutoModelForCausalLM
+    total = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(folder).parameters())
+    assert gpu_check.prompts(str(run))["params"] == total - 2 * (4 - 2) * 3 * 64 * 32

@@ -169,19 +169,29 @@ def test_fixed_anchor_is_the_threshold_every_step_with_hand_computed_phi(tmp_pat
     assert (new / train_grpo.compute_advantages(torch.tensor([1., 1, 1, 0]), 4, std_norm=False)).tolist() == \
         pytest.approx([lam * math.exp(-0.45)] * 3 + [lam * math.exp(0.45)])
     assert state == {}
-    args = common.parse_args(train_grpo.Args, ["--hadw_anchor", "fixed", "--hadw_threshold", "0.2"])
+    args = common.parse_args(train_grpo.Args, ["--hadw", "true", "--hadw_anchor", "fixed", "--hadw_threshold",
+                                                "0.2"])
     assert (args.hadw_anchor, args.hadw_threshold) == ("fixed", 0.2)
     for module in (train_grpo, train_gpg):  # the range declared in the field, checked at parse time
         with pytest.raises(SystemExit, match=r"--hadw_threshold 1.5: must be in \[0, 1\]"):
             common.parse_args(module.Args, ["--hadw_threshold", "1.5"])
+        # set where it would do nothing (plain GRPO; another anchor rule): refused in one line, not ignored
+        for argv, message in ((["--hadw_anchor", "fixed"], r"--hadw_anchor: applies only with --hadw true "
+                                                          r"\(here False\)"),
+                              (["--hadw", "true", "--hadw_threshold", "0.2"],
+                               r"--hadw_threshold: applies only with --hadw_anchor fixed \(here kalman\)")):
+            with pytest.raises(SystemExit, match=message) as e:
+                common.parse_args(module.Args, argv)
+            assert "\n" not in str(e.value)
 
 
 def test_every_anchor_rule_logs_the_anchor_over_steps(tmp_path):
     """hadw/anchor is in every step's metrics whichever the rule: kalman (the default, sec. 3), mean,
     fixed."""
     for rule in ("kalman", "mean", "fixed"):
+        threshold = ["--hadw_threshold", "0.25"] if rule == "fixed" else []
         run = train_grpo.main(["--engine", "hf", "--task", "mixed", "--hadw", "true", "--hadw_anchor", rule,
-                               "--hadw_threshold", "0.25", "--steps", "3", "--prompts_per_step", "4",
+                               *threshold, "--steps", "3", "--prompts_per_step", "4",
                                "--group_size", "4", "--eval_every", "0", "--out_dir", str(tmp_path),
                                "--run_name", rule, "--wandb", "false"])
         rows = [r for r in read_metrics(run.run_dir) if "hadw/anchor" in r]

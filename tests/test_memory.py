@@ -1,6 +1,7 @@
 """The memory plan (rlmini/memplan.py): exact parameter counts, the parts by hand, the plan against torch's
-own memory trackers on real configurations at 8k tokens (1 and 8 simulated ranks; full, LoRA, reference, PPO),
-AdamW's state made before vLLM sizes itself without changing training, and the one-line refusals."""
+own memory trackers on real configurations at 8k tokens (1 and 8 simulated ranks; full, LoRA, reference, PPO,
+a mixture of experts), AdamW's state made before vLLM sizes itself without changing training, and the
+one-line refusals."""
 import json
 import os
 import subprocess
@@ -304,7 +305,7 @@ def test_plan_only_refuses_a_config_without_the_model_sizes(tmp_path, capsys):
     assert memplan.missing_sizes(gpt2, memplan.load_config(gpt2)) == []
 
 
-CASES = memory.CASES  # 1 and 8 ranks; full, LoRA, a reference, PPO's critic; with and without checkpointing
+CASES = memory.CASES  # 1 and 8 ranks; full, LoRA, a reference, PPO's critic, an MoE; checkpointing or not
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,10 @@
 device, shard it, and fill the shards from rank 0's stream. Each rank's peak host memory while loading
 stays well under one copy of the model, and what the ranks hold, gathered, equals transformers'
 from_pretrained (frozen models: untied with biases, tied in bf16, a one-label sequence classifier, bf16
-weights into a bf16 model) and the one-process path (the policy, with and without LoRA, bf16 weights into
-fp32 masters and into a bf16 LoRA base, and PPO's critic: the same tensors and the same RNG draws after
-loading), bit for bit. One launch for every case; ranks that list other tensors stop in one line.
+weights into a bf16 model, a Mixtral whose fused experts are read from the file's per-expert tensors) and
+the one-process path (the policy, with and without LoRA, bf16 weights into fp32 masters and into a bf16
+LoRA base, and PPO's critic: the same tensors and the same RNG draws after loading), bit for bit. One
+launch for every case; ranks that list other tensors stop in one line.
 
     torchrun --nproc_per_node 2 tests/test_sharded_load.py OUT   # the ranks' side (written by the test)
 """
@@ -102,7 +103,8 @@ def worker(folder: str) -> None:
               "reward": (models.load_frozen(os.path.join(folder, "reward"), cpu, torch.float32,
                                             kind="sequence-classification"), torch.float32),
               "bf16-file": (models.load_frozen(os.path.join(folder, "bf16"), cpu, torch.bfloat16),
-                            torch.bfloat16)}
+                            torch.bfloat16),
+              "moe": (models.load_frozen(os.path.join(folder, "mixtral"), cpu, torch.float32), torch.float32)}
     dist.barrier()  # the code the load runs is imported by now: what follows is the model's memory
     start = high_water_kib(reset=True)
     model = models.load_frozen(os.path.join(folder, "big"), cpu, torch.float32, packing=False)
@@ -128,6 +130,8 @@ def two_ranks(tmp_path_factory):
     qwen2(os.path.join(folder, "bf16"), dtype=torch.bfloat16)
     qwen2(os.path.join(folder, "reward"), cls="Qwen2ForSequenceClassification", num_labels=1)
     gemma2_tied(os.path.join(folder, "gemma2"))
+    from test_architectures import build  # fused experts in memory, per expert (and renamed) in the file
+    build("mixtral").save_pretrained(os.path.join(folder, "mixtral"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            os.path.abspath(__file__), folder]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -157,7 +161,8 @@ def test_the_gathered_shards_are_from_pretrained(two_ranks):
                                    ("untied", "untied", AutoModelForCausalLM, torch.float32),
                                    ("tied-bf16", "gemma2", AutoModelForCausalLM, torch.bfloat16),
                                    ("bf16-file", "bf16", AutoModelForCausalLM, torch.bfloat16),
-                                   ("reward", "reward", AutoModelForSequenceClassification, torch.float32)):
+                                   ("reward", "reward", AutoModelForSequenceClassification, torch.float32),
+                                   ("moe", "mixtral", AutoModelForCausalLM, torch.float32)):
         ref = cls.from_pretrained(os.path.join(folder, name), dtype=dtype)
         expected = held(ref)
         assert expected.keys() == result[case].keys(), case
