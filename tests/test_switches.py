@@ -57,7 +57,8 @@ def test_cov_tokens_centre_over_the_batch_and_pick_the_top_share_or_a_random_sha
     """common.cov_tokens (Clip-Cov, KL-Cov; Cui et al. 2025): Cov_t = (log pi_t - mean)(A_t - mean), the means
     over the tokens in the loss only (a completion cut by --mask_truncated or dropped is not counted), by
     hand; KL-Cov's top ceil(share N); Clip-Cov's ceil(r N) of the band's tokens, uniformly drawn, the same
-    draw for the same seed and step, another for another step, all of the band when it has fewer."""
+    draw for the same seed and step, another for another step, all of the band when it has fewer; exactly
+    ceil(share N) when values tie (all advantages equal, log-probs repeated), the ties in global order."""
     import common
 
     class Rows(SimpleNamespace):
@@ -88,6 +89,13 @@ def test_cov_tokens_centre_over_the_batch_and_pick_the_top_share_or_a_random_sha
     assert set(picks) == {0, 2, 7}  # each of the band's tokens drawn in some step
     everything = common.cov_tokens(run, batch, logp, adv, 0.9, band)  # ceil(5.4) = 6 > 3: the whole band
     assert torch.cat(everything).nonzero().flatten().tolist() == [0, 2, 7]
+    run.args.seed = 20_000_000  # (seed * 1000003 + step) * 1000003 passes 2^63: the seed is taken mod 2^63
+    assert torch.cat(common.cov_tokens(run, batch, logp, adv, 1 / 6, band)).sum() == 1
+    equal = common.cov_tokens(run, batch, logp, torch.full((4,), 0.7), 0.5)  # Cov 0 everywhere: all tied
+    assert [t.tolist() for t in equal] == [[1, 1, 1], [0, 0], [0, 0], [0]]  # ceil(0.5 * 6), in global order
+    tied = [torch.tensor([0.0, -1.0, 0.0]), torch.tensor([0.0, 0.0]), torch.tensor([0.0]), torch.tensor([0.0])]
+    top = common.cov_tokens(run, batch, tied, torch.tensor([1.0, 1.0, 0.0, -1.0]), 2 / 6)  # 4 tied on top
+    assert [t.tolist() for t in top] == [[1, 0, 1], [0, 0], [0], [0]]  # the first two of the tied four
     batch.kept = torch.zeros(4)  # nothing in the loss: nothing chosen
     assert sum(t.sum() for t in common.cov_tokens(run, batch, logp, adv, 0.5)) == 0
 
