@@ -432,7 +432,8 @@ def cov_tokens(run, batch: Batch, logp: list, advantages, share: float, band: tu
     (KL-Cov, eq. 13), or with `band` (lo, hi) a uniform random `share` of those with lo < Cov_t < hi
     (Clip-Cov, eq. 11; all when fewer; eq. 11 and verl floor r N, here ceil), drawn per completion from
     --seed, the step and its place in the global batch; exactly ceil(share N), ties (as verl's topk) in
-    global order: neither --micro_batch_size nor torchrun changes the choice. `logp` ragged as pre.old, `advantages` one per completion of this rank; a 0/1 tensor each."""
+    global order: neither --micro_batch_size nor torchrun changes the choice. `logp` ragged as pre.old,
+    `advantages` one per completion of this rank; a 0/1 tensor each."""
     used, adv = (batch.in_loss * batch.kept).tolist(), advantages.detach().double().cpu().tolist()
     n = all_sum({"n": sum(len(x) * u for x, u in zip(logp, used)),
                  "adv": sum(len(x) * a * u for x, a, u in zip(logp, adv, used)),

@@ -4,6 +4,7 @@ blocks' own lines and trained."""
 import glob
 import json
 import importlib
+import math
 import sys
 import os
 from types import SimpleNamespace
@@ -353,10 +354,13 @@ EXAMPLES = {
     "gmpo": [("clip_eps: float = arg(", DOCS), ("surrogate: Literal[", DOCS),
              ('raise ValueError("--std_level batch', DOCS),
              ('stats["clipped"] = (ratio > 1 + eps_high)', DOCS), ('algo="grpo"', 'algo="gmpo"')],
-    "clipcov": [("max_sampling_rounds: int", DOCS), ("pre = common.pre_update(", DOCS),
-                ("local = advantages[common.local_slice", DOCS), ("micro.loss_mask, args, is_weight)", DOCS),
+    "clipcov": [("max_sampling_rounds: int", DOCS), ("def policy_loss(", DOCS),
+                ('stats["clipped"] = (ratio > 1 + eps_high)', DOCS), ("pre = common.pre_update(", DOCS),
+                ("local = advantages[common.local_slice", DOCS),
+                (("token_loss, info = policy_loss(", "micro.loss_mask, args, is_weight)"), DOCS),
                 ('algo="grpo"', 'algo="clipcov"')],
-    "klcov": [("surrogate: Literal[", DOCS), ("def policy_loss(", DOCS),
+    "klcov": [("surrogate: Literal[", DOCS), ('raise ValueError("--std_level batch', DOCS),
+              ("def policy_loss(", DOCS),
               ('stats["clipped"] = (ratio > 1 + eps_high)', DOCS), ("pre = common.pre_update(", DOCS),
               ("local = advantages[common.local_slice", DOCS),
               (("token_loss, info = policy_loss(", "micro.loss_mask, args, is_weight)"), DOCS),
@@ -699,13 +703,16 @@ def test_a_gmpo_script_written_as_the_docs_say_takes_the_geometric_mean_of_the_c
     """train_grpo.py copied, with the GMPO lines of docs/algorithms.md: policy_loss is -A (prod_t
     clip(r_t))^(1/|o|) on every token, r_t clipped to (e^-0.4, e^0.4) on the side the sign of A makes
     pessimistic (verl's sgn(A) min(sgn(A) log r, sgn(A) clip(log r))), its gradient that of the mean over
-    completions, zero through a clipped token; another --loss_agg is refused; 2 steps (advantages moved off
-    the group mean) whose logged loss is -A averaged over the completions (on-policy every ratio is 1)."""
+    completions, zero through a clipped token, counted clipped only where A is not 0 (as verl); another
+    --loss_agg and --top_entropy_quantile are refused; 2 steps (advantages moved off the group mean) whose
+    logged loss is -A averaged over the completions (on-policy every ratio is 1)."""
     import math
     worked_example("gmpo", tmp_path)
     gmpo = load_example("gmpo", tmp_path, monkeypatch)
     with pytest.raises(ValueError, match="--surrogate gmpo averages over completions"):
         gmpo.Args(loss_agg="token-mean")
+    with pytest.raises(ValueError, match="no --top_entropy_quantile"):
+        gmpo.Args(top_entropy_quantile=0.2)
     args = gmpo.Args()  # --surrogate gmpo --clip_eps 0.4, the defaults
     g = torch.Generator().manual_seed(0)
     logp = (torch.randn(3, 5, generator=g) * 0.5).requires_grad_()
@@ -720,8 +727,10 @@ def test_a_gmpo_script_written_as_the_docs_say_takes_the_geometric_mean_of_the_c
     (got,) = torch.autograd.grad(common.aggregate(loss, mask, "seq-mean-token-mean", 3, 12, 5), logp)
     (grad,) = torch.autograd.grad(want.mean(), logp)
     torch.testing.assert_close(got, grad)
-    cut = info["clipped"].bool() & (mask > 0) & (a != 0)
-    assert cut.any() and (got[cut] == 0).all() and (got[~cut & (mask > 0) & (a != 0)] != 0).all()
+    cut = (torch.where(mask > 0, sided, r) != r) & (a != 0)
+    assert (r[2, :2] < math.exp(-0.4)).any()  # A = 0 there: the clamp moves it, but it is no clip (verl)
+    assert cut.any() and torch.equal(info["clipped"], cut.float())
+    assert (got[cut] == 0).all() and (got[~cut & (mask > 0) & (a != 0)] != 0).all()
     seen = record_advantages(gmpo, monkeypatch, shift=0.3)
     run = train(gmpo, tmp_path, "--steps", "2", "--prompts_per_step", "8", "--group_size", "4",
                 "--format_weight", "0.5", "--micro_batch_size", "5")
@@ -733,14 +742,31 @@ def test_a_gmpo_script_written_as_the_docs_say_takes_the_geometric_mean_of_the_c
 
 def test_a_clipcov_script_written_as_the_docs_say_cuts_the_chosen_tokens_for_any_micro_batch(tmp_path,
                                                                                           monkeypatch):
-    """train_grpo.py copied, with the Clip-Cov lines of docs/algorithms.md, 2 steps (a wide band, r 0.3, so
-    that tokens are cut; the optimizer step replaced by a record of the gradient) on micro-batches of 64 and
-    of 3 completions: each step's logged loss is the hand computation's from the tokens common.cov_tokens
-    chose, -A_i (1 - cut_i / |o_i|) averaged over the completions (on-policy every ratio is 1), and its
-    gradient is the same for both sizes (the choice is made over the global batch before the micro-batches).
+    """train_grpo.py copied, with the Clip-Cov lines of docs/algorithms.md: policy_loss with --beta cuts the
+    chosen tokens' clipped surrogate, not their k3 KL, and so its gradient; 2 steps (a wide band, r 0.3, so
+    that exactly ceil(r N) tokens are cut; the optimizer step replaced by a record of the gradient) on
+    micro-batches of 64 and of 3 completions: each step's logged loss is the hand computation's from the
+    tokens common.cov_tokens chose, -A_i (1 - cut_i / |o_i|) averaged over the completions (on-policy every
+    ratio is 1), and its gradient is the same for both sizes (the choice is made over the global batch before
+    the micro-batches).
     """
     worked_example("clipcov", tmp_path)
     clipcov = load_example("clipcov", tmp_path, monkeypatch)
+    args = clipcov.Args(beta=0.04)
+    g = torch.Generator().manual_seed(3)
+    logp = (torch.randn(3, 4, generator=g) * 0.5).requires_grad_()
+    old = logp.detach() + torch.randn(3, 4, generator=g) * 0.3
+    ref = logp.detach() + torch.randn(3, 4, generator=g)
+    cut, adv = (torch.rand(3, 4, generator=g) > 0.5).float(), torch.tensor([1.5, -0.5, 1.0])
+    mask = torch.ones(3, 4)
+    loss, info = clipcov.policy_loss(logp, old, ref, adv, mask, args, None, cut)
+    r, a, d = torch.exp(logp - old).detach(), adv[:, None], (ref - logp).detach()
+    surrogate = -torch.minimum(r * a, r.clamp(0.8, 1.2) * a)
+    torch.testing.assert_close(loss, surrogate * (1 - cut) + 0.04 * (torch.exp(d) - d - 1))
+    loss.sum().backward()
+    kl_grad, moved = 0.04 * (1 - torch.exp(d)), (r * a <= r.clamp(0.8, 1.2) * a).float()  # unclipped
+    torch.testing.assert_close(logp.grad, -r * a * moved * (1 - cut) + kl_grad)
+    assert cut.any() and (moved * (1 - cut)).any() and (kl_grad[cut > 0].abs() > 1e-3).all()
     seen, chosen, grads, cov_tokens = record_advantages(clipcov, monkeypatch), [], [], common.cov_tokens
     monkeypatch.setattr(common, "cov_tokens", lambda run, batch, *a: chosen.append(
         (batch, cov_tokens(run, batch, *a))) or chosen[-1][1])
@@ -761,7 +787,7 @@ def test_a_clipcov_script_written_as_the_docs_say_cuts_the_chosen_tokens_for_any
         for a, (batch, cut), row in zip(seen, chosen, rows):
             used = batch.in_loss * batch.kept
             share = torch.tensor([float(c.sum()) / len(c) for c in cut])  # cut_i / |o_i|
-            assert 0.25 < sum(float(c.sum()) for c in cut) / float(batch.lengths @ used) < 0.35  # ceil(0.3 N)
+            assert sum(float(c.sum()) for c in cut) == math.ceil(0.3 * float(batch.lengths @ used) - 1e-9)
             want = (-a * (1 - share) * used).sum() / used.sum()
             assert (share * a).abs().sum() > 0.1
             assert row["loss/policy"] == pytest.approx(want.item(), abs=1e-5)
@@ -778,11 +804,14 @@ def test_a_clipcov_script_written_as_the_docs_say_cuts_the_chosen_tokens_for_any
 
 def test_a_klcov_script_written_as_the_docs_say_penalises_the_top_covariance_tokens(tmp_path, monkeypatch):
     """train_grpo.py copied, with the KL-Cov lines of docs/algorithms.md: policy_loss is -r A + beta k_t
-    |log r| (no clip), its gradient -r A + beta k_t sign(log r) in log pi; 2 steps (k 0.2, advantages moved
-    off the group mean) in which the tokens common.cov_tokens chose, and only these, reach the penalty, and
-    whose logged loss is -A averaged over the completions (on-policy r is 1 and |log r| 0)."""
+    |log r| (no clip), its gradient -r A + beta k_t sign(log r) in log pi; --minibatches 1 (on-policy, |log r|
+    0) is refused; 2 steps of 2 minibatches (k 0.2, advantages moved off the group mean) in which exactly
+    ceil(k N) tokens are chosen, these and only these reach the penalty, and whose logged loss is the hand
+    computation's, -r A + beta |log r| on the chosen tokens, from the ratios of each update."""
     worked_example("klcov", tmp_path)
     klcov = load_example("klcov", tmp_path, monkeypatch)
+    with pytest.raises(ValueError, match="on-policy"):
+        klcov.Args(minibatches=1)
     args = klcov.Args(kl_cov_coef=0.7)
     g = torch.Generator().manual_seed(1)
     logp = torch.randn(3, 4, generator=g).requires_grad_()
@@ -795,18 +824,28 @@ def test_a_klcov_script_written_as_the_docs_say_penalises_the_top_covariance_tok
     loss.sum().backward()
     torch.testing.assert_close(logp.grad, -r * a + 0.7 * top * torch.sign(logp - old))
     assert not info["clipped"].any()
-    seen, chosen, reached = record_advantages(klcov, monkeypatch, shift=0.3), [], []
-    cov_tokens, policy_loss = common.cov_tokens, klcov.policy_loss
-    monkeypatch.setattr(common, "cov_tokens", lambda *a: chosen.append(cov_tokens(*a)) or chosen[-1])
-    monkeypatch.setattr(klcov, "policy_loss",
-                        lambda *a: reached.append(float(a[-1].sum())) or policy_loss(*a))
+    seen, chosen, calls = record_advantages(klcov, monkeypatch, shift=0.3), [], []
+    cov_tokens, policy_loss, aggregate = common.cov_tokens, klcov.policy_loss, common.aggregate
+    monkeypatch.setattr(common, "cov_tokens", lambda run, batch, *a: chosen.append(
+        (batch, cov_tokens(run, batch, *a))) or calls.append([]) or chosen[-1][1])
+    monkeypatch.setattr(klcov, "policy_loss", lambda *a: calls[-1].append(
+        [a[0].detach(), a[1], a[3], a[4], a[-1]]) or policy_loss(*a))
+    monkeypatch.setattr(common, "aggregate", lambda *a: calls[-1][-1].append(a[3]) or aggregate(*a))
     run = train(klcov, tmp_path, "--steps", "2", "--prompts_per_step", "8", "--group_size", "4",
                 "--format_weight", "0.5", "--micro_batch_size", "5", "--kl_cov_ratio", "0.2")
     rows = read_metrics(run.run_dir)
-    assert run.algo == "klcov" and len(rows) == len(seen) == len(chosen) == 2
-    assert sum(reached) == sum(float(c.sum()) for step in chosen for c in step) > 0
-    for a, row in zip(seen, rows):
-        assert row["loss/policy"] == pytest.approx(-a.mean().item(), abs=1e-5)
+    assert run.algo == "klcov" and run.args.minibatches == 2 and len(rows) == len(seen) == len(chosen) == 2
+    for (batch, top), step, row in zip(chosen, calls, rows):
+        n = float(batch.lengths @ (batch.in_loss * batch.kept))
+        count = sum(float(t.sum()) for t in top)
+        assert count == sum(float(c[4].sum()) for c in step) == math.ceil(0.2 * n - 1e-9)
+        loss, penalty = 0.0, 0.0
+        for logp, old, adv, mask, k, n_seqs in step:  # every micro-batch of both minibatches
+            log_r = (logp - old) * mask
+            per_seq = lambda x: ((x * mask).sum(1) / mask.sum(1).clamp(min=1)).sum()  # noqa: E731
+            loss += per_seq(-log_r.exp() * adv[:, None] + k * log_r.abs()) / n_seqs / 2  # 2 updates; beta 1
+            penalty += per_seq(k * log_r.abs()) / n_seqs / 2
+        assert penalty > 1e-4 and row["loss/policy"] == pytest.approx(float(loss), abs=1e-6)
 
 
 def test_a_luspo_script_written_as_the_docs_say_weights_each_completion_by_its_length(tmp_path, monkeypatch):

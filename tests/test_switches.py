@@ -93,7 +93,7 @@ def test_cov_tokens_centre_over_the_batch_and_pick_the_top_share_or_a_random_sha
     assert torch.cat(common.cov_tokens(run, batch, logp, adv, 1 / 6, band)).sum() == 1
     equal = common.cov_tokens(run, batch, logp, torch.full((4,), 0.7), 0.5)  # Cov 0 everywhere: all tied
     assert [t.tolist() for t in equal] == [[1, 1, 1], [0, 0], [0, 0], [0]]  # ceil(0.5 * 6), in global order
-    tied = [torch.tensor([0.0, -1.0, 0.0]), torch.tensor([0.0, 0.0]), torch.tensor([0.0]), torch.tensor([0.0])]
+    tied = [torch.tensor([0.0, -1.0, 0.0]), torch.tensor([0.0, 0.0]), torch.zeros(1), torch.zeros(1)]
     top = common.cov_tokens(run, batch, tied, torch.tensor([1.0, 1.0, 0.0, -1.0]), 2 / 6)  # 4 tied on top
     assert [t.tolist() for t in top] == [[1, 0, 1], [0, 0], [0], [0]]  # the first two of the tied four
     batch.kept = torch.zeros(4)  # nothing in the loss: nothing chosen
