@@ -5,12 +5,22 @@ stand-in trainer holding only what the loss reads), where the peer imports. Prin
 loss of each side and the largest gradient difference in log pi over the gradient's norm.
 
     python benchmarks/peer_losses.py                          # the peers importable in this Python
-    python benchmarks/peer_losses.py --path /tmp/peers        # or from a folder (pip install --target)
+
+or the peers (as of docs/algorithms.md's numbers) in folders apart from this Python's packages, and ray, which
+verl's core_algos.py imports but no row runs, replaced by an in-process stand-in (--stub_ray):
+
+    pip install --no-deps --target /tmp/peers verl==0.9.1 trl==1.16.0
+    pip install --no-deps --target /tmp/peers/deps omegaconf==2.4.0 antlr4-python3-runtime==4.9.3 \
+        tensordict==0.15.3 codetiming==1.4.0 cloudpickle==3.1.3 orjson==3.13.0 pyvers==0.2.3
+    python benchmarks/peer_losses.py --path /tmp/peers/deps --path /tmp/peers --stub_ray --seed 0
 
 The rows: GMPO (verl `geo_mean`, TRL's experimental GMPOTrainer); Clip-Cov on-policy (verl `clip_cov`,
-every token of the band chosen: verl's choice of r N is random); KL-Cov (verl `kl_cov`, the tokens chosen
+every token of the band chosen, share 1: verl's random draw of r N tokens, its rounding down and its
+exclusion of PPO-clipped tokens, none on-policy, are not compared, only the band, the cut and the loss);
+KL-Cov (verl `kl_cov`, the tokens chosen
 by common.cov_tokens from the current log-probs as verl does; the scripts choose from pi_old, the same
-on-policy); LUSPO, VESPO, SAPO (TRL `luspo`, `vespo`, `sapo`); TRL `bnpo` against `--loss_agg token-mean`
+on-policy); LUSPO (TRL `luspo`, ours through the script's own aggregation line), VESPO, SAPO (TRL `vespo`,
+`sapo`); TRL `bnpo` against `--loss_agg token-mean`
 in one micro-batch and in three, where TRL normalises each micro-batch by its own tokens.
 """
 import argparse
@@ -29,12 +39,18 @@ import common  # noqa: E402
 
 
 def built(name: str, folder: str):
-    """train_<name>.py as docs/algorithms.md writes it, imported."""
+    """train_<name>.py as docs/algorithms.md writes it (into `folder`), imported."""
     from pathlib import Path
     from test_siblings import worked_example
     worked_example(name, Path(folder))
     sys.path.insert(0, folder)
     return importlib.import_module(f"train_{name}")
+
+
+RAY_STUB = """# a stand-in for ray (benchmarks/peer_losses.py --stub_ray): verl imports it, no row runs it
+def __getattr__(name):
+    return type(name, (), {})
+"""
 
 
 def inputs(seed: int, b: int = 6, t: int = 8, spread: float = 0.3):
@@ -110,8 +126,15 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--path", action="append", default=[], help="a folder to import the peers from")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stub_ray", action="store_true", help="a stand-in module for ray (verl imports it)")
     a = p.parse_args()
     sys.path[:0] = a.path
+    if a.stub_ray:  # verl's core_algos.py imports ray, no row calls it: a package of bare classes
+        stub = tempfile.TemporaryDirectory()  # removed when the script ends
+        os.makedirs(os.path.join(stub.name, "ray"))
+        with open(os.path.join(stub.name, "ray", "__init__.py"), "w") as f:
+            f.write(RAY_STUB)
+        sys.path.insert(0, stub.name)
     try:
         from verl.trainer.ppo import core_algos as verl
     except Exception as e:  # verl or one of its dependencies missing
@@ -155,7 +178,7 @@ def main():
             cut = padded(common.cov_tokens(run, batch, ragged(old, mask), adv, 1.0, band))  # the whole band
             config = verl_config(clip_cov_ratio=1.0, clip_cov_lb=band[0], clip_cov_ub=band[1])
             out.append(row(f"Clip-Cov ({int(cut.sum())} of {int(N)} tokens cut)", "verl clip_cov",
-                           lambda x: agg(m.policy_loss(x, old, None, adv, mask, args)[0] * (1 - cut),
+                           lambda x: agg(m.policy_loss(x, old, None, adv, mask, args, None, cut)[0],
                                          "token-mean"),
                            lambda x: verl.compute_policy_loss_clip_cov(old, x, per_token, mask,
                                                                        config=config)[0], on, mask))
@@ -173,8 +196,13 @@ def main():
             peer = f"TRL {trl.__version__}"
             m = scripts["luspo"]
             args = m.Args()
+            line = next(x for x in open(m.__file__) if "LUSPO eq. 7" in x)  # the docs' aggregation line
+            luspo = line.split("=", 1)[1].split("#")[0].strip()  # (token_loss * micro.loss_mask).sum() / ...
             out.append(row("LUSPO", f"{peer} luspo",
-                           lambda x: (m.policy_loss(x, old, None, adv, mask, args)[0] * mask).sum() / B,
+                           lambda x: eval(luspo, {}, {"token_loss": m.policy_loss(x, old, None, adv, mask,
+                                                                                  args)[0],
+                                                      "micro": SimpleNamespace(loss_mask=mask),
+                                                      "mb": SimpleNamespace(n_seqs=B)}),
                            lambda x: trl_loss("luspo", x, old, adv, mask,
                                               importance_sampling_level="sequence"), logp, mask))
             from trl.experimental.gmpo import GMPOTrainer
