@@ -732,7 +732,7 @@ def test_a_gmpo_script_written_as_the_docs_say_takes_the_geometric_mean_of_the_c
     assert cut.any() and torch.equal(info["clipped"], cut.float())
     assert (got[cut] == 0).all() and (got[~cut & (mask > 0) & (a != 0)] != 0).all()
     seen = record_advantages(gmpo, monkeypatch, shift=0.3)
-    run = train(gmpo, tmp_path, "--steps", "2", "--prompts_per_step", "8", "--group_size", "4",
+    run = train(gmpo, tmp_path, "--steps", "2", "--prompts_per_step", "4", "--group_size", "4",
                 "--format_weight", "0.5", "--micro_batch_size", "5")
     rows = read_metrics(run.run_dir)
     assert run.algo == "gmpo" and len(rows) == len(seen) == 2
@@ -778,7 +778,7 @@ def test_a_clipcov_script_written_as_the_docs_say_cuts_the_chosen_tokens_for_any
     monkeypatch.setattr(common, "optimizer_step", record)
     result = {}
     for size in (64, 3):
-        run = train(clipcov, tmp_path, "--steps", "2", "--prompts_per_step", "8", "--group_size", "4",
+        run = train(clipcov, tmp_path, "--steps", "2", "--prompts_per_step", "4", "--group_size", "4",
                     "--format_weight", "0.5", "--save_every", "-1", "--clip_cov_lb", "-100", "--clip_cov_ub",
                     "100", "--clip_cov_ratio", "0.3", "--micro_batch_size", str(size),
                     "--run_name", f"m{size}")
@@ -831,7 +831,7 @@ def test_a_klcov_script_written_as_the_docs_say_penalises_the_top_covariance_tok
     monkeypatch.setattr(klcov, "policy_loss", lambda *a: calls[-1].append(
         [a[0].detach(), a[1], a[3], a[4], a[-1]]) or policy_loss(*a))
     monkeypatch.setattr(common, "aggregate", lambda *a: calls[-1][-1].append(a[3]) or aggregate(*a))
-    run = train(klcov, tmp_path, "--steps", "2", "--prompts_per_step", "8", "--group_size", "4",
+    run = train(klcov, tmp_path, "--steps", "2", "--prompts_per_step", "4", "--group_size", "4",
                 "--format_weight", "0.5", "--micro_batch_size", "5", "--kl_cov_ratio", "0.2")
     rows = read_metrics(run.run_dir)
     assert run.algo == "klcov" and run.args.minibatches == 2 and len(rows) == len(seen) == len(chosen) == 2
@@ -857,7 +857,7 @@ def test_a_luspo_script_written_as_the_docs_say_weights_each_completion_by_its_l
     seen, batches, pre_update = record_advantages(luspo, monkeypatch), [], common.pre_update
     monkeypatch.setattr(common, "pre_update", lambda run, batch, *a, **k: batches.append(batch) or pre_update(
         run, batch, *a, **k))
-    run = train(luspo, tmp_path, "--steps", "2", "--prompts_per_step", "8", "--group_size", "4",
+    run = train(luspo, tmp_path, "--steps", "2", "--prompts_per_step", "4", "--group_size", "4",
                 "--format_weight", "0.5", "--micro_batch_size", "5")
     rows = read_metrics(run.run_dir)
     assert run.algo == "luspo" and run.args.ratio_level == "sequence" and len(rows) == len(seen) == 2
@@ -893,7 +893,7 @@ def test_a_vespo_script_written_as_the_docs_say_weights_the_policy_gradient_by_a
     seen, batches, pre_update = record_advantages(vespo, monkeypatch), [], common.pre_update
     monkeypatch.setattr(common, "pre_update", lambda run, batch, *a, **k: batches.append(batch) or pre_update(
         run, batch, *a, **k))
-    run = train(vespo, tmp_path, "--steps", "2", "--prompts_per_step", "8", "--group_size", "4",
+    run = train(vespo, tmp_path, "--steps", "2", "--prompts_per_step", "4", "--group_size", "4",
                 "--format_weight", "0.5", "--micro_batch_size", "5")
     rows = read_metrics(run.run_dir)
     assert run.algo == "vespo" and len(rows) == len(seen) == 2
