@@ -121,6 +121,8 @@ part = Rows(range(8 // dist.world_size()))
 part.in_loss, part.kept = torch.tensor([1.0] * 5 + [0.0] + [1.0] * 2)[rows], torch.ones(len(part))
 run = type("Run", (), {"args": type("Args", (), {"seed": 3}), "step": 5})
 chosen = {"top": common.cov_tokens(run, part, logp[rows], adv[rows], 0.3),
-          "band": common.cov_tokens(run, part, logp[rows], adv[rows], 0.2, (-0.5, 0.5))}
+          "band": common.cov_tokens(run, part, logp[rows], adv[rows], 0.2, (-0.5, 0.5)),
+          "equal": common.cov_tokens(run, part, logp[rows], torch.ones(len(part)), 0.3),  # Cov 0: all tied
+          "tied": common.cov_tokens(run, part, [x.round() for x in logp[rows]], adv[rows].sign(), 0.3)}
 torch.save({k: [x.tolist() for x in v] for k, v in chosen.items()},
            os.path.join(out_dir, f"cov_tokens.rank{dist.rank()}.pt"))
