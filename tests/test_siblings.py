@@ -733,7 +733,7 @@ def test_a_gmpo_script_written_as_the_docs_say_takes_the_geometric_mean_of_the_c
     assert (got[cut] == 0).all() and (got[~cut & (mask > 0) & (a != 0)] != 0).all()
     seen = record_advantages(gmpo, monkeypatch, shift=0.3)
     run = train(gmpo, tmp_path, "--steps", "2", "--prompts_per_step", "4", "--group_size", "4",
-                "--format_weight", "0.5", "--micro_batch_size", "5")
+                "--format_weight", "0.5", "--micro_batch_size", "8")
     rows = read_metrics(run.run_dir)
     assert run.algo == "gmpo" and len(rows) == len(seen) == 2
     for a, row in zip(seen, rows):
@@ -745,7 +745,7 @@ def test_a_clipcov_script_written_as_the_docs_say_cuts_the_chosen_tokens_for_any
     """train_grpo.py copied, with the Clip-Cov lines of docs/algorithms.md: policy_loss with --beta cuts the
     chosen tokens' clipped surrogate, not their k3 KL, and so its gradient; 2 steps (a wide band, r 0.3, so
     that exactly ceil(r N) tokens are cut; the optimizer step replaced by a record of the gradient) on
-    micro-batches of 64 and of 3 completions: each step's logged loss is the hand computation's from the
+    micro-batches of 64 and of 6 completions: each step's logged loss is the hand computation's from the
     tokens common.cov_tokens chose, -A_i (1 - cut_i / |o_i|) averaged over the completions (on-policy every
     ratio is 1), and its gradient is the same for both sizes (the choice is made over the global batch before
     the micro-batches).
@@ -777,7 +777,7 @@ def test_a_clipcov_script_written_as_the_docs_say_cuts_the_chosen_tokens_for_any
         stats.updates += 1
     monkeypatch.setattr(common, "optimizer_step", record)
     result = {}
-    for size in (64, 3):
+    for size in (64, 6):
         run = train(clipcov, tmp_path, "--steps", "2", "--prompts_per_step", "4", "--group_size", "4",
                     "--format_weight", "0.5", "--save_every", "-1", "--clip_cov_lb", "-100", "--clip_cov_ub",
                     "100", "--clip_cov_ratio", "0.3", "--micro_batch_size", str(size),
@@ -793,9 +793,9 @@ def test_a_clipcov_script_written_as_the_docs_say_cuts_the_chosen_tokens_for_any
             assert row["loss/policy"] == pytest.approx(want.item(), abs=1e-5)
         result[size] = [c for _, c in chosen], list(grads)
         seen.clear(), chosen.clear(), grads.clear()
-    (cut64, grad64), (cut3, grad3) = result[64], result[3]
-    assert all(torch.equal(x, y) for a, b in zip(cut64, cut3) for x, y in zip(a, b))  # the same tokens
-    for want, got in zip(grad64, grad3):
+    (cut64, grad64), (cut6, grad6) = result[64], result[6]
+    assert all(torch.equal(x, y) for a, b in zip(cut64, cut6) for x, y in zip(a, b))  # the same tokens
+    for want, got in zip(grad64, grad6):
         norm = torch.cat([g.flatten() for g in want.values()]).norm().item()
         assert norm > 0 and got.keys() == want.keys()
         for name in want:
@@ -858,7 +858,7 @@ def test_a_luspo_script_written_as_the_docs_say_weights_each_completion_by_its_l
     monkeypatch.setattr(common, "pre_update", lambda run, batch, *a, **k: batches.append(batch) or pre_update(
         run, batch, *a, **k))
     run = train(luspo, tmp_path, "--steps", "2", "--prompts_per_step", "4", "--group_size", "4",
-                "--format_weight", "0.5", "--micro_batch_size", "5")
+                "--format_weight", "0.5", "--micro_batch_size", "8")
     rows = read_metrics(run.run_dir)
     assert run.algo == "luspo" and run.args.ratio_level == "sequence" and len(rows) == len(seen) == 2
     for a, batch, row in zip(seen, batches, rows):
@@ -894,7 +894,7 @@ def test_a_vespo_script_written_as_the_docs_say_weights_the_policy_gradient_by_a
     monkeypatch.setattr(common, "pre_update", lambda run, batch, *a, **k: batches.append(batch) or pre_update(
         run, batch, *a, **k))
     run = train(vespo, tmp_path, "--steps", "2", "--prompts_per_step", "4", "--group_size", "4",
-                "--format_weight", "0.5", "--micro_batch_size", "5")
+                "--format_weight", "0.5", "--micro_batch_size", "8")
     rows = read_metrics(run.run_dir)
     assert run.algo == "vespo" and len(rows) == len(seen) == 2
     for a, batch, row in zip(seen, batches, rows):
