@@ -426,6 +426,32 @@ def entropy_terms(token_loss, entropy, pre: PreUpdate, micro: Micro, args):
     return token_loss
 
 
+def cov_tokens(run, batch: Batch, logp: list, advantages, share: float, band: tuple | None = None) -> list:
+    """Clip-Cov's and KL-Cov's tokens (Cui et al. 2025, eq. 10): Cov_t = (log pi(y_t) - mean log pi)(A_t -
+    mean A), the means over the global batch's tokens in the loss (every rank's); the top `share` by Cov_t
+    (KL-Cov, eq. 13), or with `band` (lo, hi) a uniform random `share` of those with lo < Cov_t < hi
+    (Clip-Cov, eq. 11; all when fewer; eq. 11 and verl floor r N, here ceil), drawn per completion from
+    --seed, the step and its place in the global batch; exactly ceil(share N), ties (as verl's topk) in
+    global order: neither --micro_batch_size nor torchrun changes the choice. `logp` ragged as pre.old,
+    `advantages` one per completion of this rank; a 0/1 tensor each."""
+    used, adv = (batch.in_loss * batch.kept).tolist(), advantages.detach().double().cpu().tolist()
+    n = all_sum({"n": sum(len(x) * u for x, u in zip(logp, used)),
+                 "adv": sum(len(x) * a * u for x, a, u in zip(logp, adv, used)),
+                 "logp": sum(float(x.double().sum()) * u for x, u in zip(logp, used))})
+    mean_logp, mean_adv = n["logp"] / max(n["n"], 1), n["adv"] / max(n["n"], 1)
+    cov = [((x.detach().double().cpu() - mean_logp) * (a - mean_adv)).float() for x, a in zip(logp, adv)]
+    if band is None:
+        ranked, inside = cov, [torch.ones_like(c, dtype=torch.bool) for c in cov]
+    else:  # the band's tokens in a random order (uniform draws, the rest last): the top is a uniform pick
+        seed = ((run.args.seed * 1_000_003 + run.step) * 1_000_003 + local_slice(len(batch)).start) % 2**63
+        inside = [(c > band[0]) & (c < band[1]) for c in cov]
+        draws = [torch.rand(len(c), generator=torch.Generator().manual_seed(seed + i))
+                 for i, c in enumerate(cov)]
+        ranked = [torch.where(b, d, -torch.inf) for b, d in zip(inside, draws)]
+    top = iter(dist.top_share_mask([r for r, u in zip(ranked, used) if u], share))  # exactly ceil(share N)
+    return [(next(top) & b).float() if u else torch.zeros_like(r) for r, b, u in zip(ranked, inside, used)]
+
+
 def aggregate(token_loss, mask, loss_agg, n_seqs, n_tokens, max_len):
     """This micro-batch's share of the minibatch loss. The normalisers (n_seqs, n_tokens) count the whole
     minibatch, so gradient accumulation does not change the result."""

@@ -238,6 +238,11 @@ def clip_grad_norm(parameters: list, max_norm: float) -> float:
     return full_tensor(norm).item()
 
 
+def top_count(share: float, n: int) -> int:
+    """ceil(share * n), at least 1: the count of the top `share` of n values."""
+    return max(1, math.ceil(share * n - 1e-9))  # 0.2 * 10 is 2.0000000000000004 in floating point
+
+
 def top_share_threshold(values: list, share: float) -> float:
     """The smallest of the largest ceil(share * N) of the values (a list of tensors, on any device), N counted
     over every rank (values >= it are the top `share`; ties may add a few). Exact: every rank's values are
@@ -246,8 +251,22 @@ def top_share_threshold(values: list, share: float) -> float:
     x = all_gather_ragged(local)
     if x.numel() == 0:
         return float("inf")
-    k = max(1, math.ceil(share * x.numel() - 1e-9))  # 0.2 * 10 is 2.0000000000000004 in floating point
+    k = top_count(share, x.numel())
     return x.kthvalue(x.numel() - k + 1).values.item()
+
+
+def top_share_mask(values: list, share: float) -> list:
+    """The largest ceil(share * N) of the values (a list of 1-D tensors, N counted over every rank) as a bool
+    tensor each: exactly that many, ties taken in global order (rank, then list, then position), so neither
+    the ranks nor how a batch is split changes the choice. Exact: every rank's values are gathered."""
+    local = torch.cat([v.detach().float().flatten() for v in values]).cpu() if values else torch.zeros(0)
+    x = all_gather_ragged(local).cpu()
+    lengths = all_gather(torch.tensor([local.numel()])).tolist() if many_ranks() else [local.numel()]
+    start = sum(lengths[:rank()])
+    k = min(x.numel(), top_count(share, x.numel()))
+    chosen = torch.zeros(x.numel(), dtype=torch.bool)
+    chosen[torch.sort(x, descending=True, stable=True).indices[:k]] = True  # stable: ties in global order
+    return list(chosen[start:start + local.numel()].split([v.numel() for v in values])) if values else []
 
 
 # what gloo's broadcast takes (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp: "Invalid scalar type" else)

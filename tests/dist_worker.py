@@ -18,7 +18,8 @@ sample and joins rank 1's forwards on a stand-in, rank 1's cut to their first to
 sampler's and the trainer's log-probs (common.logprobs), and the line each rank stops with when the last
 rank's prefix is refused, go to OUT/<name>.prefixes.rank<r>.pt. Then
 dist.top_share_threshold of fixed values split unevenly over the ranks (one rank may hold none) goes to
-OUT/thresholds.rank<r>.json. A mixture of experts' MoE block parameters, whole and this rank's shard, go to
+OUT/thresholds.rank<r>.json, common.cov_tokens of fixed completions split over the ranks to
+OUT/cov_tokens.rank<r>.pt. A mixture of experts' MoE block parameters, whole and this rank's shard, go to
 OUT/<name>.experts.rank<r>.json.
 """
 import importlib
@@ -107,3 +108,21 @@ last = [values] if dist.rank() == dist.world_size() - 1 else []  # all on the la
 thresholds = {f"{share}/{case}": dist.top_share_threshold(parts, share) for share in (0.2, 0.37, 1.0, 1e-4)
               for case, parts in (("split", [mine[:50], mine[50:]]), ("one rank", last))}
 json.dump(thresholds, open(os.path.join(out_dir, f"thresholds.rank{dist.rank()}.json"), "w"))
+
+
+class Rows(list):  # what common.cov_tokens reads of a batch: its length, in_loss, kept
+    pass
+
+
+g = torch.Generator().manual_seed(1)  # 8 completions, 4 a rank on 2, the sixth not in the loss
+logp = [torch.randn(int(n), generator=g) for n in torch.randint(1, 7, (8,), generator=g)]
+adv, rows = torch.randn(8, generator=g), dist.local_slice(8 // dist.world_size())
+part = Rows(range(8 // dist.world_size()))
+part.in_loss, part.kept = torch.tensor([1.0] * 5 + [0.0] + [1.0] * 2)[rows], torch.ones(len(part))
+run = type("Run", (), {"args": type("Args", (), {"seed": 3}), "step": 5})
+chosen = {"top": common.cov_tokens(run, part, logp[rows], adv[rows], 0.3),
+          "band": common.cov_tokens(run, part, logp[rows], adv[rows], 0.2, (-0.5, 0.5)),
+          "equal": common.cov_tokens(run, part, logp[rows], torch.ones(len(part)), 0.3),  # Cov 0: all tied
+          "tied": common.cov_tokens(run, part, [x.round() for x in logp[rows]], adv[rows].sign(), 0.3)}
+torch.save({k: [x.tolist() for x in v] for k, v in chosen.items()},
+           os.path.join(out_dir, f"cov_tokens.rank{dist.rank()}.pt"))

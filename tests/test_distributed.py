@@ -521,6 +521,21 @@ def test_the_top_share_threshold_over_ranks_is_the_one_rank_value(one_and_two_ra
             assert t2[f"{share}/split"] == t2[f"{share}/one rank"] == t1[f"{share}/split"], (r, share)
 
 
+@pytest.mark.slow
+def test_cov_tokens_over_ranks_are_the_one_rank_tokens(one_and_two_ranks):
+    """Clip-Cov's and KL-Cov's tokens (common.cov_tokens) of 8 fixed completions, 4 on each of 2 ranks: the
+    means, the top share and the band's random draw are the global batch's, so the ranks' tokens in rank
+    order are exactly the one-rank tokens, also where values tie (equal advantages, rounded log-probs)."""
+    one, two = one_and_two_ranks
+    t1 = torch.load(one / "cov_tokens.rank0.pt")
+    t2 = [torch.load(two / f"cov_tokens.rank{r}.pt") for r in (0, 1)]
+    assert sum(map(sum, t1["top"])) == 8 and sum(map(sum, t1["band"])) == 6  # ceil(0.3 N), ceil(0.2 N): N 26
+    assert sum(map(sum, t1["equal"])) == sum(map(sum, t1["tied"])) == 8  # exactly ceil(0.3 N), values tied
+    assert t1["top"][5] == t1["band"][5] == t1["equal"][5] == [0.0, 0.0]  # not in the loss: never chosen
+    for key in ("top", "band", "equal", "tied"):
+        assert t2[0][key] + t2[1][key] == t1[key], key
+
+
 RESHARD = """import os, sys, torch
 sys.path.insert(0, {root!r})
 from torch.distributed.tensor import DTensor

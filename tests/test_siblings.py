@@ -4,6 +4,7 @@ blocks' own lines and trained."""
 import glob
 import json
 import importlib
+import math
 import sys
 import os
 from types import SimpleNamespace
@@ -350,6 +351,24 @@ EXAMPLES = {
                   ("metrics = common.step_metrics(", DOCS), ('algo="rloo"', 'algo="onlinedpo"')],
     "sapo": [("surrogate: Literal[", DOCS), ('stats["clipped"] = (ratio > 1 + eps_high)', DOCS),
              ('algo="grpo"', 'algo="sapo"')],
+    "gmpo": [("clip_eps: float = arg(", DOCS), ("surrogate: Literal[", DOCS),
+             ('raise ValueError("--std_level batch', DOCS),
+             ('stats["clipped"] = (ratio > 1 + eps_high)', DOCS), ('algo="grpo"', 'algo="gmpo"')],
+    "clipcov": [("max_sampling_rounds: int", DOCS), ("def policy_loss(", DOCS),
+                ('stats["clipped"] = (ratio > 1 + eps_high)', DOCS), ("pre = common.pre_update(", DOCS),
+                ("local = advantages[common.local_slice", DOCS),
+                (("token_loss, info = policy_loss(", "micro.loss_mask, args, is_weight)"), DOCS),
+                ('algo="grpo"', 'algo="clipcov"')],
+    "klcov": [("surrogate: Literal[", DOCS), ('raise ValueError("--std_level batch', DOCS),
+              ("def policy_loss(", DOCS),
+              ('stats["clipped"] = (ratio > 1 + eps_high)', DOCS), ("pre = common.pre_update(", DOCS),
+              ("local = advantages[common.local_slice", DOCS),
+              (("token_loss, info = policy_loss(", "micro.loss_mask, args, is_weight)"), DOCS),
+              ('algo="grpo"', 'algo="klcov"')],
+    "luspo": [(("loss_agg: Literal", '"loss aggregation: GRPO'), ""), ("ratio_level: Literal", DOCS),
+              (("loss = common.aggregate(", "run.max_new_tokens)"), DOCS), ('algo="grpo"', 'algo="luspo"')],
+    "vespo": [(("loss_agg: Literal", '"loss aggregation: GRPO'), DOCS), ("surrogate: Literal[", DOCS),
+              ('stats["clipped"] = (ratio > 1 + eps_high)', DOCS), ('algo="grpo"', 'algo="vespo"')],
 }
 
 
@@ -661,3 +680,225 @@ def test_a_sapo_script_written_as_the_docs_say_gates_the_ratio_softly(tmp_path, 
         assert a.abs().sum() > 0
         want = (-2 / torch.where(a > 0, 1.0, 3.0) * a).mean().item()
         assert row["loss/policy"] == pytest.approx(want, abs=1e-6) and row["clip_frac"] == 0
+
+
+def load_example(name: str, tmp_path, monkeypatch):
+    """The train_<name>.py a test just built into tmp_path (worked_example), imported afresh."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, f"train_{name}", raising=False)  # another test's module of that name
+    return importlib.import_module(f"train_{name}")
+
+
+def record_advantages(module, monkeypatch, shift: float = 0.0) -> list:
+    """Each step's advantages (compute_advantages' output), moved by `shift` where given: a baseline off the
+    group mean, so that a loss averaged over completions is not 0 on-policy."""
+    seen, compute = [], module.compute_advantages
+    monkeypatch.setattr(module, "compute_advantages",
+                        lambda *a, **k: seen.append(compute(*a, **k) + shift) or seen[-1])
+    return seen
+
+
+def test_a_gmpo_script_written_as_the_docs_say_takes_the_geometric_mean_of_the_clipped_ratios(tmp_path,
+                                                                                          monkeypatch):
+    """train_grpo.py copied, with the GMPO lines of docs/algorithms.md: policy_loss is -A (prod_t
+    clip(r_t))^(1/|o|) on every token, r_t clipped to (e^-0.4, e^0.4) on the side the sign of A makes
+    pessimistic (verl's sgn(A) min(sgn(A) log r, sgn(A) clip(log r))), its gradient that of the mean over
+    completions, zero through a clipped token, counted clipped only where A is not 0 (as verl); another
+    --loss_agg and --top_entropy_quantile are refused; 2 steps (advantages moved off the group mean) whose
+    logged loss is -A averaged over the completions (on-policy every ratio is 1)."""
+    import math
+    worked_example("gmpo", tmp_path)
+    gmpo = load_example("gmpo", tmp_path, monkeypatch)
+    with pytest.raises(ValueError, match="--surrogate gmpo averages over completions"):
+        gmpo.Args(loss_agg="token-mean")
+    with pytest.raises(ValueError, match="no --top_entropy_quantile"):
+        gmpo.Args(top_entropy_quantile=0.2)
+    args = gmpo.Args()  # --surrogate gmpo --clip_eps 0.4, the defaults
+    g = torch.Generator().manual_seed(0)
+    logp = (torch.randn(3, 5, generator=g) * 0.5).requires_grad_()
+    old = logp.detach() + torch.randn(3, 5, generator=g) * 0.4
+    adv, mask = torch.tensor([1.5, -0.5, 0.0]), torch.tensor([[1, 1, 1, 1, 0], [1.0] * 5, [1, 1, 0, 0, 0]])
+    loss, info = gmpo.policy_loss(logp, old, None, adv, mask, args)
+    r, a = torch.exp(logp - old), adv[:, None]
+    clip = torch.clamp(r, math.exp(-0.4), math.exp(0.4))
+    sided = torch.where(mask > 0, torch.where(a > 0, torch.minimum(r, clip), torch.maximum(r, clip)), 1.0)
+    want = -sided.prod(1) ** (1 / mask.sum(1)) * adv
+    torch.testing.assert_close(loss, want[:, None].expand(3, 5))
+    (got,) = torch.autograd.grad(common.aggregate(loss, mask, "seq-mean-token-mean", 3, 12, 5), logp)
+    (grad,) = torch.autograd.grad(want.mean(), logp)
+    torch.testing.assert_close(got, grad)
+    cut = (torch.where(mask > 0, sided, r) != r) & (a != 0)
+    assert (r[2, :2] < math.exp(-0.4)).any()  # A = 0 there: the clamp moves it, but it is no clip (verl)
+    assert cut.any() and torch.equal(info["clipped"], cut.float())
+    assert (got[cut] == 0).all() and (got[~cut & (mask > 0) & (a != 0)] != 0).all()
+    seen = record_advantages(gmpo, monkeypatch, shift=0.3)
+    run = train(gmpo, tmp_path, "--steps", "2", "--prompts_per_step", "4", "--group_size", "4",
+                "--format_weight", "0.5", "--micro_batch_size", "8")
+    rows = read_metrics(run.run_dir)
+    assert run.algo == "gmpo" and len(rows) == len(seen) == 2
+    for a, row in zip(seen, rows):
+        assert row["loss/policy"] == pytest.approx(-a.mean().item(), abs=1e-6) and row["clip_frac"] == 0
+
+
+def test_a_clipcov_script_written_as_the_docs_say_cuts_the_chosen_tokens_for_any_micro_batch(tmp_path,
+                                                                                          monkeypatch):
+    """train_grpo.py copied, with the Clip-Cov lines of docs/algorithms.md: policy_loss with --beta cuts the
+    chosen tokens' clipped surrogate, not their k3 KL, and so its gradient; 2 steps (a wide band, r 0.3, so
+    that exactly ceil(r N) tokens are cut; the optimizer step replaced by a record of the gradient) on
+    micro-batches of 64 and of 6 completions: each step's logged loss is the hand computation's from the
+    tokens common.cov_tokens chose, -A_i (1 - cut_i / |o_i|) averaged over the completions (on-policy every
+    ratio is 1), and its gradient is the same for both sizes (the choice is made over the global batch before
+    the micro-batches).
+    """
+    worked_example("clipcov", tmp_path)
+    clipcov = load_example("clipcov", tmp_path, monkeypatch)
+    args = clipcov.Args(beta=0.04)
+    g = torch.Generator().manual_seed(3)
+    logp = (torch.randn(3, 4, generator=g) * 0.5).requires_grad_()
+    old = logp.detach() + torch.randn(3, 4, generator=g) * 0.3
+    ref = logp.detach() + torch.randn(3, 4, generator=g)
+    cut, adv = (torch.rand(3, 4, generator=g) > 0.5).float(), torch.tensor([1.5, -0.5, 1.0])
+    mask = torch.ones(3, 4)
+    loss, info = clipcov.policy_loss(logp, old, ref, adv, mask, args, None, cut)
+    r, a, d = torch.exp(logp - old).detach(), adv[:, None], (ref - logp).detach()
+    surrogate = -torch.minimum(r * a, r.clamp(0.8, 1.2) * a)
+    torch.testing.assert_close(loss, surrogate * (1 - cut) + 0.04 * (torch.exp(d) - d - 1))
+    loss.sum().backward()
+    kl_grad, moved = 0.04 * (1 - torch.exp(d)), (r * a <= r.clamp(0.8, 1.2) * a).float()  # unclipped
+    torch.testing.assert_close(logp.grad, -r * a * moved * (1 - cut) + kl_grad)
+    assert cut.any() and (moved * (1 - cut)).any() and (kl_grad[cut > 0].abs() > 1e-3).all()
+    seen, chosen, grads, cov_tokens = record_advantages(clipcov, monkeypatch), [], [], common.cov_tokens
+    monkeypatch.setattr(common, "cov_tokens", lambda run, batch, *a: chosen.append(
+        (batch, cov_tokens(run, batch, *a))) or chosen[-1][1])
+
+    def record(run, stats):  # the gradient, counted as an update (the loss is logged), no step
+        grads.append({n: p.grad.clone() for n, p in run.model.named_parameters() if p.grad is not None})
+        run.optimizer.zero_grad(set_to_none=True)
+        stats.updates += 1
+    monkeypatch.setattr(common, "optimizer_step", record)
+    result = {}
+    for size in (64, 6):
+        run = train(clipcov, tmp_path, "--steps", "2", "--prompts_per_step", "4", "--group_size", "4",
+                    "--format_weight", "0.5", "--save_every", "-1", "--clip_cov_lb", "-100", "--clip_cov_ub",
+                    "100", "--clip_cov_ratio", "0.3", "--micro_batch_size", str(size),
+                    "--run_name", f"m{size}")
+        rows = read_metrics(run.run_dir)
+        assert run.algo == "clipcov" and len(rows) == len(seen) == len(chosen) == len(grads) == 2
+        for a, (batch, cut), row in zip(seen, chosen, rows):
+            used = batch.in_loss * batch.kept
+            share = torch.tensor([float(c.sum()) / len(c) for c in cut])  # cut_i / |o_i|
+            assert sum(float(c.sum()) for c in cut) == math.ceil(0.3 * float(batch.lengths @ used) - 1e-9)
+            want = (-a * (1 - share) * used).sum() / used.sum()
+            assert (share * a).abs().sum() > 0.1
+            assert row["loss/policy"] == pytest.approx(want.item(), abs=1e-5)
+        result[size] = [c for _, c in chosen], list(grads)
+        seen.clear(), chosen.clear(), grads.clear()
+    (cut64, grad64), (cut6, grad6) = result[64], result[6]
+    assert all(torch.equal(x, y) for a, b in zip(cut64, cut6) for x, y in zip(a, b))  # the same tokens
+    for want, got in zip(grad64, grad6):
+        norm = torch.cat([g.flatten() for g in want.values()]).norm().item()
+        assert norm > 0 and got.keys() == want.keys()
+        for name in want:
+            assert_grad_close(got[name], want[name], rel=1e-5, name=name, floor=norm)
+
+
+def test_a_klcov_script_written_as_the_docs_say_penalises_the_top_covariance_tokens(tmp_path, monkeypatch):
+    """train_grpo.py copied, with the KL-Cov lines of docs/algorithms.md: policy_loss is -r A + beta k_t
+    |log r| (no clip), its gradient -r A + beta k_t sign(log r) in log pi; --minibatches 1 (on-policy, |log r|
+    0) is refused; 2 steps of 2 minibatches (k 0.2, advantages moved off the group mean) in which exactly
+    ceil(k N) tokens are chosen, these and only these reach the penalty, and whose logged loss is the hand
+    computation's, -r A + beta |log r| on the chosen tokens, from the ratios of each update."""
+    worked_example("klcov", tmp_path)
+    klcov = load_example("klcov", tmp_path, monkeypatch)
+    with pytest.raises(ValueError, match="on-policy"):
+        klcov.Args(minibatches=1)
+    args = klcov.Args(kl_cov_coef=0.7)
+    g = torch.Generator().manual_seed(1)
+    logp = torch.randn(3, 4, generator=g).requires_grad_()
+    old = logp.detach() + torch.randn(3, 4, generator=g) * 0.3
+    top = (torch.rand(3, 4, generator=g) > 0.5).float()
+    adv, mask = torch.tensor([1.5, -0.5, 0.0]), torch.ones(3, 4)
+    loss, info = klcov.policy_loss(logp, old, None, adv, mask, args, None, top)
+    r, a = torch.exp(logp - old).detach(), adv[:, None]
+    torch.testing.assert_close(loss, -r * a + 0.7 * top * (logp - old).abs())
+    loss.sum().backward()
+    torch.testing.assert_close(logp.grad, -r * a + 0.7 * top * torch.sign(logp - old))
+    assert not info["clipped"].any()
+    seen, chosen, calls = record_advantages(klcov, monkeypatch, shift=0.3), [], []
+    cov_tokens, policy_loss, aggregate = common.cov_tokens, klcov.policy_loss, common.aggregate
+    monkeypatch.setattr(common, "cov_tokens", lambda run, batch, *a: chosen.append(
+        (batch, cov_tokens(run, batch, *a))) or calls.append([]) or chosen[-1][1])
+    monkeypatch.setattr(klcov, "policy_loss", lambda *a: calls[-1].append(
+        [a[0].detach(), a[1], a[3], a[4], a[-1]]) or policy_loss(*a))
+    monkeypatch.setattr(common, "aggregate", lambda *a: calls[-1][-1].append(a[3]) or aggregate(*a))
+    run = train(klcov, tmp_path, "--steps", "2", "--prompts_per_step", "4", "--group_size", "4",
+                "--format_weight", "0.5", "--micro_batch_size", "5", "--kl_cov_ratio", "0.2")
+    rows = read_metrics(run.run_dir)
+    assert run.algo == "klcov" and run.args.minibatches == 2 and len(rows) == len(seen) == len(chosen) == 2
+    for (batch, top), step, row in zip(chosen, calls, rows):
+        n = float(batch.lengths @ (batch.in_loss * batch.kept))
+        count = sum(float(t.sum()) for t in top)
+        assert count == sum(float(c[4].sum()) for c in step) == math.ceil(0.2 * n - 1e-9)
+        loss, penalty = 0.0, 0.0
+        for logp, old, adv, mask, k, n_seqs in step:  # every micro-batch of both minibatches
+            log_r = (logp - old) * mask
+            per_seq = lambda x: ((x * mask).sum(1) / mask.sum(1).clamp(min=1)).sum()  # noqa: E731
+            loss += per_seq(-log_r.exp() * adv[:, None] + k * log_r.abs()) / n_seqs / 2  # 2 updates; beta 1
+            penalty += per_seq(k * log_r.abs()) / n_seqs / 2
+        assert penalty > 1e-4 and row["loss/policy"] == pytest.approx(float(loss), abs=1e-6)
+
+
+def test_a_luspo_script_written_as_the_docs_say_weights_each_completion_by_its_length(tmp_path, monkeypatch):
+    """train_grpo.py copied, with the LUSPO lines of docs/algorithms.md: 2 steps whose logged loss is the
+    hand computation's, -|o_i| A_i averaged over the completions (on-policy GSPO's sequence ratio is 1), from
+    the batch's lengths."""
+    worked_example("luspo", tmp_path)
+    luspo = load_example("luspo", tmp_path, monkeypatch)
+    seen, batches, pre_update = record_advantages(luspo, monkeypatch), [], common.pre_update
+    monkeypatch.setattr(common, "pre_update", lambda run, batch, *a, **k: batches.append(batch) or pre_update(
+        run, batch, *a, **k))
+    run = train(luspo, tmp_path, "--steps", "2", "--prompts_per_step", "4", "--group_size", "4",
+                "--format_weight", "0.5", "--micro_batch_size", "8")
+    rows = read_metrics(run.run_dir)
+    assert run.algo == "luspo" and run.args.ratio_level == "sequence" and len(rows) == len(seen) == 2
+    for a, batch, row in zip(seen, batches, rows):
+        used = batch.in_loss * batch.kept
+        want = (-batch.lengths * a * used).sum() / used.sum()
+        assert abs(want) > 0.05 and row["loss/policy"] == pytest.approx(want.item(), abs=1e-5)
+
+
+def test_a_vespo_script_written_as_the_docs_say_weights_the_policy_gradient_by_a_gamma_kernel(tmp_path,
+                                                                                        monkeypatch):
+    """train_grpo.py copied, with the VESPO lines of docs/algorithms.md: policy_loss is -phi(w) A log pi,
+    phi(w) = e^lam w^k e^(-lam w) of the sequence ratio w = prod_t r_t, (k, lam) = (2, 3) for A >= 0 and
+    (3, 2) below, detached: its gradient -phi(w) A in log pi; 2 steps whose logged loss is the hand
+    computation's, -A log pi summed over the batch's tokens over their number (on-policy phi(1) = 1), log
+    pi the sampler's."""
+    worked_example("vespo", tmp_path)
+    vespo = load_example("vespo", tmp_path, monkeypatch)
+    args = vespo.Args()
+    g = torch.Generator().manual_seed(2)
+    logp = (torch.randn(3, 4, generator=g) - 1).requires_grad_()
+    old = logp.detach() + torch.randn(3, 4, generator=g) * 0.2
+    adv, mask = torch.tensor([1.5, -0.5, 0.0]), torch.tensor([[1.0] * 4, [1, 1, 1, 0], [1, 0, 0, 0]])
+    loss, info = vespo.policy_loss(logp, old, None, adv, mask, args)
+    w = torch.where(mask > 0, torch.exp(logp - old), 1.0).prod(1).detach()
+    k, lam = torch.tensor([2.0, 3.0, 2.0]), torch.tensor([3.0, 2.0, 3.0])
+    phi = (torch.e ** lam * w ** k * torch.exp(-lam * w))[:, None]
+    assert 0 < phi.min() < 0.99 and phi.max() != 1  # the ratios are off 1: the kernel acts
+    torch.testing.assert_close(loss, -phi * adv[:, None] * logp)
+    (loss * mask).sum().backward()
+    torch.testing.assert_close(logp.grad, -phi * adv[:, None] * mask)
+    assert not info["clipped"].any()
+    seen, batches, pre_update = record_advantages(vespo, monkeypatch), [], common.pre_update
+    monkeypatch.setattr(common, "pre_update", lambda run, batch, *a, **k: batches.append(batch) or pre_update(
+        run, batch, *a, **k))
+    run = train(vespo, tmp_path, "--steps", "2", "--prompts_per_step", "4", "--group_size", "4",
+                "--format_weight", "0.5", "--micro_batch_size", "8")
+    rows = read_metrics(run.run_dir)
+    assert run.algo == "vespo" and len(rows) == len(seen) == 2
+    for a, batch, row in zip(seen, batches, rows):
+        used = (batch.in_loss * batch.kept).tolist()
+        total = sum(-a[i] * batch.sampler_logp[i].sum() for i in range(len(used)) if used[i])
+        want = total / sum(len(batch.sampler_logp[i]) for i in range(len(used)) if used[i])
+        assert row["loss/policy"] == pytest.approx(want.item(), rel=1e-4)

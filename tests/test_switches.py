@@ -53,6 +53,53 @@ def test_top_share_threshold_keeps_the_right_tokens():
     assert dist.top_share_threshold([], 0.2) == float("inf")  # nothing in the loss: no token passes
 
 
+def test_cov_tokens_centre_over_the_batch_and_pick_the_top_share_or_a_random_share_of_the_band():
+    """common.cov_tokens (Clip-Cov, KL-Cov; Cui et al. 2025): Cov_t = (log pi_t - mean)(A_t - mean), the means
+    over the tokens in the loss only (a completion cut by --mask_truncated or dropped is not counted), by
+    hand; KL-Cov's top ceil(share N); Clip-Cov's ceil(r N) of the band's tokens, uniformly drawn, the same
+    draw for the same seed and step, another for another step, all of the band when it has fewer; exactly
+    ceil(share N) when values tie (all advantages equal, log-probs repeated), the ties in global order."""
+    import common
+
+    class Rows(SimpleNamespace):
+        def __len__(self):
+            return len(self.kept)
+    logp = [torch.tensor([-0.1, -2.0, -0.5]), torch.tensor([-3.0, -0.2]), torch.tensor([-1.0, -9.0]),
+            torch.tensor([-0.3])]
+    adv = torch.tensor([1.0, -1.0, 5.0, 2.0])
+    batch = Rows(in_loss=torch.tensor([1.0, 1.0, 0.0, 1.0]), kept=torch.tensor([1.0, 1.0, 1.0, 1.0]))
+    run = SimpleNamespace(args=SimpleNamespace(seed=0), step=0)
+    x = torch.tensor([-0.1, -2.0, -0.5, -3.0, -0.2, -0.3], dtype=torch.float64)  # the 6 tokens in the loss
+    a = torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0, 2.0], dtype=torch.float64)
+    cov = (x - x.mean()) * (a - a.mean())  # means -6.1 / 6 and 0.5
+    assert cov.tolist() == pytest.approx([0.4583, -0.4917, 0.2583, 2.975, -1.225, 1.075], abs=1e-4)
+    top = common.cov_tokens(run, batch, logp, adv, 2 / 6)  # KL-Cov: the two largest, 2.975 and 1.075
+    assert [t.tolist() for t in top] == [[0, 0, 0], [1, 0], [0, 0], [1]]
+    assert sum(int(t.sum()) for t in common.cov_tokens(run, batch, logp, adv, 0.5)) == 3  # ceil(0.5 * 6)
+    band = (0.2, 2.0)  # 0.4583, 0.2583, 1.075: three tokens in the band
+    picks = []
+    for step in range(40):
+        run.step = step
+        chosen = common.cov_tokens(run, batch, logp, adv, 1 / 6, band)  # one token of six
+        flat = torch.cat(chosen)
+        assert flat.sum() == 1 and flat[[0, 2, 7]].sum() == 1 and chosen[2].sum() == 0
+        assert all(torch.equal(c, d) for c, d in zip(chosen, common.cov_tokens(run, batch, logp, adv, 1 / 6,
+                                                                                band)))
+        picks.append(int(flat.nonzero()))
+    assert set(picks) == {0, 2, 7}  # each of the band's tokens drawn in some step
+    everything = common.cov_tokens(run, batch, logp, adv, 0.9, band)  # ceil(5.4) = 6 > 3: the whole band
+    assert torch.cat(everything).nonzero().flatten().tolist() == [0, 2, 7]
+    run.args.seed = 20_000_000  # (seed * 1000003 + step) * 1000003 passes 2^63: the seed is taken mod 2^63
+    assert torch.cat(common.cov_tokens(run, batch, logp, adv, 1 / 6, band)).sum() == 1
+    equal = common.cov_tokens(run, batch, logp, torch.full((4,), 0.7), 0.5)  # Cov 0 everywhere: all tied
+    assert [t.tolist() for t in equal] == [[1, 1, 1], [0, 0], [0, 0], [0]]  # ceil(0.5 * 6), in global order
+    tied = [torch.tensor([0.0, -1.0, 0.0]), torch.tensor([0.0, 0.0]), torch.zeros(1), torch.zeros(1)]
+    top = common.cov_tokens(run, batch, tied, torch.tensor([1.0, 1.0, 0.0, -1.0]), 2 / 6)  # 4 tied on top
+    assert [t.tolist() for t in top] == [[1, 0, 1], [0, 0], [0], [0]]  # the first two of the tied four
+    batch.kept = torch.zeros(4)  # nothing in the loss: nothing chosen
+    assert sum(t.sum() for t in common.cov_tokens(run, batch, logp, adv, 0.5)) == 0
+
+
 def test_entropy_gradient_through_the_chunked_projection_is_the_analytic_one():
     """H = -sum_v p_v log p_v with z = h W^T / T: dH/dz_v = -p_v (log p_v + H) / T, so dH/dW = dz^T h and
     dH/dh = dz W; our checkpointed, chunked projection must give exactly these gradients."""
