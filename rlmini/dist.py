@@ -224,6 +224,16 @@ def reshard_frozen(model) -> None:
         model.reshard()
 
 
+def reshard(model) -> None:
+    """Every FSDP2 unit of `model` sharded again (FSDPModule.reshard) after a forward outside the update (a
+    start-up probe): shard_model keeps the root gathered for a backward, and an optimizer built meanwhile
+    would get its gathered plain tensors beside the layers' DTensors. A plain module: nothing."""
+    from torch.distributed.fsdp import FSDPModule
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a sharded (DTensor) parameter or value, gathered from every rank (a collective:
     every rank calls it, in the same order); a plain tensor as it is."""

@@ -17,6 +17,8 @@ import sys
 
 import torch
 
+from rlmini import dist
+
 
 def routers(model) -> list:
     """The router modules of `model` in layer order (the class its decoder records as router_logits), [] for
@@ -57,6 +59,7 @@ def install(model, name: str) -> str:
         r.register_forward_hook(lambda module, args, out, layer=layer: _route(state, layer, out))
     with torch.no_grad():  # a whole forward (under FSDP2 a collective of every rank): its routers' weighing
         base(input_ids=torch.arange(2, 10, device=next(base.parameters()).device)[None], use_cache=False)
+    dist.reshard(model)  # FSDP2 keeps the root gathered after a forward: sharded again before the optimizer
     why = next((x for x in state["renorm"] if isinstance(x, str)), None)
     if why is None and not all(state["probed"]):
         why = "was not called by a forward on 8 tokens"

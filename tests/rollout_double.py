@@ -10,10 +10,11 @@ from rlmini import data, logprobs, models, packing
 from rlmini.engine import HFEngine
 
 
-def generate_double(engine, prompt_ids, n, max_new_tokens, temperature, seed, stop=None):
+def generate_double(engine, prompt_ids, n, max_new_tokens, temperature, seed, stop=None, routes=False):
     """HFEngine.generate's stand-in (the engine gives the tokenizer, the policy, device and dtype). modmul
     prompts (--tools): the first turn calls (```output), answers right or wrong, or runs on; a turn after a
-    tool's output copies it (or misreads it)."""
+    tool's output copies it (or misreads it). `routes` (a mixture of experts): none returned, as a sampler
+    that cannot give them (the trainer routes every token itself)."""
     tok = engine.tokenizer
     r = data.Rollouts([], [], [], [], engine.pad_id)
     budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompt_ids)
