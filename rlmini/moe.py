@@ -18,6 +18,7 @@ import sys
 import torch
 
 from rlmini import dist
+from rlmini.packing import packing_enabled, unwrapped
 
 
 def routers(model) -> list:
@@ -29,6 +30,13 @@ def routers(model) -> list:
              if name == "router_logits"}
     kinds.discard(None)
     return [m for m in model.modules() if kinds and isinstance(m, tuple(kinds))]
+
+
+def experts(model) -> int:
+    """The number of routed experts of a mixture-of-experts model (its config's), 0 for a dense one."""
+    config = getattr(unwrapped(model), "config", None)
+    return max([int(getattr(config, k, 0) or 0) for k in ("num_experts", "num_local_experts",
+                                                          "n_routed_experts")])
 
 
 def route_dtype(experts: int) -> torch.dtype:
@@ -83,7 +91,6 @@ def prepare(args, model) -> None:
     """At start: a mixture of experts' routers hooked (the HF engine returns routes, moe/route_agree is
     logged); --routing_replay on a dense model, or on a family whose routes cannot be replayed, refused in
     one line (without it, a note says moe/route_agree is not logged)."""
-    from rlmini.engine import experts
     if not experts(model):
         if args.routing_replay:
             family = type(getattr(model, "policy", model)).__name__
@@ -188,7 +195,6 @@ def set_routes(model, routes, replay: bool = False, batch: dict | None = None) -
     (`batch`'s packed layout, when the model packs) takes them in its own token order, a shared prompt's from
     the first of its rows that has routes (a continued prefix with nothing sampled has none). A model without
     routers: nothing."""
-    from rlmini.packing import packing_enabled
     state = _state(model)
     if state is None:
         return

@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from conftest import ROOT
-from rlmini import engine, logprobs, models, packing
+from rlmini import engine, logprobs, models, moe, packing
 from rlmini.engine import HFEngine
 
 V = 96
@@ -269,7 +269,7 @@ def test_the_push_sends_moe_experts_in_the_layout_vllm_loads(tmp_path, family):
         pushed = dict(engine.pushed_weights(m, torch.float32))
         assert sorted(pushed) == sorted(disk) and all(torch.equal(pushed[k], disk[k]) for k in disk), family
     assert any(".experts.0." in k for k in disk) and not any("gate_up_proj" in k for k in disk)
-    assert engine.experts(model) == 4 and engine.experts(build("qwen3")) == 0
+    assert moe.experts(model) == 4 and moe.experts(build("qwen3")) == 0
 
 
 @pytest.mark.slow
