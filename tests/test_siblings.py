@@ -698,6 +698,14 @@ def record_advantages(module, monkeypatch, shift: float = 0.0) -> list:
     return seen
 
 
+def record_batches(monkeypatch) -> list:
+    """Each step's batch as common.pre_update receives it (lengths, in_loss, kept: a hand loss's inputs)."""
+    batches, pre_update = [], common.pre_update
+    monkeypatch.setattr(common, "pre_update",
+                        lambda run, batch, *a, **k: batches.append(batch) or pre_update(run, batch, *a, **k))
+    return batches
+
+
 def test_a_gmpo_script_written_as_the_docs_say_takes_the_geometric_mean_of_the_clipped_ratios(tmp_path,
                                                                                           monkeypatch):
     """train_grpo.py copied, with the GMPO lines of docs/algorithms.md: policy_loss is -A (prod_t
@@ -854,9 +862,7 @@ def test_a_luspo_script_written_as_the_docs_say_weights_each_completion_by_its_l
     the batch's lengths."""
     worked_example("luspo", tmp_path)
     luspo = load_example("luspo", tmp_path, monkeypatch)
-    seen, batches, pre_update = record_advantages(luspo, monkeypatch), [], common.pre_update
-    monkeypatch.setattr(common, "pre_update", lambda run, batch, *a, **k: batches.append(batch) or pre_update(
-        run, batch, *a, **k))
+    seen, batches = record_advantages(luspo, monkeypatch), record_batches(monkeypatch)
     run = train(luspo, tmp_path, "--steps", "2", "--prompts_per_step", "4", "--group_size", "4",
                 "--format_weight", "0.5", "--micro_batch_size", "8")
     rows = read_metrics(run.run_dir)
@@ -890,9 +896,7 @@ def test_a_vespo_script_written_as_the_docs_say_weights_the_policy_gradient_by_a
     (loss * mask).sum().backward()
     torch.testing.assert_close(logp.grad, -phi * adv[:, None] * mask)
     assert not info["clipped"].any()
-    seen, batches, pre_update = record_advantages(vespo, monkeypatch), [], common.pre_update
-    monkeypatch.setattr(common, "pre_update", lambda run, batch, *a, **k: batches.append(batch) or pre_update(
-        run, batch, *a, **k))
+    seen, batches = record_advantages(vespo, monkeypatch), record_batches(monkeypatch)
     run = train(vespo, tmp_path, "--steps", "2", "--prompts_per_step", "4", "--group_size", "4",
                 "--format_weight", "0.5", "--micro_batch_size", "8")
     rows = read_metrics(run.run_dir)
