@@ -199,6 +199,7 @@ def set_routes(model, routes, replay: bool = False, batch: dict | None = None) -
     if state is None:
         return
     packed = batch.get("packed") if batch and routes is not None and packing_enabled(model) else None
+    packed = packed["places"]() if packed else None  # packing.py::_padded_places
     state["unpack"] = packed["packed_at"] if packed else None  # agreement(): back to the padded places
     if packed:
         owner, prompt_of, at = packed["owner"], packed["prompt_of"], packed["padded_at"].clone()

@@ -95,8 +95,9 @@ def _pack(prompt_ids, completion_ids, P, L, keep, device, kernel) -> dict:
     pred = torch.where(j == 0, (p_start[owner] + P - 1)[seq], c_start[seq] + j - 1)
     pred = pred if keep is None else pred[keep]  # `keep`: the policy's tokens (make_batch's `policy`)
     packed = {"input_ids": ids[None].to(device), "position_ids": torch.cat([pos_p, pos_c])[None].to(device),
-              "pred": pred.to(device), "computed": len(ids), **_padded_places(P, L, owner, order, p_start, Pu,
-                                                                              c_start, pos_p, pos_c, device)}
+              "pred": pred.to(device), "computed": len(ids),  # places: built only when routes ask (moe.py)
+              "places": functools.partial(_padded_places, P, L, owner, order, p_start, Pu, c_start, pos_p,
+                                          pos_c, device)}
     if kernel == "flex":
         packed["rows"] = FlexLayout(p_start, Pu, c_start[order], L[order], P[order], p_start[owner[order]],
                                     len(ids), device)
