@@ -28,9 +28,10 @@ class Args(common.Args):
     surrogate: Literal["clip", "cispo"] = arg("clip", "PPO's clipped ratio, or CISPO's clipped weight")
     beta: float = arg(0.0, "KL penalty to the initial policy (0 = no reference model is loaded)", ge=0)
     hadw: bool = arg(False, "HA-DW difficulty reweighting of the advantages (arXiv 2601.08521; 0/1 rewards)")
-    hadw_eta: float = arg(0.1, "HA-DW forgetting rate eta (eta_t = eta * std of recent anchors)", ge=0, le=1)
-    hadw_window: int = arg(50, "HA-DW: anchors in the std window (m)", ge=1)
-    hadw_lambda: float = arg(1.3, "HA-DW lambda_scale (the paper's best, Table 7)", gt=0)
+    hadw_eta: float = arg(0.1, "HA-DW forgetting rate eta (eta_t = eta * std of recent anchors)", ge=0, le=1,
+                          only_with=(("hadw", True), ("hadw_anchor", "kalman")))
+    hadw_window: int = arg(50, "HA-DW: anchors in the std window (m)", ge=1, only_with=("hadw", True))
+    hadw_lambda: float = arg(1.3, "HA-DW lambda_scale (Table 7's best)", gt=0, only_with=("hadw", True))
     hadw_anchor: Literal["kalman", "mean", "fixed"] = arg(
         "kalman", "HA-DW anchor: sec. 3 Kalman | app. F moving mean | fixed", only_with=("hadw", True))
     hadw_threshold: float = arg(0.5, "HA-DW's fixed anchor C", ge=0, le=1, only_with=("hadw_anchor", "fixed"))

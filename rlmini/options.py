@@ -16,8 +16,8 @@ from rlmini.dist import world_size
 
 def arg(default, help: str, ge=None, gt=None, le=None, lt=None, only_with=None):
     """A dataclass field with its one-line help (--help) and its valid range, checked when options are parsed;
-    only_with=(name, value): the option does something only when option `name` is `value` (set without it,
-    parse_args refuses it in one line)."""
+    only_with=(name, value), or a tuple of such pairs: the option does something only when option `name` is
+    `value`, every pair (set without it, parse_args refuses it in one line, naming the first pair unmet)."""
     return field(default=default, metadata={"help": help, "range": (ge, gt, le, lt), "only_with": only_with})
 
 
@@ -146,11 +146,12 @@ def parse_args(cls, argv=None):
     except ValueError as e:
         raise SystemExit(f"bad option ({source}): {e}") from None
     for f in dataclasses.fields(cls):  # set by the user where it does nothing: refused, as not_applied is
-        name, value = f.metadata.get("only_with") or (None, None)
-        if name and f.name in given and getattr(args, name) != value:
-            shown = str(value).lower() if isinstance(value, bool) else value
-            raise SystemExit(f"--{f.name}: applies only with --{name} {shown} (here {getattr(args, name)}); "
-                             f"it would do nothing: leave it unset")
+        pairs = f.metadata.get("only_with") or ()
+        for name, value in (pairs,) if pairs and isinstance(pairs[0], str) else pairs:
+            if f.name in given and getattr(args, name) != value:
+                shown = str(value).lower() if isinstance(value, bool) else value
+                raise SystemExit(f"--{f.name}: applies only with --{name} {shown} (here "
+                                 f"{getattr(args, name)}); it would do nothing: leave it unset")
     return args
 
 

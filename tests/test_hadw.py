@@ -172,6 +172,9 @@ def test_fixed_anchor_is_the_threshold_every_step_with_hand_computed_phi(tmp_pat
     args = common.parse_args(train_grpo.Args, ["--hadw", "true", "--hadw_anchor", "fixed", "--hadw_threshold",
                                                 "0.2"])
     assert (args.hadw_anchor, args.hadw_threshold) == ("fixed", 0.2)
+    args = common.parse_args(train_grpo.Args, ["--hadw", "true", "--hadw_eta", "0.3", "--hadw_window", "9",
+                                                "--hadw_lambda", "2"])  # every condition met: accepted
+    assert (args.hadw_eta, args.hadw_window, args.hadw_lambda) == (0.3, 9, 2.0)
     for module in (train_grpo, train_gpg):  # the range declared in the field, checked at parse time
         with pytest.raises(SystemExit, match=r"--hadw_threshold 1.5: must be in \[0, 1\]"):
             common.parse_args(module.Args, ["--hadw_threshold", "1.5"])
@@ -179,7 +182,13 @@ def test_fixed_anchor_is_the_threshold_every_step_with_hand_computed_phi(tmp_pat
         for argv, message in ((["--hadw_anchor", "fixed"], r"--hadw_anchor: applies only with --hadw true "
                                                           r"\(here False\)"),
                               (["--hadw", "true", "--hadw_threshold", "0.2"],
-                               r"--hadw_threshold: applies only with --hadw_anchor fixed \(here kalman\)")):
+                               r"--hadw_threshold: applies only with --hadw_anchor fixed \(here kalman\)"),
+                              (["--hadw_lambda", "2"], r"--hadw_lambda: applies only with --hadw true"),
+                              (["--hadw_window", "9"], r"--hadw_window: applies only with --hadw true"),
+                              (["--hadw_eta", "0.2"], r"--hadw_eta: applies only with --hadw true"),
+                              # eta moves the Kalman anchor only: both of its conditions are checked
+                              (["--hadw", "true", "--hadw_anchor", "mean", "--hadw_eta", "0.2"],
+                               r"--hadw_eta: applies only with --hadw_anchor kalman \(here mean\)")):
             with pytest.raises(SystemExit, match=message) as e:
                 common.parse_args(module.Args, argv)
             assert "\n" not in str(e.value)
