@@ -25,7 +25,10 @@ LINE = re.compile(r"^interrupted \(Ctrl-C\) in step (\d+) of (\d+); last checkpo
 
 @pytest.fixture
 def sigint_restored():
-    """interrupted() ignores SIGINT from then on (a second one ends nothing half-closed): undo it here."""
+    """interrupted() ignores SIGINT from then on (a second one ends nothing half-closed): undo it here; and
+    start from Python's own handler, whatever an earlier test of the session left (one ran with SIGINT
+    not reaching the run once in the whole suite, never alone)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
