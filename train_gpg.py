@@ -24,8 +24,7 @@ class Args(common.Args):
     beta_th: float = arg(0.5, "resample until valid groups >= beta_th x prompts (code 0.5, paper 0.6)",
                          ge=0, le=1)
     hadw: bool = arg(False, "HA-DW difficulty reweighting of the advantages (arXiv 2601.08521; 0/1 rewards)")
-    hadw_eta: float = arg(0.1, "HA-DW forgetting rate eta (eta_t = eta * std of recent anchors)", ge=0, le=1,
-                          only_with=(("hadw", True), ("hadw_anchor", "kalman")))
+    hadw_eta: float = arg(0.1, "HA-DW Kalman rate eta", ge=0, le=1, only_with=("hadw_anchor", "kalman"))
     hadw_window: int = arg(50, "HA-DW: anchors in the std window (m)", ge=1, only_with=("hadw", True))
     hadw_lambda: float = arg(1.3, "HA-DW lambda_scale (Table 7's best)", gt=0, only_with=("hadw", True))
     hadw_anchor: Literal["kalman", "mean", "fixed"] = arg(

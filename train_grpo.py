@@ -28,8 +28,7 @@ class Args(common.Args):
     surrogate: Literal["clip", "cispo"] = arg("clip", "PPO's clipped ratio, or CISPO's clipped weight")
     beta: float = arg(0.0, "KL penalty to the initial policy (0 = no reference model is loaded)", ge=0)
     hadw: bool = arg(False, "HA-DW difficulty reweighting of the advantages (arXiv 2601.08521; 0/1 rewards)")
-    hadw_eta: float = arg(0.1, "HA-DW forgetting rate eta (eta_t = eta * std of recent anchors)", ge=0, le=1,
-                          only_with=(("hadw", True), ("hadw_anchor", "kalman")))
+    hadw_eta: float = arg(0.1, "HA-DW Kalman rate eta", ge=0, le=1, only_with=("hadw_anchor", "kalman"))
     hadw_window: int = arg(50, "HA-DW: anchors in the std window (m)", ge=1, only_with=("hadw", True))
     hadw_lambda: float = arg(1.3, "HA-DW lambda_scale (Table 7's best)", gt=0, only_with=("hadw", True))
     hadw_anchor: Literal["kalman", "mean", "fixed"] = arg(

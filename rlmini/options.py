@@ -16,8 +16,8 @@ from rlmini.dist import world_size
 
 def arg(default, help: str, ge=None, gt=None, le=None, lt=None, only_with=None):
     """A dataclass field with its one-line help (--help) and its valid range, checked when options are parsed;
-    only_with=(name, value), or a tuple of such pairs: the option does something only when option `name` is
-    `value`, every pair (set without it, parse_args refuses it in one line, naming the first pair unmet)."""
+    only_with=(name, value): the option does something only when option `name` is `value`, and only where
+    `name` itself applies (its own only_with, followed; set without it, parse_args refuses it in one line)."""
     return field(default=default, metadata={"help": help, "range": (ge, gt, le, lt), "only_with": only_with})
 
 
@@ -145,13 +145,16 @@ def parse_args(cls, argv=None):
         args = cls(**vars(values))
     except ValueError as e:
         raise SystemExit(f"bad option ({source}): {e}") from None
-    for f in dataclasses.fields(cls):  # set by the user where it does nothing: refused, as not_applied is
-        pairs = f.metadata.get("only_with") or ()
-        for name, value in (pairs,) if pairs and isinstance(pairs[0], str) else pairs:
-            if f.name in given and getattr(args, name) != value:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for f in fields.values():  # set by the user where it does nothing: refused, as not_applied is
+        condition = f.metadata.get("only_with") if f.name in given else None
+        while condition:  # an option applying only with another applies only where that one applies
+            name, value = condition
+            if getattr(args, name) != value:
                 shown = str(value).lower() if isinstance(value, bool) else value
                 raise SystemExit(f"--{f.name}: applies only with --{name} {shown} (here "
                                  f"{getattr(args, name)}); it would do nothing: leave it unset")
+            condition = fields[name].metadata.get("only_with")
     return args
 
 
