@@ -325,8 +325,9 @@ def user_errors():
         raise SystemExit(REFUSED) from None
     finally:
         _WATCHED.clear()  # the run is over: nothing of it kept alive here
+        if line is not None:  # interrupted() ignored SIGINT: Python's own again, whatever ended the close
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # (a notebook, a test session goes on)
     if line is not None:
         if dist.rank() == 0:
             print(line, file=sys.stderr, flush=True)
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own again (a notebook goes on)
         raise SystemExit(INTERRUPTED)

@@ -102,6 +102,20 @@ def test_ctrl_c_before_a_checkpoint_and_during_start_up_say_what_to_rerun(tmp_pa
         "--overwrite true if it made its run folder)")
 
 
+def test_sigint_is_pythons_own_again_when_the_close_after_a_ctrl_c_fails(monkeypatch, capsys,
+                                                                        sigint_restored):
+    """interrupted() ignores SIGINT while it closes; an error ending that close (here the terminal's restore)
+    must not leave it ignored for the rest of the process (a notebook, a test session)."""
+    def failing_stop():
+        raise faults.DataError("the log could not be closed")
+    monkeypatch.setattr(faults.quiet, "stop", failing_stop)
+    with pytest.raises(SystemExit, match="^2$"):
+        with faults.user_errors():
+            raise KeyboardInterrupt
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert capsys.readouterr().err.strip() == "error: the log could not be closed"
+
+
 def _ctrl_c(cmd: list, ready: str, timeout: float = 300, wandb: str = "disabled") -> tuple:
     """Start cmd in its own process group, wait for `ready` in its output, then Ctrl-C the whole group as a
     terminal does; (exit status, every output line)."""
