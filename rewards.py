@@ -140,16 +140,19 @@ def score_last_number(completion: str, example: dict, finished: bool) -> Score:
     return Score(ok, ok, 1.0, pred=pred)
 
 
-def sums_task(style: str, seed: int, max_operand: int = 49, n_test: int = 500, graded: bool = False) -> Task:
+def sums_task(style: str, max_operand: int = 49, n_test: int = 500, graded: bool = False) -> Task:
     """a + b with a, b in [0, max_operand], asked as a pretrained chat model answers it: the answer is the
     last number of the reply ("12 + 13 = 25."), which must end (EOS). The task for --model smollm2, which
     never writes \\boxed{} (addition's chat format) but writes its sums as equations: greedy, it starts at
-    about 0.2 held-out pass@1 on 0..49 (docs/results.md). `n_test` pairs are held out (at most a fifth).
+    about 0.25 held-out pass@1 on 0..49 (docs/results.md). `n_test` pairs are held out (at most a fifth), the
+    same for every --seed (drawn from seed 0: runs of every seed are evaluated on questions none trained on,
+    and eval.py compare pairs them); --seed orders the training prompts (data.prompt_batch). b + a of a
+    held-out a + b may be trained (sums_levels holds out both orders).
     `graded` (--task sums_graded): the same questions and split, partial credit by the answer's distance
     (sums_graded_reward), pass threshold 0.5 (off by 2 at most): CoRPO's setting (Garg & Venkatesh 2025)."""
     pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
     n_test = min(n_test, len(pairs) // 5)
-    random.Random(seed).shuffle(pairs)
+    random.Random(0).shuffle(pairs)  # not --seed: a run evaluated on another seed's split trained on it
     examples = [{"prompt": f"{a}+{b}=" if style == "tiny" else
                  f"What is {a} + {b}? Answer with the number only.", "answer": a + b} for a, b in pairs]
     train, test = _split(examples, n_test)
@@ -465,7 +468,7 @@ def load_task(spec: str, style: str = "tiny", seed: int = 0, brier: bool = False
     if name in ("sums", "sums_graded"):  # sums[:MAX_OPERAND], sums_graded[:MAX_OPERAND]
         if local and not (local.isdigit() and int(local) >= 2):
             raise DataError(f"--task {spec!r}: {name} takes the largest operand >= 2, e.g. {name}:49")
-        return sums_task(style, seed, int(local) if local else 49, graded=name == "sums_graded")
+        return sums_task(style, int(local) if local else 49, graded=name == "sums_graded")
     if name == "sums_levels":  # sums_levels[:LEVELS]
         if local and not (local.isdigit() and 2 <= int(local) <= 4):
             raise DataError(f"--task {spec!r}: sums_levels takes the number of levels, 2 to 4, e.g. "

@@ -171,7 +171,7 @@ def test_an_unreachable_hub_dataset_is_one_line_naming_it_and_the_local_way(monk
 def test_sums_reads_the_last_number_of_the_reply_and_needs_eos():
     """sums (the real model's task): the answer is the last number the reply writes, as a chat model writes
     sums ("12 + 13 = 25."), thousands separators and decimals read whole; truncated or numberless is a format
-    failure; 0..49 holds out 500 pairs, disjoint from training, the same split for every style."""
+    failure; 0..49 holds out 500 pairs, disjoint from training, the same split for every style and seed."""
     task = rewards.load_task("sums", style="chat")
     ex = {"prompt": "What is 12 + 13? Answer with the number only.", "answer": 25}
     assert task.score("12 + 13 = 25.", ex, True) == rewards.Score(1.0, 1.0, 1.0, pred="25")
@@ -183,6 +183,8 @@ def test_sums_reads_the_last_number_of_the_reply_and_needs_eos():
     assert rewards.last_number("1,234") == "1234" and rewards.last_number("12,13") == "13"
     assert len(task.train) == 2000 and len(task.test) == 500 and task.max_new_tokens == 32
     assert not {e["prompt"] for e in task.train} & {e["prompt"] for e in task.test}
+    other = rewards.load_task("sums", style="chat", seed=5)  # a run of seed 5 is evaluated on the same 500
+    assert (other.train, other.test) == (task.train, task.test)  # (eval.py's default --seed is 0)
     assert task.test[0]["prompt"].startswith("What is ") and task.test[0]["answer"] == sum(
         int(x) for x in task.test[0]["prompt"][8:].split("?")[0].split(" + "))
     small = rewards.load_task("sums:9", style="tiny")  # at most a fifth held out
