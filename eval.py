@@ -369,6 +369,33 @@ def _model_name(model: str) -> str:
     return parts[-2] if parts[-1] == "final" and len(parts) > 1 else parts[-1]
 
 
+def trained_by(model: str) -> dict:
+    """The options of the run whose final policy `model` is (runs/<run>/final: the run folder's config.json,
+    with its --task and --seed), or {} for any other model."""
+    path = os.path.join(os.path.dirname(os.path.normpath(model)), "config.json")
+    if not os.path.isdir(model) or not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        config = json.load(f)
+    return config if isinstance(config, dict) and "algo" in config and "seed" in config else {}
+
+
+def check_held_out(examples: list, a, trained: dict, load) -> None:
+    """Refuse in one line to score a run on held-out questions of its own task that its training split
+    held and its own held-out split did not: a task whose split follows --seed (addition) at another seed."""
+    seed = trained.get("seed")
+    if a.split != "test" or trained.get("task") != a.task or seed in (None, a.seed):
+        return
+    key = lambda e: json.dumps([e["prompt"], e["answer"]], sort_keys=True, default=str)  # noqa: E731
+    theirs = load(seed)
+    seen = {key(e) for e in theirs.train} - {key(e) for e in theirs.test}  # mixed holds out its train's pairs
+    leaked = sum(key(e) in seen for e in examples)
+    if leaked:
+        raise SystemExit(f"--seed {a.seed}: {leaked} of the {len(examples)} held-out questions of --task "
+                         f"{a.task} at this seed are in the training split of {a.model} (trained with --seed "
+                         f"{seed}); evaluate with --seed {seed}, the default for a run's final/")
+
+
 def _task_name(spec: str) -> str:
     """--task as part of a folder name, one name per spec: a plain spec as it is, `name:rest` as name-rest
     (addition:14 -> addition-14; task names have no '-'), and where anything else had to be replaced (a
@@ -413,7 +440,8 @@ def cmd_evaluate(argv) -> dict:
     p.add_argument("--max_new_tokens", type=int, default=0, help="0 = the task's default")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="compute dtype (auto: CUDA bf16)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="the task's split and the sampling (default: the "
+                   "run's own --seed when --model is a run's final/, else 0)")
     p.add_argument("--out", default="", help="output folder (default runs/eval-<model>-<task>, the task's "
                                              "whole spec: addition:14 -> addition-14)")
     p.add_argument("--verbose", type=options.boolean, default=False,
@@ -425,6 +453,8 @@ def cmd_evaluate(argv) -> dict:
         p.add_argument(f"--{name}", type=kind, default=f.default, help=f.metadata.get("help", ""),
                        choices=choices)
     a = p.parse_args(argv)
+    trained = trained_by(a.model)  # a run's final/: its own split by default (addition's follows --seed)
+    a.seed = trained.get("seed", 0) if a.seed is None else a.seed
     greedy = a.temperature == 0
     if a.n is not None and a.n < 1:  # given, and not a sample: never read as "the default"
         raise SystemExit(f"--n {a.n}: must be >= 1")
@@ -473,9 +503,11 @@ def cmd_evaluate(argv) -> dict:
     except ValueError as e:  # a range (options.validate)
         raise SystemExit(f"bad option: {e}") from None
     style = models.prompt_style(a.model)
-    task = rewards.load_task(a.task, style=style, seed=a.seed, jsonl_reward=a.jsonl_reward,
-                             prompt_column=a.prompt_column, answer_column=a.answer_column,
-                             **{k: getattr(a, k) for k in TASK_OPTIONS})
+    load = lambda seed: rewards.load_task(  # noqa: E731
+        a.task, style=style, seed=seed, jsonl_reward=a.jsonl_reward, prompt_column=a.prompt_column,
+        answer_column=a.answer_column, **{k: getattr(a, k) for k in TASK_OPTIONS})
+    task = load(a.seed)
+    check_held_out((task.test if a.split == "test" else task.train)[: a.limit or None], a, trained, load)
     task = datafiles.with_system_prompt(task, a.system_prompt)
     task = reward_fns.with_reward_functions(task, "", "", env=a.env, sources=reward_model.sources(args),
                                             concurrency=a.reward_concurrency, timeout=a.reward_timeout)
@@ -504,8 +536,8 @@ def cmd_evaluate(argv) -> dict:
         counted["now"] = count
         scores = sample_and_score(run, examples, a.n, seed=data.rollout_seed(a.seed, -1, dist.rank()))
     getattr(run.toolbox, "close", lambda: None)()  # --env's instances
-    result = {"model": a.model, "task": a.task, "split": a.split, "temperature": a.temperature,
-              "decoding": "greedy" if greedy else "sampled",
+    result = {"model": a.model, "task": a.task, "split": a.split, "seed": a.seed,
+              "temperature": a.temperature, "decoding": "greedy" if greedy else "sampled",
               **summarize(task, examples, scores, a.n, ks, boot=True)}
     if greedy:  # one completion: maj@1 and mean@1 are pass@1 again
         result = {k: v for k, v in result.items() if not k.startswith(("maj@", "mean@"))}

@@ -303,31 +303,32 @@ def user_errors():
     1); Ctrl-C in one line saying how to continue, status 130 (interrupted). Within it common.setup moves
     the libraries' output to the run folder's log (rlmini/quiet.py), the terminal restored before an error
     is printed."""
-    line = None
+    line = error = None
+    previous, ignoring = signal.getsignal(signal.SIGINT), False  # the caller's handler (a notebook's)
     try:
         with quiet.entry_point():
             try:
                 yield
             except KeyboardInterrupt:
+                ignoring = True  # interrupted() ignores SIGINT from its first line on
                 line = interrupted(sys.argv)  # closed inside the quiet scope: wandb's lines go to the log
     except (DataError, NonFiniteError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(REFUSED) from None
+        error = f"error: {e}"
     except (RolloutMismatchError, PushError, EngineStateError, ServerError, JudgeError) as e:
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        raise SystemExit(REFUSED) from None
+        error = f"error: {type(e).__name__}: {e}"
     except KeyboardInterrupt:  # a second Ctrl-C, in the quiet scope's own end
         line = line or "interrupted (Ctrl-C)"
     except SystemExit as e:
-        if not isinstance(e.code, str):  # exit(0), exit(2) above
+        if not isinstance(e.code, str):  # exit(0), exit(2)
             raise
-        print(e.code, file=sys.stderr)  # a refusal in one line (an option, a file, a model, a task): status 2
-        raise SystemExit(REFUSED) from None
+        error = e.code  # a refusal in one line (an option, a file, a model, a task): status 2
     finally:
         _WATCHED.clear()  # the run is over: nothing of it kept alive here
-        if line is not None:  # interrupted() ignored SIGINT: Python's own again, whatever ended the close
-            signal.signal(signal.SIGINT, signal.default_int_handler)  # (a notebook, a test session goes on)
-    if line is not None:
-        if dist.rank() == 0:
-            print(line, file=sys.stderr, flush=True)
-        raise SystemExit(INTERRUPTED)
+        if ignoring and previous is not None and "TORCHELASTIC_RUN_ID" not in os.environ:  # torchrun's
+            signal.signal(signal.SIGINT, previous)  # second SIGINT stays ignored; a notebook goes on
+    if error is not None:
+        print(error, file=sys.stderr)
+    if line is not None and dist.rank() == 0:  # after a Ctrl-C whose close failed too: how to continue
+        print(line, file=sys.stderr, flush=True)
+    if error is not None or line is not None:
+        raise SystemExit(INTERRUPTED if line is not None else REFUSED)

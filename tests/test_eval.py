@@ -1,4 +1,5 @@
 """eval.py: metrics against hand computation and brute force, contamination, audit, the command line."""
+import argparse
 import itertools
 import json
 import math
@@ -207,6 +208,7 @@ def test_cli_end_to_end_on_a_tiny_trained_checkpoint(tmp_path):
                            "--limit", "40", "--engine", "hf", "--out", str(out)])
     result = json.load(open(out / "eval.json"))
     assert result["questions"] == 40 and result["n"] == 4
+    assert result["seed"] == ord("a")  # a run's final/: its own split by default
     for key in ("pass@1", "pass@4", "maj@2", "mean@4", "ece", "auroc", "brier", "accuracy", "format_fail"):
         assert key in result, key
     assert result["pass@1"] <= result["pass@2"] <= result["pass@4"]
@@ -226,6 +228,33 @@ def test_cli_end_to_end_on_a_tiny_trained_checkpoint(tmp_path):
     assert rows[0]["heldout/pass@1"] == result["pass@1"] and rows[0]["heldout/ece"] == result["ece"]
     assert compared["paired"][0]["diff"] == 0 and compared["paired"][0]["verdict"].startswith("within noise")
     assert (cmp / "curves.png").exists() and "| run |" in open(cmp / "comparison.md").read()
+
+
+def test_a_run_is_not_scored_on_questions_its_training_split_held(tmp_path, monkeypatch):
+    """addition's held-out split follows --seed: a run trained at seed 1 evaluated at seed 0 would be scored
+    on sums it trained on. eval.py refuses that in one line naming the count; a run's own seed is the
+    default (eval.py::trained_by); any other model, or the run's seed, is not checked against a run."""
+    run = tmp_path / "r"
+    (run / "final").mkdir(parents=True)
+    json.dump({"algo": "grpo", "task": "addition:14", "seed": 1}, open(run / "config.json", "w"))
+    train = {e["prompt"] for e in rewards.load_task("addition:14", seed=1).train}
+    leaked = sum(e["prompt"] in train for e in rewards.load_task("addition:14", seed=0).test[:30])
+    assert leaked > 0  # the case is real: most of seed 0's held-out sums are seed 1's training sums
+    monkeypatch.chdir(tmp_path)
+    argv = ["--model", str(run / "final"), "--task", "addition:14", "--limit", "30", "--engine", "hf"]
+    with pytest.raises(SystemExit) as e:
+        ev.cmd_evaluate([*argv, "--seed", "0", "--out", "e0"])
+    assert str(e.value) == (f"--seed 0: {leaked} of the 30 held-out questions of --task addition:14 at this "
+                            f"seed are in the training split of {run / 'final'} (trained with --seed 1); "
+                            f"evaluate with --seed 1, the default for a run's final/")
+    assert ev.trained_by(str(run / "final"))["seed"] == 1 and ev.trained_by("tiny") == {}
+    assert ev.trained_by(str(run)) == {}  # the run folder itself is not a model
+    mixed = lambda seed: rewards.load_task("mixed", seed=seed)  # noqa: E731  held out: every pair
+    at_0 = argparse.Namespace(split="test", task="mixed", seed=0, model="m")
+    assert ev.check_held_out(mixed(0).test, at_0, {"task": "mixed", "seed": 1}, mixed) is None
+    for seed in ([], ["--seed", "1"]):  # the run's own split passes the check; then its (absent) weights fail
+        with pytest.raises(SystemExit, match="not a Hugging Face model folder"):
+            ev.cmd_evaluate([*argv, *seed, "--out", "e1"])
 
 
 @pytest.mark.slow

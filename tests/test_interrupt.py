@@ -17,6 +17,7 @@ import common
 import train_grpo
 from conftest import ROOT, read_metrics, run_script
 from rlmini import engine, faults
+from rlmini.task import DataError
 
 BASE = ["--wandb", "false", "--engine", "hf", "--prompts_per_step", "4", "--group_size", "4"]
 LINE = re.compile(r"^interrupted \(Ctrl-C\) in step (\d+) of (\d+); last checkpoint (\S+) \(step (\d+)\); "
@@ -102,18 +103,30 @@ def test_ctrl_c_before_a_checkpoint_and_during_start_up_say_what_to_rerun(tmp_pa
         "--overwrite true if it made its run folder)")
 
 
-def test_sigint_is_pythons_own_again_when_the_close_after_a_ctrl_c_fails(monkeypatch, capsys,
-                                                                        sigint_restored):
+@pytest.mark.parametrize("failure", [DataError("the log could not be closed"), OSError(28, "No space left")])
+def test_sigint_is_the_callers_again_when_the_close_after_a_ctrl_c_fails(failure, monkeypatch, capsys,
+                                                                       sigint_restored):
     """interrupted() ignores SIGINT while it closes; an error ending that close (here the terminal's restore)
-    must not leave it ignored for the rest of the process (a notebook, a test session)."""
+    must not leave it ignored for the rest of the process (a notebook, a test session): the caller's
+    handler is back. A refusal's line is printed, then how to continue, status 130; anything else is ours
+    (a traceback)."""
+    mine = lambda *a: None  # noqa: E731  the caller's own handler
+    signal.signal(signal.SIGINT, mine)
+    faults.watch()  # nothing an earlier test watched
+
     def failing_stop():
-        raise faults.DataError("the log could not be closed")
+        raise failure
     monkeypatch.setattr(faults.quiet, "stop", failing_stop)
-    with pytest.raises(SystemExit, match="^2$"):
+    with pytest.raises(SystemExit if isinstance(failure, DataError) else OSError) as e:
         with faults.user_errors():
             raise KeyboardInterrupt
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    assert capsys.readouterr().err.strip() == "error: the log could not be closed"
+    assert signal.getsignal(signal.SIGINT) is mine
+    if isinstance(failure, DataError):
+        assert e.value.code == 130
+        assert capsys.readouterr().err.strip().splitlines() == [
+            "error: the log could not be closed",
+            "interrupted (Ctrl-C) during start-up, before step 1: nothing was trained; rerun the command "
+            "(with --overwrite true if it made its run folder)"]
 
 
 def _ctrl_c(cmd: list, ready: str, timeout: float = 300, wandb: str = "disabled") -> tuple:
