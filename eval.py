@@ -507,7 +507,7 @@ def cmd_evaluate(argv) -> dict:
         a.task, style=style, seed=seed, jsonl_reward=a.jsonl_reward, prompt_column=a.prompt_column,
         answer_column=a.answer_column, **{k: getattr(a, k) for k in TASK_OPTIONS})
     task = load(a.seed)
-    check_held_out((task.test if a.split == "test" else task.train)[: a.limit or None], a, trained, load)
+    check_held_out(task.test[: a.limit or None], a, trained, load)  # --split train: nothing to check
     task = datafiles.with_system_prompt(task, a.system_prompt)
     task = reward_fns.with_reward_functions(task, "", "", env=a.env, sources=reward_model.sources(args),
                                             concurrency=a.reward_concurrency, timeout=a.reward_timeout)

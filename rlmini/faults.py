@@ -324,8 +324,9 @@ def user_errors():
         error = e.code  # a refusal in one line (an option, a file, a model, a task): status 2
     finally:
         _WATCHED.clear()  # the run is over: nothing of it kept alive here
-        if ignoring and previous is not None and "TORCHELASTIC_RUN_ID" not in os.environ:  # torchrun's
-            signal.signal(signal.SIGINT, previous)  # second SIGINT stays ignored; a notebook goes on
+        # the caller's handler back (a notebook goes on); under torchrun its second SIGINT stays ignored
+        if ignoring and previous is not None and "TORCHELASTIC_RUN_ID" not in os.environ:
+            signal.signal(signal.SIGINT, previous)
     if error is not None:
         print(error, file=sys.stderr)
     if line is not None and dist.rank() == 0:  # after a Ctrl-C whose close failed too: how to continue

@@ -147,9 +147,10 @@ def parse_args(cls, argv=None):
         raise SystemExit(f"bad option ({source}): {e}") from None
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for f in fields.values():  # set by the user where it does nothing: refused, as not_applied is
-        condition = f.metadata.get("only_with") if f.name in given else None
-        while condition:  # an option applying only with another applies only where that one applies
+        condition, seen = (f.metadata.get("only_with") if f.name in given else None), set()
+        while condition and condition[0] not in seen:  # applies only where the option it names applies
             name, value = condition
+            seen.add(name)
             if getattr(args, name) != value:
                 shown = str(value).lower() if isinstance(value, bool) else value
                 raise SystemExit(f"--{f.name}: applies only with --{name} {shown} (here "
